@@ -1,0 +1,54 @@
+# Two commands do all set-up on a fresh clone:
+#   make run   - create .venv, install ftjax (with its C++ extension), build the embedded demo
+#                model if missing, generate text and print tokens/s
+#   make test  - same set-up, plus the transformers reference (its own Python 3.11 venv), then tests
+# Interpreters are found on PATH or under pyenv; override with PY=... / PYREF=...
+
+PY    ?= $(shell tools/find_python.sh 3.12 || tools/find_python.sh 3.13 || tools/find_python.sh 3.11)
+PYREF ?= $(shell tools/find_python.sh 3.11)
+VENV    := .venv
+VENVREF := .venv-ref
+REFDIR  := build/reference
+JAX_VERSION ?= 0.11.2
+TORCH_VERSION ?= 2.13.0
+TRANSFORMERS_VERSION ?= 5.24.0
+PYTEST_ARGS ?=
+
+.PHONY: run test venv reference clean help
+
+help:
+	@echo "make run   - set up and generate text with the embedded demo model"
+	@echo "make test  - set up and run the test suite (incl. fidelity against transformers)"
+
+$(VENV)/.installed: pyproject.toml CMakeLists.txt $(wildcard cpp/*) 
+	@test -n "$(PY)" || { echo "error: no Python 3.12/3.13/3.11 found (set PY=/path/to/python)"; exit 1; }
+	test -x $(VENV)/bin/python || $(PY) -m venv $(VENV)
+	$(VENV)/bin/pip install -q --upgrade pip
+	$(VENV)/bin/pip install -q scikit-build-core nanobind "jax==$(JAX_VERSION)" "jaxlib==$(JAX_VERSION)"
+	$(VENV)/bin/pip install -q --no-build-isolation -e ".[test]"
+	touch $@
+
+venv: $(VENV)/.installed
+
+$(VENVREF)/.installed:
+	@test -n "$(PYREF)" || { echo "error: no Python 3.11 found for the transformers reference (set PYREF=...)"; exit 1; }
+	test -x $(VENVREF)/bin/python || $(PYREF) -m venv $(VENVREF)
+	$(VENVREF)/bin/pip install -q --upgrade pip
+	$(VENVREF)/bin/pip install -q "torch==$(TORCH_VERSION)" "transformers==$(TRANSFORMERS_VERSION)" safetensors numpy
+	touch $@
+
+$(REFDIR)/.done: $(VENVREF)/.installed tools/make_reference.py
+	rm -rf $(REFDIR)
+	HF_HUB_OFFLINE=1 $(VENVREF)/bin/python tools/make_reference.py $(REFDIR)
+	touch $@
+
+reference: $(REFDIR)/.done
+
+run: venv
+	$(VENV)/bin/ftjax demo
+
+test: venv reference
+	FTJAX_REF_DIR=$(CURDIR)/$(REFDIR) $(VENV)/bin/python -m pytest -q $(PYTEST_ARGS)
+
+clean:
+	rm -rf build $(VENV) $(VENVREF)
