@@ -13,7 +13,7 @@ Two cache states: "hot" (files in the page cache) and "evicted" (pages dropped w
 posix_fadvise(DONTNEED) before each run: needs no root, but a hypervisor or disk cache below may
 still serve them, so it is an upper bound on a truly cold read). Prints a table, writes JSON.
 
-    PYTHONPATH=. python bench/ftw_read.py [--gib 1] [--store DIR] [--threads 1,2,4] [--json PATH]
+    PYTHONPATH=. python bench/ftw_read.py [--gib 1] [--store DIR] [--threads 1,2,4] [--json PATH (default bench/out/ftw_read.json)]
 """
 from __future__ import annotations
 
@@ -131,8 +131,8 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--threads", default=None, help="comma list of loader thread counts")
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--json", type=Path, default=Path(__file__).with_suffix(".json"),
-                    help="result file (default: bench/ftw_read.json)")
+    ap.add_argument("--json", type=Path, default=Path(__file__).parent / "out" / "ftw_read.json",
+                    help="result file (default: bench/out/ftw_read.json)")
     ap.add_argument("--keep", action="store_true", help="keep the synthetic store and the dd file")
     args = ap.parse_args(argv)
     threads = [int(t) for t in args.threads.split(",")] if args.threads else sorted({1, 2, default_threads()})
@@ -185,6 +185,7 @@ def main(argv=None) -> int:
         print(f"{state:8} {name:30} {ours:10.2f} {dd:9.2f} {ours / dd:8.2f} {ddd:16.2f}")
     print(f"({results['note']}; 'auto' is load_store's default: buffered when sampled chunks are "
           f"cached, else odirect)")
+    args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(results, indent=1) + "\n")
     print(f"wrote {args.json}")
     if args.keep:
