@@ -75,7 +75,10 @@ def create_array(root: Path, rel: str, shape: Sequence[int], dtype: str,
         "chunk_key_encoding": {"name": "default"},
         "codecs": _BYTES_CODEC, "fill_value": 0,
     }
-    spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": str(root / rel)}, "metadata": metadata}
+    # Every chunk gets a file, also an all-zero one (a zero-centred norm, a pruned expert): the loader
+    # reads chunk files directly and treats a missing one as damage.
+    spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": str(root / rel)}, "metadata": metadata,
+            "store_data_equal_to_fill_value": True}
     return ts.open(spec, create=True).result()
 
 

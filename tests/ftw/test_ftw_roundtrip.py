@@ -184,3 +184,29 @@ def test_progress_bar_can_be_disabled(tiny_ckpt, tmp_path, capfd):
     convert(tiny_ckpt.path, tmp_path / "loud", progress=True)
     err = capfd.readouterr().err
     assert "convert" in err and "40/40" in err
+
+
+def test_all_zero_tensors_and_experts_round_trip(tmp_path):
+    """Zero-centred norms are all zeros in fresh checkpoints; an all-zero chunk must still be stored."""
+    import tiny_hf
+
+    make = tiny_hf.make_weights
+
+    def zeroed(cfg, seed=0):
+        dense, gate_up, down = make(cfg, seed)
+        dense["final_norm"] = np.zeros_like(dense["final_norm"])
+        dense["layers.0.input_norm"] = np.zeros_like(dense["layers.0.input_norm"])
+        gate_up[3] = 0.0
+        down[3] = 0.0
+        return dense, gate_up, down
+
+    tiny_hf.make_weights = zeroed
+    try:
+        ck = write_tiny_hf(tmp_path / "hf")
+    finally:
+        tiny_hf.make_weights = make
+    out = convert(ck.path, tmp_path / "store", dtype="fp32", progress=False)
+    m = load_store(out, verify="full")
+    flat = flatten(m.params)
+    assert not np.asarray(flat["final_norm"]).any() and not m.experts["gate_up"][3].any()
+    np.testing.assert_array_equal(m.experts["down"], ck.down)
