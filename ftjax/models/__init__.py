@@ -19,7 +19,8 @@ def get_family(cfg: ModelConfig) -> ModuleType:
 
 def make_step_fns(cfg: ModelConfig, backend, batch: int, length: int, max_len: int, *,
                   all_logits: bool = False):
-    """Jitted ``(prefill, decode)`` step functions with ``cfg``/``backend`` static and the state donated.
+    """Jitted ``(prefill, decode)`` step functions with ``cfg``/``backend`` static and both the state
+    and the expert state donated (updated in place: the caller must use the returned ones).
 
     Both take ``(params, expert_state, state, tokens, n_new)`` and return ``(logits, state,
     expert_state)``; prefill expects ``tokens [batch, length]``, decode ``tokens [batch, 1]``, and
@@ -33,7 +34,7 @@ def make_step_fns(cfg: ModelConfig, backend, batch: int, length: int, max_len: i
 
     def make(t: int, logits_all: bool):
         step = jax.jit(functools.partial(fwd, cfg=cfg, backend=backend, all_logits=logits_all),
-                       donate_argnums=(2,))
+                       donate_argnums=(1, 2))
 
         def run(params, expert_state, state, tokens, n_new):
             if tokens.shape != (batch, t):

@@ -249,7 +249,7 @@ def test_padded_rows_match_single_rows_and_leave_state(model_type):
     n_new = jnp.asarray([6, 3, 0], jnp.int32)
     state = fam.init_state(cfg, 3, 16, jnp.float32)
     prefill, decode = make_step_fns(cfg, backend, 3, 6, 16)
-    logits, state2, _ = prefill(params, banks, state, tokens, n_new)
+    logits, state2, banks = prefill(params, banks, state, tokens, n_new)  # banks are donated
     alone = jax.jit(lambda *a: fam.forward(*a, cfg=cfg, backend=backend))
     for b in (0, 1):
         one = fam.init_state(cfg, 1, 16, jnp.float32)
@@ -263,7 +263,7 @@ def test_padded_rows_match_single_rows_and_leave_state(model_type):
     for leaf in jax.tree.leaves(state2["layers"]):
         np.testing.assert_array_equal(leaf[2], 0.0)
     np.testing.assert_array_equal(state2["lengths"], [6, 3, 0])
-    _, state3, _ = decode(params, banks, state2, tokens[:, :1], jnp.asarray([1, 1, 0], jnp.int32))
+    _, state3, banks = decode(params, banks, state2, tokens[:, :1], jnp.asarray([1, 1, 0], jnp.int32))
     np.testing.assert_array_equal(state3["lengths"], [7, 4, 0])
     with pytest.raises(ValueError, match="tokens shape"):
         decode(params, banks, state3, tokens[:, :2], jnp.ones((3,), jnp.int32))
