@@ -8,24 +8,27 @@ PY    ?= $(shell tools/find_python.sh 3.12 || tools/find_python.sh 3.13 || tools
 PYREF ?= $(shell tools/find_python.sh 3.11)
 VENV    := .venv
 VENVREF := .venv-ref
+VENVMIN := .venv-jaxmin
+JAX_MIN_VERSION ?= 0.10.2
 REFDIR  := build/reference
 JAX_VERSION ?= 0.11.2
 TORCH_VERSION ?= 2.13.0
 TRANSFORMERS_VERSION ?= 5.24.0
 PYTEST_ARGS ?=
 
-.PHONY: run test venv reference clean help
+.PHONY: run test test-jax-min venv reference clean help
 
 help:
 	@echo "make run   - set up and generate text with the embedded demo model"
 	@echo "make test  - set up and run the test suite (incl. fidelity against transformers)"
+	@echo "make test-jax-min - the suite again on the oldest supported jax ($(JAX_MIN_VERSION), Python 3.11)"
 
 $(VENV)/.installed: pyproject.toml CMakeLists.txt $(wildcard cpp/*) 
 	@test -n "$(PY)" || { echo "error: no Python 3.12/3.13/3.11 found (set PY=/path/to/python)"; exit 1; }
 	test -x $(VENV)/bin/python || $(PY) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
-	$(VENV)/bin/pip install -q scikit-build-core nanobind "jax==$(JAX_VERSION)" "jaxlib==$(JAX_VERSION)"
-	$(VENV)/bin/pip install -q --no-build-isolation -e ".[test]"
+	$(VENV)/bin/pip install -q scikit-build-core nanobind
+	$(VENV)/bin/pip install -q --no-build-isolation -e ".[test]" "jax==$(JAX_VERSION)" "jaxlib==$(JAX_VERSION)"
 	touch $@
 
 venv: $(VENV)/.installed
@@ -50,5 +53,17 @@ run: venv
 test: venv reference
 	FTJAX_REF_DIR=$(CURDIR)/$(REFDIR) $(VENV)/bin/python -m pytest -q $(PYTEST_ARGS)
 
+# The oldest jax we support, on Python 3.11 (where it installs); CI runs it after `make test`.
+$(VENVMIN)/.installed: pyproject.toml CMakeLists.txt $(wildcard cpp/*)
+	@test -n "$(PYREF)" || { echo "error: no Python 3.11 found (set PYREF=...)"; exit 1; }
+	test -x $(VENVMIN)/bin/python || $(PYREF) -m venv $(VENVMIN)
+	$(VENVMIN)/bin/pip install -q --upgrade pip
+	$(VENVMIN)/bin/pip install -q scikit-build-core nanobind
+	$(VENVMIN)/bin/pip install -q --no-build-isolation -e ".[test]" "jax==$(JAX_MIN_VERSION)" "jaxlib==$(JAX_MIN_VERSION)"
+	touch $@
+
+test-jax-min: $(VENVMIN)/.installed reference
+	FTJAX_REF_DIR=$(CURDIR)/$(REFDIR) $(VENVMIN)/bin/python -m pytest -q $(PYTEST_ARGS)
+
 clean:
-	rm -rf build $(VENV) $(VENVREF)
+	rm -rf build $(VENV) $(VENVREF) $(VENVMIN)
