@@ -23,13 +23,18 @@ help:
 	@echo "make test  - set up and run the test suite (incl. fidelity against transformers)"
 	@echo "make test-jax-min - the suite again on the oldest supported jax ($(JAX_MIN_VERSION), Python 3.11)"
 
-$(VENV)/.installed: pyproject.toml CMakeLists.txt $(wildcard cpp/*) 
-	@test -n "$(PY)" || { echo "error: no Python 3.12/3.13/3.11 found (set PY=/path/to/python)"; exit 1; }
-	test -x $(VENV)/bin/python || $(PY) -m venv $(VENV)
-	$(VENV)/bin/pip install -q --upgrade pip
-	$(VENV)/bin/pip install -q scikit-build-core nanobind
-	$(VENV)/bin/pip install -q --no-build-isolation -e ".[test]" "jax==$(JAX_VERSION)" "jaxlib==$(JAX_VERSION)"
-	touch $@
+# $(call project_venv,DIR,PYTHON,JAX_VERSION): a venv with ftjax (editable, C++ extension built) and jax pinned.
+define project_venv
+	@test -n "$(2)" || { echo "error: no suitable Python found for $(1) (set PY=... / PYREF=...)"; exit 1; }
+	test -x $(1)/bin/python || $(2) -m venv $(1)
+	$(1)/bin/pip install -q --upgrade pip
+	$(1)/bin/pip install -q scikit-build-core nanobind
+	$(1)/bin/pip install -q --no-build-isolation -e ".[test]" "jax==$(3)" "jaxlib==$(3)"
+	touch $(1)/.installed
+endef
+
+$(VENV)/.installed: pyproject.toml CMakeLists.txt $(wildcard cpp/*)
+	$(call project_venv,$(VENV),$(PY),$(JAX_VERSION))
 
 venv: $(VENV)/.installed
 
@@ -55,12 +60,7 @@ test: venv reference
 
 # The oldest jax we support, on Python 3.11 (where it installs); CI runs it after `make test`.
 $(VENVMIN)/.installed: pyproject.toml CMakeLists.txt $(wildcard cpp/*)
-	@test -n "$(PYREF)" || { echo "error: no Python 3.11 found (set PYREF=...)"; exit 1; }
-	test -x $(VENVMIN)/bin/python || $(PYREF) -m venv $(VENVMIN)
-	$(VENVMIN)/bin/pip install -q --upgrade pip
-	$(VENVMIN)/bin/pip install -q scikit-build-core nanobind
-	$(VENVMIN)/bin/pip install -q --no-build-isolation -e ".[test]" "jax==$(JAX_MIN_VERSION)" "jaxlib==$(JAX_MIN_VERSION)"
-	touch $@
+	$(call project_venv,$(VENVMIN),$(PYREF),$(JAX_MIN_VERSION))
 
 test-jax-min: $(VENVMIN)/.installed reference
 	FTJAX_REF_DIR=$(CURDIR)/$(REFDIR) $(VENVMIN)/bin/python -m pytest -q $(PYTEST_ARGS)
