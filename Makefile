@@ -28,12 +28,12 @@ define project_venv
 	@test -n "$(2)" || { echo "error: no suitable Python found for $(1) (set PY=... / PYREF=...)"; exit 1; }
 	test -x $(1)/bin/python || $(2) -m venv $(1)
 	$(1)/bin/pip install -q --upgrade pip
-	$(1)/bin/pip install -q scikit-build-core nanobind
+	$(1)/bin/pip install -q scikit-build-core nanobind grpcio-tools "jax==$(3)" "jaxlib==$(3)"  # the build reads the XLA FFI headers from jax
 	$(1)/bin/pip install -q --no-build-isolation -e ".[test]" "jax==$(3)" "jaxlib==$(3)"
 	touch $(1)/.installed
 endef
 
-$(VENV)/.installed: pyproject.toml CMakeLists.txt $(wildcard cpp/*)
+$(VENV)/.installed: pyproject.toml CMakeLists.txt $(wildcard cpp/*) $(wildcard protos/ftjax/v1/*.proto)
 	$(call project_venv,$(VENV),$(PY),$(JAX_VERSION))
 
 venv: $(VENV)/.installed
@@ -59,7 +59,7 @@ test: venv reference
 	FTJAX_REF_DIR=$(CURDIR)/$(REFDIR) $(VENV)/bin/python -m pytest -q $(PYTEST_ARGS)
 
 # The oldest jax we support, on Python 3.11 (where it installs); CI runs it after `make test`.
-$(VENVMIN)/.installed: pyproject.toml CMakeLists.txt $(wildcard cpp/*)
+$(VENVMIN)/.installed: pyproject.toml CMakeLists.txt $(wildcard cpp/*) $(wildcard protos/ftjax/v1/*.proto)
 	$(call project_venv,$(VENVMIN),$(PYREF),$(JAX_MIN_VERSION))
 
 test-jax-min: $(VENVMIN)/.installed reference

@@ -15,6 +15,11 @@ bool os_saves_avx512_state() {
   __asm__ volatile("xgetbv" : "=a"(eax), "=d"(edx) : "c"(0));
   return (eax & 0xE6) == 0xE6;
 }
+bool os_saves_amx_state() {
+  unsigned eax, edx;
+  __asm__ volatile("xgetbv" : "=a"(eax), "=d"(edx) : "c"(0));
+  return (eax & 0x60000) == 0x60000;
+}
 bool os_saves_avx_state() {
   unsigned eax, edx;
   __asm__ volatile("xgetbv" : "=a"(eax), "=d"(edx) : "c"(0));
@@ -34,7 +39,12 @@ CpuFeatures detect_cpu_features() {
   f.avx2 = b & (1u << 5);
   const bool zmm = os_saves_avx512_state();
   f.avx512f = zmm && (b & (1u << 16));
-  f.amx_bf16 = d & (1u << 22);
+  f.avx512bw = f.avx512f && (b & (1u << 30));
+  f.avx512vl = f.avx512f && (b & (1u << 31));
+  // AMX also needs the OS to enable tile state (XCR0 bits 17, 18) and to grant it to this
+  // process (arch_prctl ARCH_REQ_XCOMP_PERM, done by the AMX kernel before first use).
+  f.amx_bf16 = (d & (1u << 22)) && os_saves_amx_state();
+  f.amx_tile = (d & (1u << 24)) && os_saves_amx_state();
   __cpuid_count(7, 1, a, b, c, d);
   f.avx512bf16 = f.avx512f && (a & (1u << 5));
   return f;

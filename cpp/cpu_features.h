@@ -8,8 +8,11 @@ struct CpuFeatures {
   bool avx2 = false;
   bool fma = false;
   bool avx512f = false;
+  bool avx512bw = false;
+  bool avx512vl = false;
   bool avx512bf16 = false;
   bool amx_bf16 = false;
+  bool amx_tile = false;
 };
 
 CpuFeatures detect_cpu_features();

@@ -1,25 +1,173 @@
-// ftjax._host: the native host runtime. This first version reports the build and the CPU's
-// SIMD features; the host expert pool, worker pool, CPU expert kernels and XLA FFI handlers
-// join it in the host-runtime issue.
+// ftjax._host: the native host runtime. Host expert pool, worker pool, CPU expert kernels and the
+// XLA FFI handlers (CPU; CUDA where built), exposed to Python with nanobind.
 #include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <chrono>
+#include <memory>
+#include <stdexcept>
 
 #include "cpu_features.h"
+#include "cuda_api.h"
+#include "ffi_cpu.h"
+#include "kernels.h"
+#include "moe.h"
+#include "pool.h"
+#include "stream.h"
+#include "workers.h"
 
 namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace ftjax {
+namespace {
+
+// Python owner of a registered pool: dropping it unregisters the id (a jitted call still using
+// the id then fails with a clear FFI error instead of reading freed memory).
+struct PoolHandle {
+  std::shared_ptr<ExpertPool> pool;
+  PoolHandle(int64_t n_experts, int64_t hidden, int64_t inter, const std::string& fmt)
+      : pool(std::make_shared<ExpertPool>(n_experts, hidden, inter, parse_format(fmt))) {
+    register_pool(pool);
+  }
+  ~PoolHandle() { close(); }
+  // Unregisters the id; the memory lives until this handle and every numpy view of it are gone.
+  void close() {
+    if (!closed) unregister_pool(pool->id());
+    closed = true;
+  }
+  ExpertPool& get() { return *pool; }
+  bool closed = false;
+};
+
+using F32Array = nb::ndarray<const float, nb::c_contig, nb::device::cpu>;
+using I32Array = nb::ndarray<const int32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+
+nb::ndarray<nb::numpy, float, nb::ndim<2>> run_experts_py(PoolHandle& h, nb::ndarray<nb::c_contig, nb::device::cpu> x,
+                                                         I32Array token_idx, I32Array expert_ids,
+                                                         nb::ndarray<const float, nb::ndim<1>, nb::c_contig, nb::device::cpu> weights,
+                                                         int64_t n_valid, bool x_bf16) {
+  ExpertPool& pool = h.get();
+  if (x.ndim() != 2 || static_cast<int64_t>(x.shape(1)) != pool.hidden())
+    throw std::invalid_argument("x must be [T, " + std::to_string(pool.hidden()) + "]");
+  const bool ok_dtype = x_bf16 ? x.dtype() == nb::dtype<uint16_t>() : x.dtype() == nb::dtype<float>();
+  if (!ok_dtype) throw std::invalid_argument(x_bf16 ? "bf16 x must be passed as uint16 bits" : "x must be float32");
+  const int64_t cap = static_cast<int64_t>(token_idx.shape(0));
+  if (static_cast<int64_t>(expert_ids.shape(0)) != cap || static_cast<int64_t>(weights.shape(0)) != cap)
+    throw std::invalid_argument("token_idx, expert_ids and weights must have one length");
+  if (n_valid < 0 || n_valid > cap)
+    throw std::invalid_argument("n_valid " + std::to_string(n_valid) + " outside [0, " + std::to_string(cap) + "]");
+  const int64_t T = static_cast<int64_t>(x.shape(0)), H = pool.hidden();
+  float* y = new float[T * H];
+  nb::capsule owner(y, [](void* p) noexcept { delete[] static_cast<float*>(p); });
+  ExpertCall call{&pool, x.data(), x_bf16, T, token_idx.data(), expert_ids.data(), weights.data(), n_valid, y};
+  {
+    nb::gil_scoped_release release;
+    run_experts(global_workers(), call, active_tier());
+  }
+  return nb::ndarray<nb::numpy, float, nb::ndim<2>>(y, {static_cast<size_t>(T), static_cast<size_t>(H)}, owner);
+}
+
+nb::dict worker_info() {
+  const WorkerPool& w = global_workers();
+  nb::dict d;
+  d["n_threads"] = w.n_threads();
+  d["n_workers"] = w.config().n_workers;
+  d["spin_us"] = w.config().spin_us;
+  d["pin"] = w.config().pin;
+  d["pinned_cpus"] = w.pinned_cpus();
+  d["physical_cores"] = physical_core_cpus().size();
+  return d;
+}
+
+// Seconds to read the whole buffer once with every worker thread (best of reps).
+double stream_read_seconds(nb::ndarray<const uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> buf, int reps) {
+  nb::gil_scoped_release release;
+  double best = 1e30;
+  volatile uint64_t sink = 0;
+  for (int i = 0; i < reps; ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    sink = sink ^ read_all(global_workers(), buf.data(), buf.shape(0));
+    best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  }
+  return best;
+}
+
+}  // namespace
+}  // namespace ftjax
 
 NB_MODULE(_host, m) {
+  using namespace ftjax;
   m.doc() = "ftjax native host runtime";
   m.def("cpu_features", [] {
-    const auto f = ftjax::detect_cpu_features();
+    const auto f = detect_cpu_features();
     nb::dict d;
     d["avx2"] = f.avx2;
     d["fma"] = f.fma;
     d["avx512f"] = f.avx512f;
+    d["avx512bw"] = f.avx512bw;
+    d["avx512vl"] = f.avx512vl;
     d["avx512bf16"] = f.avx512bf16;
     d["amx_bf16"] = f.amx_bf16;
+    d["amx_tile"] = f.amx_tile;
     return d;
   }, "SIMD features of this CPU, from CPUID (and XCR0 for OS support).");
-  m.def("cpu_brand", &ftjax::cpu_brand, "The CPU's brand string.");
-  m.attr("abi_version") = 1;
+  m.def("cpu_brand", &cpu_brand, "The CPU's brand string.");
+  m.attr("abi_version") = 2;
+
+  nb::class_<PoolHandle>(m, "HostPool")
+      .def(nb::init<int64_t, int64_t, int64_t, const std::string&>(), "n_experts"_a, "hidden"_a, "inter"_a,
+           "format"_a = "bf16")
+      .def_prop_ro("id", [](PoolHandle& h) { return h.get().id(); })
+      .def_prop_ro("n_experts", [](PoolHandle& h) { return h.get().n_experts(); })
+      .def_prop_ro("hidden", [](PoolHandle& h) { return h.get().hidden(); })
+      .def_prop_ro("inter", [](PoolHandle& h) { return h.get().inter(); })
+      .def_prop_ro("format", [](PoolHandle& h) { return std::string(format_name(h.get().format())); })
+      .def_prop_ro("total_bytes", [](PoolHandle& h) { return h.get().total_bytes(); })
+      .def_prop_ro("pinned", [](PoolHandle& h) { return h.get().pinned(); })
+      .def_prop_ro("closed", [](PoolHandle& h) { return h.closed; })
+      .def("expert_bytes", [](PoolHandle& h, const std::string& bank) { return h.get().bank(bank).expert_bytes; })
+      .def("address", [](PoolHandle& h, const std::string& bank) {
+        return reinterpret_cast<uintptr_t>(h.get().bank(bank).data);
+      })
+      .def("bank", [](PoolHandle& h, const std::string& name) {
+        Bank& b = h.get().bank(name);
+        return nb::ndarray<nb::numpy, uint8_t, nb::ndim<2>>(
+            b.data, {static_cast<size_t>(h.get().n_experts()), b.expert_bytes}, nb::handle());
+      }, nb::rv_policy::reference_internal, "Writable uint8 view [n_experts, expert_bytes] of a bank.")
+      .def("pin", [](PoolHandle& h) {
+        nb::gil_scoped_release release;
+        pin_pool(h.get());
+      }, "Register the filled banks as pinned, device-mapped memory (CUDA builds with a GPU).")
+      .def("close", &PoolHandle::close);
+
+  m.def("run_experts", &run_experts_py, "pool"_a, "x"_a, "token_idx"_a, "expert_ids"_a, "weights"_a,
+        "n_valid"_a, "x_bf16"_a = false, "The CPU expert kernel outside JAX (tests, benchmarks).");
+  m.def("available_tiers", [] {
+    std::vector<std::string> out;
+    for (Tier t : available_tiers()) out.push_back(tier_name(t));
+    return out;
+  });
+  m.def("active_tier", [] { return std::string(tier_name(active_tier())); });
+  m.def("set_tier", &set_tier, "name"_a);
+  m.def("configure_workers", [](int n_workers, int spin_us, bool pin) {
+    if (spin_us < 0) throw std::invalid_argument("spin_us must be >= 0, got " + std::to_string(spin_us));
+    configure_global_workers(WorkerConfig{n_workers, spin_us, pin});
+  }, "n_workers"_a = -1, "spin_us"_a = 100, "pin"_a = true);
+  m.def("worker_info", &worker_info);
+  m.def("stream_read_seconds", &stream_read_seconds, "buf"_a, "reps"_a = 3);
+
+  m.def("cuda_built", &cuda_built);
+  m.def("ffi_handlers", [] {
+    nb::dict cpu, cuda;
+    cpu["ftjax_cpu_experts"] = nb::capsule(cpu_experts_handler());
+    add_cuda_handlers(cuda);
+    nb::dict d;
+    d["cpu"] = cpu;
+    d["CUDA"] = cuda;
+    return d;
+  }, "XLA FFI handler capsules by platform.");
+  bind_cuda(m);
 }

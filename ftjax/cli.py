@@ -1,4 +1,4 @@
-"""``ftjax`` command line: convert, generate, demo, info.
+"""``ftjax`` command line: convert, generate, demo, info, serve, batch.
 
 Bad input (unknown model type, missing files, prompt over the context, bad sampling values, a
 missing or corrupt store) prints one line ``ftjax: error: ...`` and exits with code 2. Heavy imports
@@ -245,6 +245,20 @@ def build_parser() -> argparse.ArgumentParser:
                        "non-expert weights of an FTW store (reads only the manifest).")
     p.add_argument("--model", required=True, metavar="DIR", help="FTW store directory")
     p.set_defaults(func=cmd_info)
+
+    from ftjax.batch import add_parser as add_batch_parser  # light imports: grpc/JAX load inside the commands
+    from ftjax.serve.command import add_parser as add_serve_parser
+
+    add_serve_parser(sub)
+    add_batch_parser(sub)
+
+    from ftjax.host import calibrate as calibrate_mod  # light: the native module loads on use
+
+    p = sub.add_parser("calibrate", help="measure B_P (GPU fill) and B_H (CPU experts) for this machine",
+                       description=calibrate_mod.__doc__.strip().splitlines()[0] + " Prints a table with the "
+                       "ceilings measured in the same run and writes the machine profile the runtime loads.")
+    calibrate_mod.add_arguments(p)
+    p.set_defaults(func=calibrate_mod.run)
     return parser
 
 

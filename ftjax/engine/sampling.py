@@ -65,9 +65,12 @@ def _check_number(name: str, value, kind: type, lo: float, hi: float, valid: str
 
 
 def row_keys(seeds: jax.Array, step: jax.Array) -> jax.Array:
-    """One raw PRNG key per row from its request seed and the decode step: independent of the batch
-    the request runs in, so a request samples the same tokens alone or batched."""
-    return jax.vmap(lambda s: jax.random.fold_in(jax.random.PRNGKey(s), step))(seeds.astype(jnp.uint32))
+    """One raw PRNG key per row from its request seed and the decode step (a scalar, or one per row
+    ``[B]``: each request's own token index): independent of the batch the request runs in, so a
+    request samples the same tokens alone or batched."""
+    seeds = seeds.astype(jnp.uint32)
+    steps = jnp.broadcast_to(jnp.asarray(step, jnp.int32), seeds.shape)
+    return jax.vmap(lambda s, t: jax.random.fold_in(jax.random.PRNGKey(s), t))(seeds, steps)
 
 
 def sample(logits: jax.Array, key: jax.Array, temperature: jax.Array, top_k: jax.Array,
@@ -114,3 +117,10 @@ def batch_arrays(params: Sequence[SamplingParams], batch: int) -> dict[str, jax.
         "top_p": jnp.asarray([p.top_p for p in params] + [1.0] * pad, jnp.float32),
         "seeds": jnp.asarray([p.seed for p in params] + [0] * pad, jnp.uint32),
     }
+
+
+@jax.jit
+def sample_rows(logits: jax.Array, seeds: jax.Array, steps: jax.Array, temperature: jax.Array,
+                top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """:func:`sample` with per-row keys from ``seeds [B]`` and per-row token indices ``steps [B]``."""
+    return sample(logits, row_keys(seeds, steps), temperature, top_k, top_p)

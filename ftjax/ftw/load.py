@@ -103,7 +103,7 @@ def _device_put(x: np.ndarray):
 
 
 def load_store(path: str | os.PathLike, device: bool = True, dtype=None, *, verify: bool | str = True,
-               threads: int | None = None, reader: str = "auto") -> LoadedModel:
+               threads: int | None = None, reader: str = "auto", bank_allocator=None) -> LoadedModel:
     """Load the store at ``path``.
 
     device: put the non-expert params on JAX's default device (else keep numpy arrays).
@@ -112,6 +112,9 @@ def load_store(path: str | os.PathLike, device: bool = True, dtype=None, *, veri
     verify: True = checksum the non-expert tensors and size-check bank chunks; "full" = also
         checksum every expert chunk; False = structural checks only.
     reader: bank reader, "auto" | "odirect" | "buffered" | "tensorstore" (see store.read_bank).
+    bank_allocator: ``alloc(bank, shape, dtype) -> writable C-contiguous array`` the banks are read
+        into (``ftjax.host.HostPool.allocator()`` puts them in the C++ host pool); default
+        ``store.alloc_aligned``.
     """
     from ftjax.models.params import unflatten
 
@@ -128,7 +131,8 @@ def load_store(path: str | os.PathLike, device: bool = True, dtype=None, *, veri
     for name, x in _read_dense(root, man, arrays, bool(verify), threads):
         flat[name] = put(x if dtype is None else x.astype(dtype))
     t1 = time.perf_counter()
-    experts = read_banks(root, man, cfg, threads=threads, verify=verify == "full", reader=reader)
+    experts = read_banks(root, man, cfg, threads=threads, verify=verify == "full", reader=reader,
+                         bank_allocator=bank_allocator)
     t2 = time.perf_counter()
     nbytes = sum(b.nbytes for b in experts.values())
     log.info("loaded %s: params %.2fs, experts %.2f GiB in %.2fs (%.2f GB/s)", root, t1 - t0,
@@ -137,12 +141,15 @@ def load_store(path: str | os.PathLike, device: bool = True, dtype=None, *, veri
 
 
 def read_banks(root: Path, man: dict[str, Any], cfg: ModelConfig, *, threads: int, verify: bool = False,
-               reader: str = "auto") -> dict[str, np.ndarray]:
+               reader: str = "auto", bank_allocator=None) -> dict[str, np.ndarray]:
     """Allocate each bank once (2 MiB aligned) and fill it in parallel straight from the chunk files."""
     experts = {}
     for bank in BANKS:
         entry = man["experts"]["banks"][bank]
-        out = store.alloc_aligned(entry["shape"], store.np_dtype(entry["dtype"]))
+        if bank_allocator is None:
+            out = store.alloc_aligned(entry["shape"], store.np_dtype(entry["dtype"]))
+        else:
+            out = bank_allocator(bank, tuple(entry["shape"]), store.np_dtype(entry["dtype"]))
         store.read_bank(root, entry["path"], out, what=f"expert bank {bank!r}", threads=threads,
                         checksums=entry["checksums"] if verify else None,
                         algorithm=man["checksum_algorithm"], num_experts=cfg.num_experts, reader=reader)

@@ -1,7 +1,13 @@
-"""Python face of the native host runtime (``ftjax._host``)."""
+"""Python face of the native host runtime (``ftjax._host``): the host expert pool, the worker pool
+and CPU expert kernels, the XLA FFI targets (CPU; CUDA where built) and calibration."""
 from __future__ import annotations
 
 from ftjax import _host
+from ftjax.host.ffi import cpu_experts, register_targets
+from ftjax.host.pool import HostPool
+
+__all__ = ["HostPool", "cpu_experts", "register_targets", "cpu_features", "cpu_brand", "available_tiers",
+           "active_tier", "set_tier", "configure_workers", "worker_info", "cuda_built", "cuda_device_count"]
 
 
 def cpu_features() -> dict[str, bool]:
@@ -11,3 +17,34 @@ def cpu_features() -> dict[str, bool]:
 
 def cpu_brand() -> str:
     return _host.cpu_brand()
+
+
+def available_tiers() -> list[str]:
+    """CPU kernel tiers compiled in and supported here, best last ("scalar", "avx2", "avx512bf16", "amx")."""
+    return list(_host.available_tiers())
+
+
+def active_tier() -> str:
+    return _host.active_tier()
+
+
+def set_tier(name: str) -> None:
+    """Force a kernel tier ("auto" = the best available); ValueError naming the valid ones."""
+    _host.set_tier(name)
+
+
+def configure_workers(n_workers: int = -1, spin_us: int = 100, pin: bool = True) -> None:
+    """Replace the worker pool: ``n_workers`` threads besides the caller (-1 = physical cores - 1)."""
+    _host.configure_workers(n_workers, spin_us, pin)
+
+
+def worker_info() -> dict:
+    return dict(_host.worker_info())
+
+
+def cuda_built() -> bool:
+    return bool(_host.cuda_built())
+
+
+def cuda_device_count() -> int:
+    return int(_host.cuda_device_count())

@@ -1,10 +1,9 @@
-"""Generation on the tiny demo store: determinism, batching, chunked prefill, stops, streaming, errors."""
+"""The Generator facade (the CLI's) over the Engine on the tiny demo store: determinism, batching,
+chunked prefill, stops, streaming, errors."""
 import pytest
 
-from ftjax.demo import DemoSpec, ensure_demo_model
 from ftjax.engine.generate import Generator
 from ftjax.engine.sampling import SamplingParams
-from ftjax.ftw import load_store
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
 SHORT = "The lighthouse"
@@ -12,9 +11,8 @@ LONG = "Once upon a time there was a clockmaker on Hollow Street who fixed a wat
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    store = ensure_demo_model(tmp_path_factory.mktemp("gen-cache"), spec=DemoSpec.tiny(), progress=False)
-    return load_store(store)
+def model(tiny_model):
+    return tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -81,10 +79,10 @@ def test_streaming_matches_and_callback(gen):
 
 def test_context_limit(model):
     g = Generator(model, batch=1, max_len=16)
-    ids = list(range(10, 26))  # exactly the context: one token can still be generated
+    ids = list(range(10, 25))  # one short of the context: max_tokens is clipped to the one token left
     r = g.generate([ids], SamplingParams(temperature=0.0, max_tokens=5))[0]
     assert len(r.token_ids) == 1 and r.finish_reason == "length"
-    with pytest.raises(ValueError, match=r"17 tokens.*context of 16"):
+    with pytest.raises(ValueError, match=r"16 tokens.*context of 16"):
         g.generate([ids + [10]], GREEDY)
     with pytest.raises(ValueError, match="max_position_embeddings|must be in"):
         Generator(model, max_len=model.config.max_position_embeddings + 1)

@@ -1,0 +1,138 @@
+"""Host runtime benchmark: CPU expert kernel vs STREAM read; fill kernel vs cudaMemcpy; handshake.
+
+    python bench/host_runtime.py [--window-gib 2] [--calls 20] [--no-gpu]
+
+CPU: effective GB/s = unique expert weight bytes read per call / median call time, decode-shaped
+calls (1 or 8 tokens x top-8 routes, each token's experts drawn from a fresh window walking through
+a pool larger than the caches, i.e. synthetic routing with no reuse across calls: the DRAM-bound
+case); the ceiling is a STREAM-like read with the same worker threads, in the same run.
+GPU (when built with CUDA and a GPU is present): the fill kernel on scattered ids vs pinned
+cudaMemcpy H2D; the empty CPU-branch round trip per layer inside one jitted step, with and without
+the command-buffer trait. Prints a table; writes bench/out/host_runtime.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from ftjax import _host  # noqa: E402
+from ftjax.host import measure  # noqa: E402
+
+SHAPES = {"qwen3.6 (H2048 I512)": measure.ExpertShape(2048, 512), "large (H4096 I2048)": measure.ExpertShape(4096, 2048)}
+
+
+def cpu_part(window_gib: float, calls: int, tiers: list[str]) -> list[dict]:
+    window = int(window_gib * 2**30)
+    stream = measure.stream_read_gbps(window)
+    rows = []
+    for name, shape in SHAPES.items():
+        for fmt in ("bf16", "int4"):
+            pool = measure.make_pool(shape, fmt, window)
+            for tier in tiers:
+                _host.set_tier(tier)
+                for tokens in (1, 8):
+                    r = measure.cpu_kernel_gbps(pool, shape, tokens, calls=calls)
+                    rows.append({"shape": name, "format": fmt, "tier": tier, "tokens": tokens, **r,
+                                 "stream_gbps": stream, "ratio": r["gbps"] / stream})
+            pool.close()
+            del pool
+    _host.set_tier("auto")
+    return rows
+
+
+def gpu_fill_part() -> list[dict]:
+    from ftjax.host import cuda
+
+    rows = []
+    for hidden, inter in ((1024, 256), (2048, 512), (2048, 768)):  # 1.5, 6, 9 MiB per expert
+        shape = measure.ExpertShape(hidden, inter)
+        pool = measure.make_pool(shape, "bf16", 64 * shape.expert_bytes("bf16"))
+        pool.pin()
+        for n_rows in (8, 16, 32, 64):
+            fill = cuda.fill_gbps(pool, n_rows)
+            ceiling = cuda.memcpy_h2d_gbps(n_rows * shape.expert_bytes("bf16"))
+            rows.append({"expert_mib": shape.expert_bytes("bf16") / 2**20, "rows": n_rows, "fill_gbps": fill,
+                         "memcpy_gbps": ceiling, "ratio": fill / ceiling})
+        pool.close()
+    return rows
+
+
+def gpu_handshake_part(layers: int = 40, reps: int = 50) -> list[dict]:
+    import jax
+    import jax.numpy as jnp
+
+    from ftjax.host import HostPool, cuda
+
+    pool = HostPool(8, 2048, 512, "bf16")
+    pool.pin()
+    out = []
+    for cb in (True, False):
+        base = 1000 + 100 * cb
+        for layer in range(layers):
+            cuda.create_channel(base + layer, pool, max_tokens=8, max_tasks=64)
+
+        @jax.jit
+        def step(x):
+            z = np.zeros(64, np.int32)
+            for layer in range(layers):
+                tok = cuda.cpu_experts_submit(x, z, z, np.zeros(64, np.float32), 0, base + layer, cmd_buffer=cb)
+                y, _ = cuda.cpu_experts_collect(tok, 8, 2048, base + layer, cmd_buffer=cb)
+                x = x + y  # chain the layers
+            return x
+
+        x = jnp.ones((8, 2048), jnp.float32)
+        step(x).block_until_ready()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            x = step(x)
+        x.block_until_ready()
+        per_layer = (time.perf_counter() - t0) / reps / layers
+        out.append({"cmd_buffer": cb, "layers": layers, "us_per_layer": per_layer * 1e6})
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--window-gib", type=float, default=2.0)
+    ap.add_argument("--calls", type=int, default=20)
+    ap.add_argument("--all-tiers", action="store_true", help="time every available CPU tier, not only the best")
+    ap.add_argument("--no-gpu", action="store_true")
+    ap.add_argument("--out", default=str(Path(__file__).parent / "out" / "host_runtime.json"))
+    args = ap.parse_args(argv)
+    # scalar is the correctness reference, far too slow to time on GiB windows
+    tiers = [t for t in _host.available_tiers() if t != "scalar"] if args.all_tiers else [_host.active_tier()]
+    res = {"cpu": _host.cpu_brand(), "workers": _host.worker_info(), "window_gib": args.window_gib,
+           "routing": "synthetic: fresh expert window per call (no reuse), DRAM-bound"}
+    res["kernel"] = cpu_part(args.window_gib, args.calls, tiers)
+    print(f"CPU: {res['cpu']}, {res['workers']['n_threads']} threads; STREAM read "
+          f"{res['kernel'][0]['stream_gbps']:.1f} GB/s ({args.window_gib} GiB, same threads)")
+    print(f"{'shape':22} {'fmt':5} {'tier':11} {'tok':>3} {'ms':>7} {'GB/s':>7} {'/STREAM':>8}")
+    for r in res["kernel"]:
+        print(f"{r['shape']:22} {r['format']:5} {r['tier']:11} {r['tokens']:>3} {r['ms']:7.2f} {r['gbps']:7.1f} "
+              f"{r['ratio']:8.2f}")
+    if not args.no_gpu and _host.cuda_built() and _host.cuda_device_count() > 0:
+        res["gpu"] = _host.cuda_device_name(0)
+        res["fill"] = gpu_fill_part()
+        print(f"\nGPU: {res['gpu']}; fill kernel (scattered ids, both banks) vs pinned cudaMemcpy H2D")
+        print(f"{'expert MiB':>10} {'rows':>5} {'fill GB/s':>10} {'memcpy':>8} {'ratio':>6}")
+        for r in res["fill"]:
+            print(f"{r['expert_mib']:10.2f} {r['rows']:5d} {r['fill_gbps']:10.1f} {r['memcpy_gbps']:8.1f} "
+                  f"{r['ratio']:6.2f}")
+        res["handshake"] = gpu_handshake_part()
+        print("\nCPU-branch round trip, empty task list, 40 layers chained in one jit")
+        for r in res["handshake"]:
+            print(f"  command-buffer trait {str(r['cmd_buffer']):5}: {r['us_per_layer']:.1f} us per layer")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

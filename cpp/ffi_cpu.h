@@ -1,0 +1,5 @@
+#pragma once
+
+namespace ftjax {
+void* cpu_experts_handler();  // XLA_FFI_Handler* for platform "cpu"
+}

@@ -1,0 +1,126 @@
+// expert_fill (platform CUDA): one launch copies, for both banks at once, the first n_valid
+// entries of a device-side (flat id -> cache slot) list from the mapped host pool into the GPU
+// cache arrays (aliased in place). n_valid is read on the device, so the call needs no host sync
+// and replays correctly inside command buffers; blocks of entries past n_valid exit at once.
+#include <algorithm>
+#include <string>
+
+#include "cuda_common.h"
+#include "ffi_cuda.h"
+#include "pool.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace ftjax {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kUnroll = 4;  // 16-byte loads in flight per thread: hides PCIe read latency
+
+__global__ void fill_kernel(const int32_t* __restrict__ ids, const int32_t* __restrict__ slots,
+                            const int32_t* __restrict__ n_valid, int64_t n_experts, int64_t n_slots,
+                            const uint4* __restrict__ src0, uint4* __restrict__ dst0, int64_t row0,
+                            const uint4* __restrict__ src1, uint4* __restrict__ dst1, int64_t row1) {
+  const int q = blockIdx.y;
+  if (q >= *n_valid) return;
+  const int64_t id = ids[q], slot = slots[q];
+  if (id < 0 || id >= n_experts || slot < 0 || slot >= n_slots) return;  // masked entry
+  const int64_t total = row0 + row1;  // the two banks' rows, in 16-byte units, back to back
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t base = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; base < total;
+       base += kUnroll * stride) {
+    uint4 v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t i = base + u * stride;
+      if (i < total) v[u] = i < row0 ? src0[id * row0 + i] : src1[id * row1 + (i - row0)];
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t i = base + u * stride;
+      if (i < total) {
+        if (i < row0) dst0[slot * row0 + i] = v[u];
+        else dst1[slot * row1 + (i - row0)] = v[u];
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void launch_fill(cudaStream_t stream, const ExpertPool& pool, const int32_t* ids, const int32_t* slots,
+                 const int32_t* n_valid, int64_t capacity, int64_t n_slots, void* cache_gate_up, void* cache_down) {
+  const Bank& g = pool.gate_up();
+  const Bank& d = pool.down();
+  if (!pool.pinned() || !g.device_ptr || !d.device_ptr)
+    throw std::invalid_argument("the host pool is not pinned (call HostPool.pin() after loading)");
+  if (g.expert_bytes % 16 || d.expert_bytes % 16)
+    throw std::invalid_argument("expert rows must be multiples of 16 bytes for the fill kernel");
+  if (capacity == 0) return;
+  const int64_t row0 = g.expert_bytes / 16, row1 = d.expert_bytes / 16;
+  // Enough blocks per entry to fill the GPU when the list is short; no more than the row needs.
+  const int64_t per_row = std::max<int64_t>(1, std::min<int64_t>((row0 + row1 + kThreads - 1) / kThreads,
+                                                                 (1056 + capacity - 1) / capacity));
+  const dim3 grid(static_cast<unsigned>(per_row), static_cast<unsigned>(capacity));
+  fill_kernel<<<grid, kThreads, 0, stream>>>(ids, slots, n_valid, pool.n_experts(), n_slots,
+                                             static_cast<const uint4*>(g.device_ptr),
+                                             static_cast<uint4*>(cache_gate_up), row0,
+                                             static_cast<const uint4*>(d.device_ptr),
+                                             static_cast<uint4*>(cache_down), row1);
+  cuda_check(cudaGetLastError(), "expert_fill launch");
+}
+
+namespace {
+ffi::Error ExpertFillImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::S32> slots,
+                          ffi::Buffer<ffi::S32> n_valid, ffi::AnyBuffer gate_up, ffi::AnyBuffer down,
+                          ffi::Result<ffi::AnyBuffer> gate_up_out, ffi::Result<ffi::AnyBuffer> down_out,
+                          uint64_t pool_id) {
+  auto pool = find_pool(pool_id);
+  if (!pool) return ffi::Error::InvalidArgument("expert_fill: no host pool with id " + std::to_string(pool_id));
+  const int64_t cap = static_cast<int64_t>(ids.element_count());
+  if (static_cast<int64_t>(slots.element_count()) != cap || n_valid.element_count() != 1)
+    return ffi::Error::InvalidArgument("expert_fill: ids and slots must have one length, n_valid be a scalar");
+  const auto dims = gate_up.dimensions();
+  if (dims.size() < 1) return ffi::Error::InvalidArgument("expert_fill: caches must be [S, ...]");
+  const int64_t S = dims[0];
+  if (gate_up.size_bytes() != static_cast<size_t>(S) * pool->gate_up().expert_bytes ||
+      down.size_bytes() != static_cast<size_t>(S) * pool->down().expert_bytes)
+    return ffi::Error::InvalidArgument("expert_fill: cache sizes do not match S = " + std::to_string(S) +
+                                       " slots of the pool's expert rows (gate_up " +
+                                       std::to_string(pool->gate_up().expert_bytes) + " B, down " +
+                                       std::to_string(pool->down().expert_bytes) + " B)");
+  if (gate_up_out->untyped_data() != gate_up.untyped_data() || down_out->untyped_data() != down.untyped_data())
+    return ffi::Error::InvalidArgument("expert_fill: the caches must be aliased to the outputs "
+                                       "(input_output_aliases) and donated");
+  try {
+    launch_fill(stream, *pool, ids.typed_data(), slots.typed_data(), n_valid.typed_data(), cap, S,
+                gate_up.untyped_data(), down.untyped_data());
+  } catch (const std::exception& e) {
+    return ffi::Error::Internal(std::string("expert_fill: ") + e.what());
+  }
+  return ffi::Error::Success();
+}
+
+#define FTJAX_FILL_BINDING                        \
+  ffi::Ffi::Bind()                                \
+      .Ctx<ffi::PlatformStream<cudaStream_t>>()   \
+      .Arg<ffi::Buffer<ffi::S32>>()               \
+      .Arg<ffi::Buffer<ffi::S32>>()               \
+      .Arg<ffi::Buffer<ffi::S32>>()               \
+      .Arg<ffi::AnyBuffer>()                      \
+      .Arg<ffi::AnyBuffer>()                      \
+      .Ret<ffi::AnyBuffer>()                      \
+      .Ret<ffi::AnyBuffer>()                      \
+      .Attr<uint64_t>("pool")
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FtjaxExpertFill, ExpertFillImpl, FTJAX_FILL_BINDING,
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FtjaxExpertFillNoCmdBuffer, ExpertFillImpl, FTJAX_FILL_BINDING);
+
+void* expert_fill_handler(bool cmd_buffer) {
+  return cmd_buffer ? reinterpret_cast<void*>(FtjaxExpertFill) : reinterpret_cast<void*>(FtjaxExpertFillNoCmdBuffer);
+}
+
+}  // namespace ftjax

@@ -1,0 +1,25 @@
+// Entry points of the CUDA part used by the nanobind glue (cuda_bind.cc).
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+
+#include "pool.h"
+
+namespace ftjax {
+
+void* expert_fill_handler(bool cmd_buffer);
+void* cpu_submit_handler(bool cmd_buffer);
+void* cpu_collect_handler(bool cmd_buffer);
+
+// The fill kernel outside XLA (benchmarks, calibration).
+void launch_fill(cudaStream_t stream, const ExpertPool& pool, const int32_t* ids, const int32_t* slots,
+                 const int32_t* n_valid, int64_t capacity, int64_t n_slots, void* cache_gate_up, void* cache_down);
+
+// CPU-branch channels: staging in mapped pinned memory, served by one coordinator thread.
+void create_channel(int64_t channel, uint64_t pool_id, int64_t max_tokens, int64_t max_tasks);
+std::string channel_error(int64_t channel);  // last CPU-side error message ("" if none)
+uint64_t channel_jobs(int64_t channel);      // jobs the coordinator completed on this channel
+
+}  // namespace ftjax

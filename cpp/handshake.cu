@@ -1,0 +1,303 @@
+// CPU branch inside a jitted GPU step: cpu_experts_submit / cpu_experts_collect (platform CUDA).
+//
+// submit: copy x and the task list into the channel's pinned staging (stream-ordered), then a
+//   1-thread kernel publishes the request: n_valid and shape, a system fence, submit_seq + 1.
+// The coordinator thread polls submit_seq of every channel, runs the tasks on the worker pool,
+//   writes y into staging, then status and done_seq.
+// collect: a 1-block kernel waits until done_seq reaches the submitted sequence number or the
+//   watchdog timeout passes (%globaltimer), then a copy kernel moves y to the device, filling NaN
+//   and status != 0 if the CPU branch failed or made no progress in time: never a hang.
+// Everything per step (sequence numbers, counts) is written by the GPU, so the calls replay
+// correctly when XLA captures them in a command buffer.
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+
+#include "cuda_common.h"
+#include "ffi_cuda.h"
+#include "moe.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace ftjax {
+namespace {
+
+struct Channel {
+  int64_t id, max_tokens, max_tasks, hidden;
+  uint64_t pool_id;
+  HandshakeCtrl* ctrl = nullptr;  // mapped pinned: host view
+  HandshakeCtrl* ctrl_dev = nullptr;
+  uint8_t* stage = nullptr;       // x (f32-sized), tok, eid, w, y
+  uint8_t* stage_dev = nullptr;
+  size_t x_off, tok_off, eid_off, w_off, y_off, bytes;
+  uint32_t handled = 0;
+  std::atomic<uint64_t> jobs{0};
+  std::mutex err_mu;
+  std::string error;
+};
+
+class Coordinator {
+ public:
+  ~Coordinator() {
+    stop_.store(true);
+    if (thread_.joinable()) thread_.join();
+  }
+  Channel* get(int64_t id) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = channels_.find(id);
+    return it == channels_.end() ? nullptr : it->second.get();
+  }
+  void add(std::unique_ptr<Channel> ch) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (channels_.count(ch->id)) throw std::invalid_argument("channel " + std::to_string(ch->id) + " exists");
+    channels_[ch->id] = std::move(ch);
+    snapshot_version_.fetch_add(1);
+    if (!thread_.joinable()) thread_ = std::thread(&Coordinator::run, this);
+  }
+
+ private:
+  void serve(Channel& ch, uint32_t seq) {
+    HandshakeCtrl& c = *ch.ctrl;
+    int32_t status = kOk;
+    try {
+      auto pool = find_pool(ch.pool_id);
+      if (!pool) throw std::runtime_error("host pool " + std::to_string(ch.pool_id) + " is gone");
+      const int64_t T = c.n_tokens, n = c.n_valid;
+      if (T < 0 || T > ch.max_tokens || n < 0 || n > c.task_capacity || c.task_capacity > ch.max_tasks)
+        throw std::runtime_error("corrupt request: T=" + std::to_string(T) + " n_valid=" + std::to_string(n));
+      ExpertCall call{pool.get(), ch.stage + ch.x_off, c.x_bf16 != 0, T,
+                      reinterpret_cast<const int32_t*>(ch.stage + ch.tok_off),
+                      reinterpret_cast<const int32_t*>(ch.stage + ch.eid_off),
+                      reinterpret_cast<const float*>(ch.stage + ch.w_off), n,
+                      reinterpret_cast<float*>(ch.stage + ch.y_off)};
+      run_experts(global_workers(), call, active_tier());
+    } catch (const std::exception& e) {
+      std::lock_guard<std::mutex> lock(ch.err_mu);
+      ch.error = e.what();
+      status = kCpuError;
+    }
+    c.status = status;
+    std::atomic_thread_fence(std::memory_order_release);  // y and status before done_seq
+    c.done_seq = seq;
+    ch.jobs.fetch_add(1);
+  }
+
+  void run() {
+    using clock = std::chrono::steady_clock;
+    auto last_job = clock::now();
+    std::vector<Channel*> list;
+    uint64_t version = ~0ull;
+    while (!stop_.load(std::memory_order_relaxed)) {
+      if (snapshot_version_.load() != version) {
+        std::lock_guard<std::mutex> lock(mu_);
+        version = snapshot_version_.load();
+        list.clear();
+        for (auto& kv : channels_) list.push_back(kv.second.get());
+      }
+      bool any = false;
+      for (Channel* ch : list) {
+        const uint32_t seq = ch->ctrl->submit_seq;
+        if (seq != ch->handled) {
+          std::atomic_thread_fence(std::memory_order_acquire);
+          ch->handled = seq;
+          serve(*ch, seq);
+          any = true;
+        }
+      }
+      if (any) {
+        last_job = clock::now();
+      } else if (clock::now() - last_job > std::chrono::milliseconds(50)) {
+        std::this_thread::sleep_for(std::chrono::microseconds(100));  // idle: poll gently
+      } else {
+#if defined(__x86_64__)
+        __builtin_ia32_pause();
+#endif
+      }
+    }
+  }
+
+  std::mutex mu_;
+  std::map<int64_t, std::unique_ptr<Channel>> channels_;
+  std::atomic<uint64_t> snapshot_version_{0};
+  std::atomic<bool> stop_{false};
+  std::thread thread_;
+};
+
+Coordinator& coordinator() {
+  static Coordinator* c = new Coordinator();  // leaked on purpose: no teardown races at exit
+  return *c;
+}
+
+__global__ void ring_kernel(HandshakeCtrl* ctrl, const int32_t* n_valid, int32_t n_tokens, int32_t x_bf16,
+                            int32_t capacity, int32_t* token) {
+  const uint32_t seq = ctrl->submit_seq + 1;
+  ctrl->n_valid = *n_valid;
+  ctrl->n_tokens = n_tokens;
+  ctrl->x_bf16 = x_bf16;
+  ctrl->task_capacity = capacity;
+  __threadfence_system();  // the request fields (and the staged copies before us) precede the seq
+  ctrl->submit_seq = seq;
+  __threadfence_system();
+  *token = static_cast<int32_t>(seq);
+}
+
+__global__ void wait_kernel(const HandshakeCtrl* ctrl, const int32_t* token, uint64_t timeout_ns, int32_t* status) {
+  const uint32_t seq = static_cast<uint32_t>(*token);
+  uint64_t start, now;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+  int32_t st = kTimeout;
+  for (;;) {
+    if (static_cast<int32_t>(ctrl->done_seq - seq) >= 0) {
+      st = ctrl->status;
+      break;
+    }
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+    if (now - start > timeout_ns) break;
+    __nanosleep(200);
+  }
+  *status = st;
+}
+
+__global__ void copy_out_kernel(const float* __restrict__ y_stage, float* __restrict__ y, int64_t n,
+                                const int32_t* status) {
+  const bool ok = *status == kOk;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n; i += gridDim.x * blockDim.x)
+    y[i] = ok ? y_stage[i] : NAN;
+}
+
+ffi::Error SubmitImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> tok, ffi::Buffer<ffi::S32> eid,
+                      ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::S32> n_valid, ffi::Result<ffi::Buffer<ffi::S32>> token,
+                      int64_t channel) {
+  Channel* ch = coordinator().get(channel);
+  if (!ch) return ffi::Error::InvalidArgument("cpu_experts_submit: channel " + std::to_string(channel) +
+                                              " was not created (ftjax.host.cuda.create_channel)");
+  const auto xd = x.dimensions();
+  const bool bf16 = x.element_type() == ffi::DataType::BF16;
+  if (xd.size() != 2 || xd[1] != ch->hidden || xd[0] > ch->max_tokens ||
+      (!bf16 && x.element_type() != ffi::DataType::F32))
+    return ffi::Error::InvalidArgument("cpu_experts_submit: x must be f32/bf16 [T <= " +
+                                       std::to_string(ch->max_tokens) + ", " + std::to_string(ch->hidden) + "]");
+  const int64_t cap = static_cast<int64_t>(tok.element_count());
+  if (cap > ch->max_tasks || static_cast<int64_t>(eid.element_count()) != cap ||
+      static_cast<int64_t>(w.element_count()) != cap)
+    return ffi::Error::InvalidArgument("cpu_experts_submit: task arrays must have one length <= " +
+                                       std::to_string(ch->max_tasks));
+  cudaMemcpyAsync(ch->stage + ch->x_off, x.untyped_data(), x.size_bytes(), cudaMemcpyDeviceToHost, stream);
+  if (cap) {
+    cudaMemcpyAsync(ch->stage + ch->tok_off, tok.typed_data(), cap * 4, cudaMemcpyDeviceToHost, stream);
+    cudaMemcpyAsync(ch->stage + ch->eid_off, eid.typed_data(), cap * 4, cudaMemcpyDeviceToHost, stream);
+    cudaMemcpyAsync(ch->stage + ch->w_off, w.typed_data(), cap * 4, cudaMemcpyDeviceToHost, stream);
+  }
+  ring_kernel<<<1, 1, 0, stream>>>(ch->ctrl_dev, n_valid.typed_data(), static_cast<int32_t>(xd[0]), bf16 ? 1 : 0,
+                                   static_cast<int32_t>(cap), token->typed_data());
+  const cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) return ffi::Error::Internal(std::string("cpu_experts_submit: ") + cudaGetErrorString(err));
+  return ffi::Error::Success();
+}
+
+ffi::Error CollectImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> token, ffi::Result<ffi::Buffer<ffi::F32>> y,
+                       ffi::Result<ffi::Buffer<ffi::S32>> status, int64_t channel, int64_t timeout_ms) {
+  Channel* ch = coordinator().get(channel);
+  if (!ch) return ffi::Error::InvalidArgument("cpu_experts_collect: channel " + std::to_string(channel) +
+                                              " was not created");
+  const auto yd = y->dimensions();
+  if (yd.size() != 2 || yd[1] != ch->hidden || yd[0] > ch->max_tokens)
+    return ffi::Error::InvalidArgument("cpu_experts_collect: y must be [T <= max_tokens, hidden]");
+  if (timeout_ms <= 0) return ffi::Error::InvalidArgument("cpu_experts_collect: timeout_ms must be > 0");
+  wait_kernel<<<1, 1, 0, stream>>>(ch->ctrl_dev, token.typed_data(), static_cast<uint64_t>(timeout_ms) * 1000000ull,
+                                   status->typed_data());
+  const int64_t n = static_cast<int64_t>(y->element_count());
+  const int blocks = static_cast<int>(std::min<int64_t>(132, (n + 255) / 256));
+  if (n)
+    copy_out_kernel<<<blocks, 256, 0, stream>>>(reinterpret_cast<const float*>(ch->stage_dev + ch->y_off),
+                                                y->typed_data(), n, status->typed_data());
+  const cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) return ffi::Error::Internal(std::string("cpu_experts_collect: ") + cudaGetErrorString(err));
+  return ffi::Error::Success();
+}
+
+#define FTJAX_SUBMIT_BINDING                                                                        \
+  ffi::Ffi::Bind()                                                                                  \
+      .Ctx<ffi::PlatformStream<cudaStream_t>>()                                                     \
+      .Arg<ffi::AnyBuffer>()                                                                        \
+      .Arg<ffi::Buffer<ffi::S32>>()                                                                 \
+      .Arg<ffi::Buffer<ffi::S32>>()                                                                 \
+      .Arg<ffi::Buffer<ffi::F32>>()                                                                 \
+      .Arg<ffi::Buffer<ffi::S32>>()                                                                 \
+      .Ret<ffi::Buffer<ffi::S32>>()                                                                 \
+      .Attr<int64_t>("channel")
+#define FTJAX_COLLECT_BINDING                                                                       \
+  ffi::Ffi::Bind()                                                                                  \
+      .Ctx<ffi::PlatformStream<cudaStream_t>>()                                                     \
+      .Arg<ffi::Buffer<ffi::S32>>()                                                                 \
+      .Ret<ffi::Buffer<ffi::F32>>()                                                                 \
+      .Ret<ffi::Buffer<ffi::S32>>()                                                                 \
+      .Attr<int64_t>("channel")                                                                     \
+      .Attr<int64_t>("timeout_ms")
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FtjaxCpuSubmit, SubmitImpl, FTJAX_SUBMIT_BINDING, {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FtjaxCpuSubmitNoCmdBuffer, SubmitImpl, FTJAX_SUBMIT_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FtjaxCpuCollect, CollectImpl, FTJAX_COLLECT_BINDING,
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FtjaxCpuCollectNoCmdBuffer, CollectImpl, FTJAX_COLLECT_BINDING);
+
+void* cpu_submit_handler(bool cb) {
+  return cb ? reinterpret_cast<void*>(FtjaxCpuSubmit) : reinterpret_cast<void*>(FtjaxCpuSubmitNoCmdBuffer);
+}
+void* cpu_collect_handler(bool cb) {
+  return cb ? reinterpret_cast<void*>(FtjaxCpuCollect) : reinterpret_cast<void*>(FtjaxCpuCollectNoCmdBuffer);
+}
+
+void create_channel(int64_t channel, uint64_t pool_id, int64_t max_tokens, int64_t max_tasks) {
+  auto pool = find_pool(pool_id);
+  if (!pool) throw std::invalid_argument("no host pool with id " + std::to_string(pool_id));
+  if (max_tokens < 1 || max_tasks < 1)
+    throw std::invalid_argument("max_tokens and max_tasks must be >= 1, got " + std::to_string(max_tokens) + ", " +
+                                std::to_string(max_tasks));
+  auto ch = std::make_unique<Channel>();
+  ch->id = channel;
+  ch->pool_id = pool_id;
+  ch->max_tokens = max_tokens;
+  ch->max_tasks = max_tasks;
+  ch->hidden = pool->hidden();
+  auto up = [](size_t v) { return (v + 255) / 256 * 256; };
+  const size_t xy = up(static_cast<size_t>(max_tokens) * ch->hidden * 4), tasks = up(static_cast<size_t>(max_tasks) * 4);
+  ch->x_off = 0;
+  ch->tok_off = xy;
+  ch->eid_off = ch->tok_off + tasks;
+  ch->w_off = ch->eid_off + tasks;
+  ch->y_off = ch->w_off + tasks;
+  ch->bytes = ch->y_off + xy;
+  void* p = nullptr;
+  cuda_check(cudaHostAlloc(&p, sizeof(HandshakeCtrl), cudaHostAllocMapped | cudaHostAllocPortable), "cudaHostAlloc");
+  std::memset(p, 0, sizeof(HandshakeCtrl));
+  ch->ctrl = static_cast<HandshakeCtrl*>(p);
+  cuda_check(cudaHostGetDevicePointer(reinterpret_cast<void**>(&ch->ctrl_dev), p, 0), "cudaHostGetDevicePointer");
+  cuda_check(cudaHostAlloc(&p, ch->bytes, cudaHostAllocMapped | cudaHostAllocPortable), "cudaHostAlloc");
+  ch->stage = static_cast<uint8_t*>(p);
+  cuda_check(cudaHostGetDevicePointer(reinterpret_cast<void**>(&ch->stage_dev), p, 0), "cudaHostGetDevicePointer");
+  coordinator().add(std::move(ch));
+}
+
+std::string channel_error(int64_t channel) {
+  Channel* ch = coordinator().get(channel);
+  if (!ch) throw std::invalid_argument("channel " + std::to_string(channel) + " was not created");
+  std::lock_guard<std::mutex> lock(ch->err_mu);
+  return ch->error;
+}
+
+uint64_t channel_jobs(int64_t channel) {
+  Channel* ch = coordinator().get(channel);
+  if (!ch) throw std::invalid_argument("channel " + std::to_string(channel) + " was not created");
+  return ch->jobs.load();
+}
+
+}  // namespace ftjax

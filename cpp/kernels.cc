@@ -1,0 +1,116 @@
+// Run-time choice of the kernel tier: the best one compiled in and supported by this CPU, unless
+// forced (tests run every available tier; benchmarks compare them).
+#include <atomic>
+#include <stdexcept>
+
+#include "cpu_features.h"
+#include "kernels.h"
+
+namespace ftjax {
+namespace {
+bool compiled(Tier t) {
+  switch (t) {
+    case Tier::kScalar: return true;
+#ifdef FTJAX_HAVE_AVX2
+    case Tier::kAvx2: return true;
+#endif
+#ifdef FTJAX_HAVE_AVX512BF16
+    case Tier::kAvx512Bf16: return true;
+#endif
+#ifdef FTJAX_HAVE_AMX
+    case Tier::kAmx: return true;
+#endif
+    default: return false;
+  }
+}
+
+bool supported(Tier t) {
+  static const CpuFeatures f = detect_cpu_features();
+  switch (t) {
+    case Tier::kScalar: return true;
+    case Tier::kAvx2: return f.avx2 && f.fma;
+    case Tier::kAvx512Bf16: return f.avx512f && f.avx512bw && f.avx512vl && f.avx512bf16;
+    case Tier::kAmx: return f.amx_tile && f.amx_bf16 && f.avx512bf16 && f.avx512bw && f.avx512vl && amx_enable();
+  }
+  return false;
+}
+
+Tier best_tier() {
+  const auto tiers = available_tiers();
+  return tiers.back();
+}
+
+std::atomic<int> g_tier{-1};
+}  // namespace
+
+#ifndef FTJAX_HAVE_AMX
+bool amx_enable() { return false; }
+#endif
+
+const char* tier_name(Tier t) {
+  switch (t) {
+    case Tier::kScalar: return "scalar";
+    case Tier::kAvx2: return "avx2";
+    case Tier::kAvx512Bf16: return "avx512bf16";
+    case Tier::kAmx: return "amx";
+  }
+  return "?";
+}
+
+std::vector<Tier> available_tiers() {
+  std::vector<Tier> out;
+  for (Tier t : {Tier::kScalar, Tier::kAvx2, Tier::kAvx512Bf16, Tier::kAmx})
+    if (compiled(t) && supported(t)) out.push_back(t);
+  return out;
+}
+
+Tier active_tier() {
+  int t = g_tier.load();
+  if (t < 0) {
+    t = static_cast<int>(best_tier());
+    g_tier.store(t);
+  }
+  return static_cast<Tier>(t);
+}
+
+void set_tier(const std::string& name) {
+  if (name == "auto") {
+    g_tier.store(static_cast<int>(best_tier()));
+    return;
+  }
+  std::string valid;
+  for (Tier t : available_tiers()) {
+    if (name == tier_name(t)) {
+      g_tier.store(static_cast<int>(t));
+      return;
+    }
+    valid += std::string(valid.empty() ? "" : ", ") + tier_name(t);
+  }
+  throw std::invalid_argument("kernel tier '" + name + "' is not available on this machine/build; valid: auto, " +
+                              valid);
+}
+
+DotRowsFn dot_rows_for(Tier t) {
+  switch (t) {
+#ifdef FTJAX_HAVE_AVX2
+    case Tier::kAvx2: return dot_rows_avx2;
+#endif
+#ifdef FTJAX_HAVE_AVX512BF16
+    case Tier::kAvx512Bf16: return dot_rows_avx512bf16;
+#endif
+#ifdef FTJAX_HAVE_AMX
+    case Tier::kAmx: return dot_rows_amx;
+#endif
+    default: return dot_rows_scalar;
+  }
+}
+
+MatrixRef matrix_of(const Bank& bank, int64_t expert) {
+  const uint8_t* base = bank.expert(expert);
+  MatrixRef m{bank.format, bank.rows, bank.cols, base, nullptr};
+  if (bank.format == WeightFormat::kInt4)
+    m.scales = reinterpret_cast<const uint16_t*>(base + static_cast<size_t>(bank.rows) * bank.cols / 2);
+  return m;
+}
+
+}  // namespace ftjax

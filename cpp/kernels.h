@@ -1,0 +1,59 @@
+// CPU expert kernel primitive: out[r][j] = dot(W[r, :], a_j) for a block of weight rows and a few
+// activation vectors, with W in f32, bf16 or int4 (group 32, bf16 scales, dequantised in the loop).
+// One implementation per ISA tier (kernels_<tier>.cc, each compiled with its own target flags),
+// chosen at run time from CPUID; the MoE driver (moe.cc) is ISA-independent.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "pool.h"
+
+namespace ftjax {
+
+// One expert's [rows, cols] matrix inside a bank row.
+struct MatrixRef {
+  WeightFormat format;
+  int64_t rows, cols;
+  const uint8_t* data;  // f32/bf16: rows * cols elements; int4: packed nibbles [rows, cols/2]
+  const uint16_t* scales;  // int4 only: bf16 [rows, cols/32]
+};
+MatrixRef matrix_of(const Bank& bank, int64_t expert);
+
+// n activation vectors of length cols, each in f32 (always) and, when the call runs in bf16
+// activations, also as bf16 bits (the same values) for the tiers that multiply in bf16.
+struct ActRef {
+  const float* f32;
+  const uint16_t* bf16;  // nullptr: f32 activations
+  int64_t stride;        // elements between vectors
+  int n;
+};
+
+// out[(r - r0) * a.n + j] = sum_k W[r, k] * a_j[k], for r in [r0, r1).
+using DotRowsFn = void (*)(const MatrixRef& w, int64_t r0, int64_t r1, const ActRef& a, float* out);
+
+enum class Tier : int { kScalar = 0, kAvx2 = 1, kAvx512Bf16 = 2, kAmx = 3 };
+const char* tier_name(Tier t);
+std::vector<Tier> available_tiers();  // compiled in and supported by this CPU, best last
+Tier active_tier();
+void set_tier(const std::string& name);  // "auto" | "scalar" | "avx2" | "avx512bf16" | "amx"
+DotRowsFn dot_rows_for(Tier t);
+
+// Per-tier entry points (defined only where compiled; see CMakeLists.txt).
+void dot_rows_scalar(const MatrixRef&, int64_t, int64_t, const ActRef&, float*);
+void dot_rows_avx2(const MatrixRef&, int64_t, int64_t, const ActRef&, float*);
+void dot_rows_avx512bf16(const MatrixRef&, int64_t, int64_t, const ActRef&, float*);
+void dot_rows_amx(const MatrixRef&, int64_t, int64_t, const ActRef&, float*);
+bool amx_enable();  // asks the kernel for AMX tile state; false if refused
+
+inline float bf16_to_f32(uint16_t b) {
+  union { uint32_t u; float f; } v{static_cast<uint32_t>(b) << 16};
+  return v.f;
+}
+inline uint16_t f32_to_bf16(float f) {  // round to nearest even (NaN kept quiet)
+  union { float f; uint32_t u; } v{f};
+  if ((v.u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((v.u >> 16) | 0x40);
+  return static_cast<uint16_t>((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
+}
+
+}  // namespace ftjax

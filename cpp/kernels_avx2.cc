@@ -1,0 +1,118 @@
+// AVX2 + FMA tier: 8-lane version of the AVX-512 tier (bf16 widened to f32, int4 unpacked in
+// registers); bf16 activations use their exact f32 copies (no bf16 dot product before AVX-512).
+#include <immintrin.h>
+
+#include <algorithm>
+
+#include "kernels.h"
+
+namespace ftjax {
+namespace {
+
+inline __m256 load_bf16x8(const uint16_t* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline __m256 i8x8_to_ps(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)); }
+
+template <int R, int N>
+void tile(const MatrixRef& w, int64_t r, const ActRef& a, int j0, float* out) {
+  const int64_t K = w.cols;
+  __m256 acc[R][N];
+#pragma GCC unroll 16
+  for (int i = 0; i < R; ++i)
+#pragma GCC unroll 16
+    for (int j = 0; j < N; ++j) acc[i][j] = _mm256_setzero_ps();
+  const float* x[N];
+  for (int j = 0; j < N; ++j) x[j] = a.f32 + (j0 + j) * a.stride;
+  int64_t k = 0;
+  if (w.format == WeightFormat::kInt4) {
+    const __m128i low4 = _mm_set1_epi8(0x0F), eight = _mm_set1_epi8(8);
+    const uint8_t* row[R];
+    const uint16_t* sc[R];
+    for (int i = 0; i < R; ++i) {
+      row[i] = w.data + (r + i) * (K / 2);
+      sc[i] = w.scales + (r + i) * (K / 32);
+    }
+    for (int64_t g = 0; g < K / 32; ++g) {
+#pragma GCC unroll 16
+      for (int i = 0; i < R; ++i) {
+        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row[i] + 16 * g));
+        const __m128i lo = _mm_and_si128(b, low4), hi = _mm_and_si128(_mm_srli_epi16(b, 4), low4);
+        const __m128i e0 = _mm_sub_epi8(_mm_unpacklo_epi8(lo, hi), eight);  // columns 0..15
+        const __m128i e1 = _mm_sub_epi8(_mm_unpackhi_epi8(lo, hi), eight);  // columns 16..31
+        const __m256 s = _mm256_set1_ps(bf16_to_f32(sc[i][g]));
+        const __m256 w0 = _mm256_mul_ps(i8x8_to_ps(e0), s);
+        const __m256 w1 = _mm256_mul_ps(i8x8_to_ps(_mm_srli_si128(e0, 8)), s);
+        const __m256 w2 = _mm256_mul_ps(i8x8_to_ps(e1), s);
+        const __m256 w3 = _mm256_mul_ps(i8x8_to_ps(_mm_srli_si128(e1, 8)), s);
+#pragma GCC unroll 16
+        for (int j = 0; j < N; ++j) {
+          const float* xj = x[j] + 32 * g;
+          __m256 t = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xj), acc[i][j]);
+          t = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xj + 8), t);
+          t = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xj + 16), t);
+          acc[i][j] = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xj + 24), t);
+        }
+      }
+    }
+    k = K;
+  } else {
+    const bool bf16 = w.format == WeightFormat::kBF16;
+    for (; k + 8 <= K; k += 8) {
+      __m256 xv[N];
+#pragma GCC unroll 16
+      for (int j = 0; j < N; ++j) xv[j] = _mm256_loadu_ps(x[j] + k);
+#pragma GCC unroll 16
+      for (int i = 0; i < R; ++i) {
+        const __m256 wv = bf16 ? load_bf16x8(reinterpret_cast<const uint16_t*>(w.data) + (r + i) * K + k)
+                               : _mm256_loadu_ps(reinterpret_cast<const float*>(w.data) + (r + i) * K + k);
+#pragma GCC unroll 16
+        for (int j = 0; j < N; ++j) acc[i][j] = _mm256_fmadd_ps(wv, xv[j], acc[i][j]);
+      }
+    }
+  }
+  for (int i = 0; i < R; ++i) {
+    for (int j = 0; j < N; ++j) {
+      float s = hsum(acc[i][j]);
+      for (int64_t kk = k; kk < K; ++kk) {
+        const float wv = w.format == WeightFormat::kF32
+                             ? reinterpret_cast<const float*>(w.data)[(r + i) * K + kk]
+                             : bf16_to_f32(reinterpret_cast<const uint16_t*>(w.data)[(r + i) * K + kk]);
+        s += wv * x[j][kk];
+      }
+      out[i * a.n + j0 + j] = s;
+    }
+  }
+}
+
+template <int R>
+void tile_n(int n, const MatrixRef& w, int64_t r, const ActRef& a, int j0, float* out) {
+  switch (n) {
+    case 1: return tile<R, 1>(w, r, a, j0, out);
+    case 2: return tile<R, 2>(w, r, a, j0, out);
+    case 3: return tile<R, 3>(w, r, a, j0, out);
+    default: return tile<R, 4>(w, r, a, j0, out);
+  }
+}
+}  // namespace
+
+void dot_rows_avx2(const MatrixRef& w, int64_t r0, int64_t r1, const ActRef& a, float* out) {
+  constexpr int kRows = 4, kVecs = 3;  // 12 accumulators + 3 activations + 1 weight of 16 ymm
+  for (int j0 = 0; j0 < a.n; j0 += kVecs) {
+    const int n = std::min(kVecs, a.n - j0);
+    int64_t r = r0;
+    for (; r + kRows <= r1; r += kRows) tile_n<kRows>(n, w, r, a, j0, out + (r - r0) * a.n);
+    for (; r < r1; ++r) tile_n<1>(n, w, r, a, j0, out + (r - r0) * a.n);
+  }
+}
+
+}  // namespace ftjax

@@ -1,0 +1,141 @@
+// AVX-512 tier (F + BW + VL + BF16): bf16 weights widen to f32 for f32 activations (exact
+// products), or multiply pairwise with VDPBF16PS when the activations are bf16; int4 groups of 32
+// are unpacked, shifted by 8 and scaled in registers. A micro-tile is R weight rows x N
+// activations: each weight vector is loaded once per tile and feeds N accumulators.
+#include <immintrin.h>
+
+#include <algorithm>
+
+#include "kernels.h"
+
+namespace ftjax {
+namespace {
+
+inline __m512 load_bf16x16(const uint16_t* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+template <int R, int N>
+void tile(const MatrixRef& w, int64_t r, const ActRef& a, int j0, float* out) {
+  const int64_t K = w.cols;
+  __m512 acc[R][N];
+#pragma GCC unroll 16
+  for (int i = 0; i < R; ++i)
+#pragma GCC unroll 16
+    for (int j = 0; j < N; ++j) acc[i][j] = _mm512_setzero_ps();
+  const float* x[N];
+  for (int j = 0; j < N; ++j) x[j] = a.f32 + (j0 + j) * a.stride;
+  int64_t k = 0;  // first column left for the scalar tail
+  if (w.format == WeightFormat::kInt4) {
+    const __m128i low4 = _mm_set1_epi8(0x0F), eight = _mm_set1_epi8(8);
+    const uint8_t* row[R];
+    const uint16_t* sc[R];
+    for (int i = 0; i < R; ++i) {
+      row[i] = w.data + (r + i) * (K / 2);
+      sc[i] = w.scales + (r + i) * (K / 32);
+    }
+    for (int64_t g = 0; g < K / 32; ++g) {
+      __m512 xa[N], xb[N];
+#pragma GCC unroll 16
+      for (int j = 0; j < N; ++j) {
+        xa[j] = _mm512_loadu_ps(x[j] + 32 * g);
+        xb[j] = _mm512_loadu_ps(x[j] + 32 * g + 16);
+      }
+#pragma GCC unroll 16
+      for (int i = 0; i < R; ++i) {
+        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row[i] + 16 * g));
+        const __m128i lo = _mm_and_si128(b, low4), hi = _mm_and_si128(_mm_srli_epi16(b, 4), low4);
+        // low nibble = even column: interleaving lo/hi bytes restores column order.
+        const __m128i e0 = _mm_sub_epi8(_mm_unpacklo_epi8(lo, hi), eight);
+        const __m128i e1 = _mm_sub_epi8(_mm_unpackhi_epi8(lo, hi), eight);
+        const __m512 s = _mm512_set1_ps(bf16_to_f32(sc[i][g]));
+        const __m512 w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(e0)), s);
+        const __m512 w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(e1)), s);
+#pragma GCC unroll 16
+        for (int j = 0; j < N; ++j)
+          acc[i][j] = _mm512_fmadd_ps(w1, xb[j], _mm512_fmadd_ps(w0, xa[j], acc[i][j]));
+      }
+    }
+    k = K;
+  } else if (w.format == WeightFormat::kBF16 && a.bf16 != nullptr) {
+    const uint16_t* row[R];
+    const uint16_t* xh[N];
+    for (int i = 0; i < R; ++i) row[i] = reinterpret_cast<const uint16_t*>(w.data) + (r + i) * K;
+    for (int j = 0; j < N; ++j) xh[j] = a.bf16 + (j0 + j) * a.stride;
+    for (; k + 32 <= K; k += 32) {
+      __m512bh xv[N];
+#pragma GCC unroll 16
+      for (int j = 0; j < N; ++j) xv[j] = (__m512bh)_mm512_loadu_si512(xh[j] + k);
+#pragma GCC unroll 16
+      for (int i = 0; i < R; ++i) {
+        const __m512bh wv = (__m512bh)_mm512_loadu_si512(row[i] + k);
+#pragma GCC unroll 16
+        for (int j = 0; j < N; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], wv, xv[j]);
+      }
+    }
+  } else if (w.format == WeightFormat::kBF16) {
+    const uint16_t* row[R];
+    for (int i = 0; i < R; ++i) row[i] = reinterpret_cast<const uint16_t*>(w.data) + (r + i) * K;
+    for (; k + 16 <= K; k += 16) {
+      __m512 xv[N];
+#pragma GCC unroll 16
+      for (int j = 0; j < N; ++j) xv[j] = _mm512_loadu_ps(x[j] + k);
+#pragma GCC unroll 16
+      for (int i = 0; i < R; ++i) {
+        const __m512 wv = load_bf16x16(row[i] + k);
+#pragma GCC unroll 16
+        for (int j = 0; j < N; ++j) acc[i][j] = _mm512_fmadd_ps(wv, xv[j], acc[i][j]);
+      }
+    }
+  } else {
+    const float* row[R];
+    for (int i = 0; i < R; ++i) row[i] = reinterpret_cast<const float*>(w.data) + (r + i) * K;
+    for (; k + 16 <= K; k += 16) {
+      __m512 xv[N];
+#pragma GCC unroll 16
+      for (int j = 0; j < N; ++j) xv[j] = _mm512_loadu_ps(x[j] + k);
+#pragma GCC unroll 16
+      for (int i = 0; i < R; ++i) {
+        const __m512 wv = _mm512_loadu_ps(row[i] + k);
+#pragma GCC unroll 16
+        for (int j = 0; j < N; ++j) acc[i][j] = _mm512_fmadd_ps(wv, xv[j], acc[i][j]);
+      }
+    }
+  }
+  for (int i = 0; i < R; ++i) {
+    for (int j = 0; j < N; ++j) {
+      float s = _mm512_reduce_add_ps(acc[i][j]);
+      for (int64_t kk = k; kk < K; ++kk) {  // tail of odd widths (f32/bf16 only)
+        const float wv = w.format == WeightFormat::kF32
+                             ? reinterpret_cast<const float*>(w.data)[(r + i) * K + kk]
+                             : bf16_to_f32(reinterpret_cast<const uint16_t*>(w.data)[(r + i) * K + kk]);
+        s += wv * x[j][kk];
+      }
+      out[i * a.n + j0 + j] = s;
+    }
+  }
+}
+
+template <int R>
+void tile_n(int n, const MatrixRef& w, int64_t r, const ActRef& a, int j0, float* out) {
+  switch (n) {
+    case 1: return tile<R, 1>(w, r, a, j0, out);
+    case 2: return tile<R, 2>(w, r, a, j0, out);
+    case 3: return tile<R, 3>(w, r, a, j0, out);
+    default: return tile<R, 4>(w, r, a, j0, out);
+  }
+}
+}  // namespace
+
+void dot_rows_avx512bf16(const MatrixRef& w, int64_t r0, int64_t r1, const ActRef& a, float* out) {
+  constexpr int kRows = 4, kVecs = 4;
+  for (int j0 = 0; j0 < a.n; j0 += kVecs) {
+    const int n = std::min(kVecs, a.n - j0);
+    int64_t r = r0;
+    for (; r + kRows <= r1; r += kRows) tile_n<kRows>(n, w, r, a, j0, out + (r - r0) * a.n);
+    for (; r < r1; ++r) tile_n<1>(n, w, r, a, j0, out + (r - r0) * a.n);
+  }
+}
+
+}  // namespace ftjax

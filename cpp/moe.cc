@@ -1,0 +1,115 @@
+#include "moe.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <numeric>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace ftjax {
+namespace {
+constexpr int64_t kRowsPhase1 = 16;  // gate rows (and as many up rows) per work item
+constexpr int64_t kRowsPhase2 = 16;  // output rows of down per work item
+
+inline float silu(float v) { return v / (1.f + std::exp(-v)); }
+
+std::vector<float>& scratch(size_t n) {
+  thread_local std::vector<float> buf;
+  if (buf.size() < n) buf.resize(n);
+  return buf;
+}
+}  // namespace
+
+void run_experts(WorkerPool& workers, const ExpertCall& c, Tier tier) {
+  const ExpertPool& pool = *c.pool;
+  const int64_t H = pool.hidden(), I = pool.inter(), n = c.n_tasks;
+  for (int64_t i = 0; i < n; ++i) {
+    if (c.token_idx[i] < 0 || c.token_idx[i] >= c.T)
+      throw std::invalid_argument("task " + std::to_string(i) + ": token index " + std::to_string(c.token_idx[i]) +
+                                  " is outside [0, " + std::to_string(c.T) + ")");
+    if (c.expert_ids[i] < 0 || c.expert_ids[i] >= pool.n_experts())
+      throw std::invalid_argument("task " + std::to_string(i) + ": expert id " + std::to_string(c.expert_ids[i]) +
+                                  " is outside the pool's [0, " + std::to_string(pool.n_experts()) + ")");
+  }
+  std::fill(c.y, c.y + c.T * H, 0.f);
+  if (n == 0) return;
+
+  // Routes sorted by expert; group g covers routes [start[g], start[g + 1]).
+  std::vector<int64_t> order(n);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t a, int64_t b) { return c.expert_ids[a] < c.expert_ids[b]; });
+  std::vector<int64_t> start{0};
+  for (int64_t r = 1; r < n; ++r)
+    if (c.expert_ids[order[r]] != c.expert_ids[order[r - 1]]) start.push_back(r);
+  start.push_back(n);
+  const int64_t groups = static_cast<int64_t>(start.size()) - 1;
+
+  // Activations gathered in route order: f32 always, bf16 bits too in bf16 mode.
+  std::vector<float> xg(n * H), act(n * I);
+  std::vector<uint16_t> xg_h, act_h;
+  if (c.x_bf16) {
+    xg_h.resize(n * H);
+    act_h.resize(n * I);
+  }
+  for (int64_t r = 0; r < n; ++r) {
+    const int64_t t = c.token_idx[order[r]];
+    if (c.x_bf16) {
+      const uint16_t* src = static_cast<const uint16_t*>(c.x) + t * H;
+      std::memcpy(&xg_h[r * H], src, H * 2);
+      for (int64_t h = 0; h < H; ++h) xg[r * H + h] = bf16_to_f32(src[h]);
+    } else {
+      std::memcpy(&xg[r * H], static_cast<const float*>(c.x) + t * H, H * 4);
+    }
+  }
+  const DotRowsFn dot = dot_rows_for(tier);
+
+  // Phase 1: act[r, i] = silu(gate_e[i] . x_r) * (up_e[i] . x_r), items = (group, block of i).
+  const int64_t blocks1 = (I + kRowsPhase1 - 1) / kRowsPhase1;
+  workers.parallel_for(groups * blocks1, [&](int64_t item, int) {
+    const int64_t g = item / blocks1, i0 = (item % blocks1) * kRowsPhase1, i1 = std::min(I, i0 + kRowsPhase1);
+    const int64_t r0 = start[g], nr = start[g + 1] - r0;
+    const MatrixRef w = matrix_of(pool.gate_up(), c.expert_ids[order[r0]]);
+    const ActRef a{&xg[r0 * H], c.x_bf16 ? &xg_h[r0 * H] : nullptr, H, static_cast<int>(nr)};
+    std::vector<float>& buf = scratch(2 * kRowsPhase1 * nr);
+    float* gate = buf.data();
+    float* up = buf.data() + kRowsPhase1 * nr;
+    dot(w, i0, i1, a, gate);
+    dot(w, I + i0, I + i1, a, up);
+    for (int64_t i = i0; i < i1; ++i) {
+      for (int64_t j = 0; j < nr; ++j) {
+        float v = silu(gate[(i - i0) * nr + j]) * up[(i - i0) * nr + j];
+        if (c.x_bf16) {
+          const uint16_t h = f32_to_bf16(v);
+          act_h[(r0 + j) * I + i] = h;
+          v = bf16_to_f32(h);
+        }
+        act[(r0 + j) * I + i] = v;
+      }
+    }
+  });
+
+  // Phase 2: y[t, h] += w_r * (down_e[h] . act_r); an item owns output rows [h0, h1) of every
+  // token, so no two threads write the same element.
+  const int64_t blocks2 = (H + kRowsPhase2 - 1) / kRowsPhase2;
+  workers.parallel_for(blocks2, [&](int64_t item, int) {
+    const int64_t h0 = item * kRowsPhase2, h1 = std::min(H, h0 + kRowsPhase2);
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t r0 = start[g], nr = start[g + 1] - r0;
+      const MatrixRef w = matrix_of(pool.down(), c.expert_ids[order[r0]]);
+      const ActRef a{&act[r0 * I], c.x_bf16 ? &act_h[r0 * I] : nullptr, I, static_cast<int>(nr)};
+      float* out = scratch(kRowsPhase2 * nr).data();
+      dot(w, h0, h1, a, out);
+      for (int64_t j = 0; j < nr; ++j) {
+        const int64_t task = order[r0 + j];
+        float* yt = c.y + c.token_idx[task] * H;
+        const float wt = c.weights[task];
+        for (int64_t h = h0; h < h1; ++h) yt[h] += wt * out[(h - h0) * nr + j];
+      }
+    }
+  });
+}
+
+}  // namespace ftjax

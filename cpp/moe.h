@@ -1,0 +1,29 @@
+// The CPU expert computation of one MoE layer over a task list:
+//   y[t] = sum over tasks (t, e, w) of w * down_e(silu(gate_e(x[t])) * up_e(x[t]))
+// Tasks are grouped by expert so each expert's weights are read once per call, however many
+// tokens route to it; both phases split the work across threads by output rows.
+#pragma once
+#include <cstdint>
+
+#include "kernels.h"
+#include "pool.h"
+#include "workers.h"
+
+namespace ftjax {
+
+struct ExpertCall {
+  const ExpertPool* pool;
+  const void* x;       // [T, H], f32 or bf16 bits
+  bool x_bf16;         // bf16 activations: the SwiGLU intermediate is rounded to bf16 as well
+  int64_t T;
+  const int32_t* token_idx;   // [n_tasks], in [0, T)
+  const int32_t* expert_ids;  // [n_tasks], flat ids in [0, pool->n_experts())
+  const float* weights;       // [n_tasks]
+  int64_t n_tasks;            // the valid prefix of the task arrays
+  float* y;                   // [T, H], overwritten
+};
+
+// Throws std::invalid_argument naming the bad task (index and value) before touching y.
+void run_experts(WorkerPool& workers, const ExpertCall& call, Tier tier);
+
+}  // namespace ftjax

@@ -1,0 +1,69 @@
+// Persistent worker pool: one thread per physical core minus one (the caller coordinates and
+// works too), each pinned; wake-up spins briefly then sleeps, so back-to-back calls of a decode
+// step cost a cache-line handoff rather than a futex round trip.
+#pragma once
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace ftjax {
+
+struct WorkerConfig {
+  int n_workers = -1;   // threads besides the caller; -1 = physical cores - 1
+  int spin_us = 100;    // busy-wait this long for new work before sleeping
+  bool pin = true;      // pin worker i to the first logical CPU of physical core i + 1
+};
+
+// Logical CPUs this process may run on, one per physical core (SMT siblings dropped).
+std::vector<int> physical_core_cpus();
+
+class WorkerPool {
+ public:
+  explicit WorkerPool(const WorkerConfig& cfg);
+  ~WorkerPool();
+  WorkerPool(const WorkerPool&) = delete;
+  WorkerPool& operator=(const WorkerPool&) = delete;
+
+  // fn(item, thread) for every item in [0, n_items) on the workers and the calling thread;
+  // thread is in [0, n_threads()). Returns when all items ran; rethrows the first exception.
+  // Calls are serialised: one job at a time.
+  void parallel_for(int64_t n_items, const std::function<void(int64_t, int)>& fn);
+  int n_threads() const { return static_cast<int>(threads_.size()) + 1; }
+  const WorkerConfig& config() const { return cfg_; }
+  const std::vector<int>& pinned_cpus() const { return cpus_; }
+
+ private:
+  void worker_main(int index);
+  void run_items(int thread);
+
+  WorkerConfig cfg_;
+  std::vector<int> cpus_;
+  std::vector<std::thread> threads_;
+  std::mutex call_mu_;  // serialises parallel_for callers
+
+  // The current job: published by bumping generation_.
+  const std::function<void(int64_t, int)>* fn_ = nullptr;
+  int64_t n_items_ = 0;
+  std::atomic<int64_t> next_item_{0};
+  std::atomic<int> workers_done_{0};
+  std::atomic<uint64_t> generation_{0};
+  std::atomic<bool> stop_{false};
+  std::mutex err_mu_;
+  std::string error_;
+  bool failed_ = false;
+
+  std::mutex sleep_mu_;
+  std::condition_variable wake_cv_;
+  std::atomic<int> sleepers_{0};
+};
+
+// The process-wide pool used by the FFI handlers, created on first use with the default config.
+WorkerPool& global_workers();
+void configure_global_workers(const WorkerConfig& cfg);  // replaces the pool (no call may be running)
+
+}  // namespace ftjax

@@ -1,0 +1,164 @@
+"""The accelerator side of the engine: a few verbs over a fixed set of slots (JetStream's split).
+
+An ``Accelerator`` owns the device state of ``max_slots`` rows (KV cache, recurrent state, the expert
+state) and exposes:
+
+- ``prefill(tokens [S, T], n_new [S]) -> logits [S, V]``: append a chunk of prompt tokens to the rows
+  with ``n_new > 0`` (logits at each row's last new token). ``ModelAccelerator`` prefills row by row
+  at batch 1 into the slot (JetStream's prefill + insert): no compute on idle rows, and a row's numbers
+  do not depend on the other rows;
+- ``decode(tokens [S], n_new [S]) -> logits [S, V]``: append one token to the rows with ``n_new == 1``;
+- ``reset(mask [S])``: empty the masked rows so a new request can use them.
+
+Rows with ``n_new == 0`` are untouched by every verb, so idle and prefilling slots sit inside a decode
+batch. The scheduler (``ftjax.engine.scheduler``) drives it; ``ftjax.engine.fake`` is a scripted
+stand-in for tests. ``ModelAccelerator`` runs a loaded model with every expert resident.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from ftjax.experts.resident import ResidentExperts
+from ftjax.models import get_family, make_step_fns
+
+log = logging.getLogger(__name__)
+
+MIN_PREFILL_BUCKET = 8
+
+
+class Accelerator(Protocol):
+    max_slots: int
+    max_len: int
+    vocab_size: int
+
+    def prefill(self, tokens: np.ndarray, n_new: np.ndarray) -> Any: ...
+
+    def decode(self, tokens: np.ndarray, n_new: np.ndarray) -> Any: ...
+
+    def reset(self, mask: np.ndarray) -> None: ...
+
+    def warmup(self) -> None: ...
+
+    def memory(self) -> dict[str, int]: ...
+
+
+def pow2_at_least(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def prefill_buckets(prefill_chunk: int, max_len: int) -> list[int]:
+    """Chunk lengths with an executable each: powers of two from 8, capped by the chunk and max_len."""
+    top = min(prefill_chunk, max_len)
+    out, b = [], min(MIN_PREFILL_BUCKET, top)
+    while b < top:
+        out.append(b)
+        b *= 2
+    return out + [top]
+
+
+def _reset_rows_impl(state, mask):
+    """Zero ``lengths`` and the recurrent (GDN conv/rec) rows of the masked slots. KV rows stay:
+    attention reads only positions below the row's length."""
+    def clear(x):
+        m = mask.reshape((-1,) + (1,) * (x.ndim - 1))
+        return jnp.where(m, jnp.zeros_like(x), x)
+
+    layers = [{k: (clear(v) if k in ("conv", "rec") else v) for k, v in layer.items()}
+              for layer in state["layers"]]
+    return {"lengths": clear(state["lengths"]), "layers": layers}
+
+
+reset_rows = jax.jit(_reset_rows_impl, donate_argnums=(0,))
+
+
+def make_row_prefill(cfg, backend, length: int):
+    """Jitted ``(params, expert_state, state, row, tokens [1, length], n_new [1]) -> (logits [V], state,
+    expert_state)``: prefill one slot of the batched state in place (state and expert state donated)."""
+    fwd = functools.partial(get_family(cfg).forward, cfg=cfg, backend=backend)
+
+    def step(params, expert_state, state, row, tokens, n_new):
+        sub = jax.tree.map(lambda x: lax.dynamic_slice_in_dim(x, row, 1), state)
+        logits, sub, expert_state = fwd(params, expert_state, sub, tokens, n_new)
+        state = jax.tree.map(lambda x, y: lax.dynamic_update_slice_in_dim(x, y.astype(x.dtype), row, 0), state, sub)
+        return logits[0], state, expert_state
+
+    return jax.jit(step, donate_argnums=(1, 2))
+
+
+def _cast_tree(tree, dtype):
+    return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+
+
+class ModelAccelerator:
+    """A loaded model (``ftjax.ftw.load_store``) with every expert resident on the device."""
+
+    backend_name = "resident"
+
+    def __init__(self, model, max_slots: int, max_len: int, prefill_chunk: int, dtype: str | None = None):
+        cfg = model.config
+        self.cfg, self.max_slots, self.max_len = cfg, max_slots, max_len
+        self.vocab_size = cfg.vocab_size
+        self.buckets = prefill_buckets(prefill_chunk, max_len)
+        jdtype = {None: None, "bf16": jnp.bfloat16, "fp32": jnp.float32}[dtype]
+        self.params = model.params if jdtype is None else _cast_tree(model.params, jdtype)
+        self.backend = ResidentExperts(cfg.num_experts)
+        self._banks, self._jdtype = model.experts, jdtype
+        self.expert_state = ResidentExperts.init_state(model.experts, dtype=jdtype)
+        self.pool_bytes = int(sum(b.nbytes for b in model.experts.values()))
+        self.dtype = jnp.asarray(self.params["embed"]).dtype
+        self.state = get_family(cfg).init_state(cfg, max_slots, max_len, self.dtype)
+        nbytes = lambda tree: int(sum(x.nbytes for x in jax.tree.leaves(tree)))  # noqa: E731
+        self._memory = {"params_bytes": nbytes(self.params), "kv_bytes": nbytes(self.state),
+                        "expert_cache_bytes": nbytes(self.expert_state), "expert_pool_bytes": self.pool_bytes}
+        self._prefill = {length: make_row_prefill(cfg, self.backend, length) for length in self.buckets}
+        _, self._decode = make_step_fns(cfg, self.backend, max_slots, 1, max_len)
+
+    def prefill(self, tokens: np.ndarray, n_new: np.ndarray):
+        rows = {}
+        for b in np.flatnonzero(n_new):
+            n = int(n_new[b])
+            length = next(L for L in self.buckets if L >= n)
+            row_tokens = np.zeros((1, length), np.int32)
+            row_tokens[0, :n] = tokens[b, :n]
+            rows[b] = self._run(self._prefill[length], jnp.int32(b), row_tokens, np.array([n], np.int32))
+        if not rows:
+            return jnp.zeros((self.max_slots, self.vocab_size), jnp.float32)
+        zero = jnp.zeros_like(next(iter(rows.values())))
+        return jnp.stack([rows.get(b, zero) for b in range(self.max_slots)])
+
+    def decode(self, tokens: np.ndarray, n_new: np.ndarray):
+        return self._run(self._decode, np.asarray(tokens)[:, None], n_new)
+
+    def _run(self, step, *args):
+        *head, tokens, n_new = args
+        try:
+            logits, self.state, self.expert_state = step(self.params, self.expert_state, self.state, *head,
+                                                         jnp.asarray(tokens, jnp.int32), jnp.asarray(n_new, jnp.int32))
+        except Exception:
+            # The donated state may be gone: start from empty slots (the scheduler fails their requests).
+            log.warning("step failed; re-initialising the slot state")
+            self.state = get_family(self.cfg).init_state(self.cfg, self.max_slots, self.max_len, self.dtype)
+            self.expert_state = ResidentExperts.init_state(self._banks, dtype=self._jdtype)
+            raise
+        return logits
+
+    def reset(self, mask: np.ndarray) -> None:
+        self.state = reset_rows(self.state, jnp.asarray(mask, bool))
+
+    def warmup(self) -> None:
+        """Compile every executable (all rows idle: the state is unchanged)."""
+        for length in self.buckets:
+            self._run(self._prefill[length], jnp.int32(0), np.zeros((1, length), np.int32), np.zeros(1, np.int32))
+        idle = np.zeros(self.max_slots, np.int32)
+        jax.block_until_ready(self.decode(np.zeros(self.max_slots, np.int32), idle))
+        self.reset(np.zeros(self.max_slots, bool))
+
+    def memory(self) -> dict[str, int]:
+        return dict(self._memory)

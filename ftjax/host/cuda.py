@@ -1,0 +1,115 @@
+"""JAX wrappers of the CUDA FFI targets (builds with CUDA, run on a GPU backend).
+
+- ``expert_fill``: copy the first ``n_valid`` (flat id -> slot) entries from the pinned host pool
+  into the GPU cache banks, in place (the caches are aliased and should be donated by the caller).
+- ``cpu_experts_submit`` / ``cpu_experts_collect``: the CPU branch of a decode step. Submit stages
+  x and the task list and rings the coordinator; collect waits (GPU side, with a watchdog timeout)
+  and returns ``(y [T, H] f32, status i32)``; status 1 = the CPU made no progress within
+  ``timeout_ms``, 2 = the CPU branch failed (``channel_error``); y is NaN then. Order them by data:
+  pass the GPU work that should overlap through ``after`` so collect is scheduled behind it.
+``cmd_buffer=False`` selects the registrations without the command-buffer trait (for comparison).
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ftjax import _host
+from ftjax.host.ffi import register_targets
+
+STATUS = {0: "ok", 1: "timeout: the CPU branch made no progress", 2: "the CPU branch failed"}
+
+
+def registration_kwargs(name: str) -> dict:
+    return {}  # traits are in the handlers' metadata (XLA ORs them with registration traits)
+
+
+def available() -> bool:
+    return _host.cuda_built() and _host.cuda_device_count() > 0
+
+
+def create_channel(channel: int, pool, max_tokens: int, max_tasks: int) -> None:
+    """Staging for one CPU-branch call site (e.g. one per MoE layer), sized for the largest call."""
+    _host.create_channel(int(channel), int(pool.id), int(max_tokens), int(max_tasks))
+
+
+def channel_error(channel: int) -> str:
+    return _host.channel_error(int(channel))
+
+
+def _suffix(cmd_buffer: bool) -> str:
+    return "" if cmd_buffer else "_nocb"
+
+
+def expert_fill(ids, slots, n_valid, gate_up_cache, down_cache, pool, *, cmd_buffer: bool = True):
+    register_targets()
+    call = jax.ffi.ffi_call("ftjax_expert_fill" + _suffix(cmd_buffer),
+                            (jax.ShapeDtypeStruct(gate_up_cache.shape, gate_up_cache.dtype),
+                             jax.ShapeDtypeStruct(down_cache.shape, down_cache.dtype)),
+                            input_output_aliases={3: 0, 4: 1}, has_side_effect=True)
+    return call(jnp.asarray(ids, jnp.int32), jnp.asarray(slots, jnp.int32),
+                jnp.asarray(n_valid, jnp.int32).reshape(()), gate_up_cache, down_cache, pool=np.uint64(pool.id))
+
+
+def cpu_experts_submit(x, token_idx, expert_ids, weights, n_valid, channel: int, *, cmd_buffer: bool = True):
+    register_targets()
+    call = jax.ffi.ffi_call("ftjax_cpu_experts_submit" + _suffix(cmd_buffer),
+                            jax.ShapeDtypeStruct((1,), jnp.int32), has_side_effect=True)
+    return call(x, jnp.asarray(token_idx, jnp.int32), jnp.asarray(expert_ids, jnp.int32),
+                jnp.asarray(weights, jnp.float32), jnp.asarray(n_valid, jnp.int32).reshape(()),
+                channel=np.int64(channel))
+
+
+def cpu_experts_collect(token, n_tokens: int, hidden: int, channel: int, *, after=None, timeout_ms: int = 10_000,
+                        cmd_buffer: bool = True):
+    register_targets()
+    if after is not None:  # schedule the wait behind the GPU work that overlaps the CPU branch
+        token, after = jax.lax.optimization_barrier((token, after))
+    call = jax.ffi.ffi_call("ftjax_cpu_experts_collect" + _suffix(cmd_buffer),
+                            (jax.ShapeDtypeStruct((n_tokens, hidden), jnp.float32),
+                             jax.ShapeDtypeStruct((), jnp.int32)), has_side_effect=True)
+    y, status = call(token, channel=np.int64(channel), timeout_ms=np.int64(timeout_ms))
+    return (y, status) if after is None else (y, status, after)
+
+
+def fill_gbps(pool, n_rows: int, reps: int = 20, seed: int = 0) -> float:
+    """The fill kernel alone (outside XLA) on ``n_rows`` scattered ids: bytes moved per second."""
+    rng = np.random.default_rng(seed)
+    ids = rng.choice(pool.n_experts, n_rows, replace=False).astype(np.int32)
+    slots = np.arange(n_rows, dtype=np.int32)
+    sec = _host.fill_seconds(pool.id, ids, slots, n_rows, reps)
+    return n_rows * reps * (pool.expert_bytes("gate_up") + pool.expert_bytes("down")) / sec / 1e9
+
+
+def memcpy_h2d_gbps(nbytes: int, reps: int = 20) -> float:
+    return nbytes * reps / _host.memcpy_h2d_seconds(int(nbytes), reps) / 1e9
+
+
+def calibrate_fill(pool, shape, fmt: str, seconds_concurrent: float = 2.0) -> dict:
+    """B_P alone, the pinned-memcpy ceiling, and B_P / B_H while both run (pool pinned)."""
+    from ftjax.host import measure
+
+    rows = min(64, pool.n_experts)
+    b_p = fill_gbps(pool, rows)
+    ceiling = memcpy_h2d_gbps(256 << 20)
+    fills: list[float] = []
+    stop = threading.Event()
+
+    def fill_loop():
+        while not stop.is_set():
+            fills.append(fill_gbps(pool, rows, reps=5))
+
+    th = threading.Thread(target=fill_loop)
+    th.start()
+    t0 = time.perf_counter()
+    cpu = []
+    while time.perf_counter() - t0 < seconds_concurrent:
+        cpu.append(measure.cpu_kernel_gbps(pool, shape, tokens=1, calls=10)["gbps"])
+    stop.set()
+    th.join()
+    return {"b_pcie_gbps": b_p, "memcpy_h2d_gbps": ceiling, "fill_rows": rows,
+            "concurrent": {"b_host_gbps": float(np.median(cpu)), "b_pcie_gbps": float(np.median(fills))}}

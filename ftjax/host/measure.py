@@ -1,0 +1,90 @@
+"""Bandwidth measurements shared by ``ftjax calibrate`` and ``bench/host_runtime.py``.
+
+B_H: the CPU expert kernel on a rotating window of experts larger than the caches (DRAM-bound),
+as weight bytes read per second; its ceiling: a STREAM-like read with the same worker threads.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import numpy as np
+
+from ftjax import _host
+from ftjax.host.pool import HostPool
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertShape:
+    hidden: int
+    inter: int
+    top_k: int = 8
+
+    def expert_bytes(self, fmt: str) -> int:
+        pool = {"bf16": 2.0, "f32": 4.0, "int4": 0.5 + 2.0 / 32}[fmt]
+        return int(3 * self.hidden * self.inter * pool)
+
+
+def _fill_random(view: np.ndarray, rng: np.random.Generator, block_bytes: int = 8 << 20) -> None:
+    """Fill a uint8 view with a repeated random block (values do not matter for bandwidth, zeros would)."""
+    flat = view.reshape(-1)
+    block = rng.integers(0, 256, min(block_bytes, flat.size), dtype=np.uint8)
+    for lo in range(0, flat.size, block.size):
+        n = min(block.size, flat.size - lo)
+        flat[lo:lo + n] = block[:n]
+
+
+def make_pool(shape: ExpertShape, fmt: str, window_bytes: int, seed: int = 0) -> HostPool:
+    """A pool of synthetic experts, at least ``window_bytes`` in total. bf16 values are kept finite
+    and moderate (random exponent bytes could make infs/NaNs, which are not representative)."""
+    n = max(2 * shape.top_k, -(-window_bytes // shape.expert_bytes(fmt)))
+    pool = HostPool(n, shape.hidden, shape.inter, fmt)
+    rng = np.random.default_rng(seed)
+    for bank in ("gate_up", "down"):
+        raw = pool.raw(bank)
+        _fill_random(raw, rng)
+        if fmt == "bf16":
+            u16 = raw.view(np.uint16)
+            u16 &= np.uint16(0x83FF)  # sign + small exponent + mantissa: |w| < 2^-7
+            u16 |= np.uint16(0x3800)
+        elif fmt == "int4":
+            _, scales = pool.int4_parts(bank)
+            scales[...] = 0.01
+    return pool
+
+
+def stream_read_gbps(nbytes: int, reps: int = 3) -> float:
+    """Read ceiling: all worker threads read a touched buffer of ``nbytes`` once (best of reps)."""
+    buf = np.empty(nbytes + 64, np.uint8)
+    off = (-buf.ctypes.data) % 64
+    buf = buf[off:off + nbytes]
+    _fill_random(buf, np.random.default_rng(1))
+    return nbytes / _host.stream_read_seconds(buf, reps) / 1e9
+
+
+def cpu_kernel_gbps(pool: HostPool, shape: ExpertShape, tokens: int, calls: int = 20, seed: int = 0,
+                    act: str = "bf16") -> dict:
+    """Decode-shaped calls (``tokens`` x top-k routes) walking a rotating window through the pool,
+    so weights come from DRAM. Returns weight bytes read per second (median call) and the time."""
+    rng = np.random.default_rng(seed)
+    n = pool.n_experts
+    x = rng.standard_normal((tokens, shape.hidden)).astype(np.float32)
+    if act == "bf16":
+        x = (x.view(np.uint32) >> 16).astype(np.uint16)  # bf16 bits (truncated), passed as uint16
+    times, uniq_bytes = [], []
+    cursor = 0
+    for _ in range(calls + 2):
+        # each token picks top_k distinct experts out of a fresh window of 2*top_k experts
+        window = (cursor + np.arange(2 * shape.top_k)) % n
+        cursor = (cursor + 2 * shape.top_k) % n
+        eid = np.concatenate([rng.choice(window, shape.top_k, replace=False) for _ in range(tokens)]).astype(np.int32)
+        tok = np.repeat(np.arange(tokens, dtype=np.int32), shape.top_k)
+        w = np.full(eid.size, 0.125, np.float32)
+        t0 = time.perf_counter()
+        _host.run_experts(pool._h, x, tok, eid, w, eid.size, x_bf16=act == "bf16")
+        times.append(time.perf_counter() - t0)
+        uniq_bytes.append(len(np.unique(eid)) * (pool.expert_bytes("gate_up") + pool.expert_bytes("down")))
+    times, uniq_bytes = np.array(times[2:]), np.array(uniq_bytes[2:])  # first calls warm the threads
+    rates = uniq_bytes / times
+    return {"gbps": float(np.median(rates)) / 1e9, "ms": float(np.median(times)) * 1e3,
+            "bytes_per_call": float(np.median(uniq_bytes))}

@@ -1,0 +1,147 @@
+"""``HostPool``: the routed-expert pool in host RAM, owned by the C++ runtime.
+
+One 2 MiB-aligned allocation per bank (``gate_up [N, 2I, H]``, ``down [N, H, I]``, flat id
+``l*E + e``), exposed as numpy views that the FTW loader fills in place; after the fill the pool is
+pinned and device-mapped where a CUDA GPU is present, and never written again. FFI calls name the
+pool by its integer ``id``.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Mapping
+
+import numpy as np
+
+from ftjax import _host
+from ftjax.host import quant
+
+log = logging.getLogger(__name__)
+
+FORMATS = ("f32", "bf16", "int4")
+_NP = {"f32": np.dtype(np.float32), "bf16": quant.BF16}
+_FORMAT_OF_DTYPE = {np.dtype(np.float32): "f32", quant.BF16: "bf16"}
+
+
+def format_of(dtype) -> str:
+    dtype = np.dtype(dtype)
+    if dtype not in _FORMAT_OF_DTYPE:
+        raise ValueError(f"no host-pool format for dtype {dtype}; valid: float32, bfloat16 (or int4 by quantizing)")
+    return _FORMAT_OF_DTYPE[dtype]
+
+
+class HostPool:
+    """Expert banks of one model in host memory. ``format`` is "f32", "bf16" or "int4"."""
+
+    def __init__(self, n_experts: int, hidden: int, inter: int, format: str = "bf16"):
+        if format not in FORMATS:
+            raise ValueError(f"host pool format {format!r} unknown; valid: {FORMATS}")
+        self._h = _host.HostPool(int(n_experts), int(hidden), int(inter), format)
+        self.format = format
+        self.n_experts, self.hidden, self.inter = int(n_experts), int(hidden), int(inter)
+
+    @property
+    def id(self) -> int:
+        return self._h.id
+
+    @property
+    def total_bytes(self) -> int:
+        return self._h.total_bytes
+
+    @property
+    def pinned(self) -> bool:
+        return self._h.pinned
+
+    def expert_bytes(self, bank: str) -> int:
+        return self._h.expert_bytes(bank)
+
+    def shape(self, bank: str) -> tuple[int, int, int]:
+        if bank == "gate_up":
+            return (self.n_experts, 2 * self.inter, self.hidden)
+        if bank == "down":
+            return (self.n_experts, self.hidden, self.inter)
+        raise KeyError(f"expert bank {bank!r} unknown; valid: gate_up, down")
+
+    def raw(self, bank: str) -> np.ndarray:
+        """Writable uint8 view ``[N, expert_bytes]`` (keeps the pool alive)."""
+        self.shape(bank)
+        return self._h.bank(bank)
+
+    def bank(self, bank: str) -> np.ndarray:
+        """Typed view ``[N, rows, cols]`` of an f32/bf16 bank (the FTW loader fills these)."""
+        if self.format == "int4":
+            raise ValueError("int4 banks have no single typed view; use int4_parts(bank)")
+        return self.raw(bank).view(_NP[self.format]).reshape(self.shape(bank))
+
+    def int4_parts(self, bank: str) -> tuple[np.ndarray, np.ndarray]:
+        """Views ``(packed uint8 [N, rows, cols/2], scales bf16 [N, rows, cols/32])`` of an int4 bank."""
+        if self.format != "int4":
+            raise ValueError(f"int4_parts needs an int4 pool, this one is {self.format}")
+        _, rows, cols = self.shape(bank)
+        return quant.split_rows(self.raw(bank), rows, cols)
+
+    def fill(self, banks: Mapping[str, np.ndarray]) -> "HostPool":
+        """Copy float banks in (quantizing for an int4 pool); for tests and synthetic pools."""
+        for name in ("gate_up", "down"):
+            src = np.asarray(banks[name])
+            if src.shape != self.shape(name):
+                raise ValueError(f"bank {name!r} has shape {src.shape}, the pool expects {self.shape(name)}")
+            if self.format == "int4":
+                packed, scales = self.int4_parts(name)
+                for lo in range(0, self.n_experts, 64):  # bounded temporaries
+                    packed[lo:lo + 64], scales[lo:lo + 64] = quant.quantize_int4(src[lo:lo + 64])
+            else:
+                self.bank(name)[...] = src
+        return self
+
+    @classmethod
+    def from_banks(cls, banks: Mapping[str, np.ndarray], format: str | None = None) -> "HostPool":
+        gu = np.asarray(banks["gate_up"])
+        n, two_i, h = gu.shape
+        return cls(n, h, two_i // 2, format or format_of(gu.dtype)).fill(banks)
+
+    def allocator(self):
+        """``alloc(bank, shape, dtype) -> view`` for ``ftjax.ftw.load.load_store(bank_allocator=...)``."""
+        def alloc(name: str, shape, dtype) -> np.ndarray:
+            if tuple(shape) != self.shape(name) or format_of(dtype) != self.format:
+                raise ValueError(f"bank {name!r} of the store is {np.dtype(dtype)}{tuple(shape)}, the pool "
+                                 f"holds {self.format}{self.shape(name)}")
+            return self.bank(name)
+        return alloc
+
+    def pin(self) -> None:
+        """Register the filled pool as pinned, device-mapped memory (needs a CUDA build and GPU)."""
+        self._h.pin()
+
+    def pin_if_cuda(self) -> bool:
+        """Pin when this build has CUDA and a GPU is visible; return whether it is pinned."""
+        if not self.pinned and _host.cuda_built() and _host.cuda_device_count() > 0:
+            self.pin()
+        return self.pinned
+
+    def close(self) -> None:
+        """Unregister the pool id (FFI calls naming it then fail); memory is freed once no view is left."""
+        self._h.close()
+
+    def __repr__(self) -> str:
+        return (f"HostPool(id={self.id}, n_experts={self.n_experts}, hidden={self.hidden}, inter={self.inter}, "
+                f"format={self.format!r}, {self.total_bytes / 2**30:.2f} GiB, pinned={self.pinned})")
+
+
+def load_store_into_pool(path, *, pin: bool = True, **load_kwargs):
+    """``ftjax.ftw.load_store`` with the expert banks read straight into a new ``HostPool``.
+
+    The pool is pinned after the fill where a CUDA GPU is present (``pin``). Returns
+    ``(LoadedModel, HostPool)``; ``LoadedModel.experts`` are views into the pool.
+    """
+    from ftjax.ftw.load import load_store, open_store
+
+    _, man, cfg = open_store(path)
+    dtypes = {man["experts"]["banks"][b]["dtype"] for b in ("gate_up", "down")}
+    if len(dtypes) != 1:
+        raise ValueError(f"expert banks of {path} have different dtypes {sorted(dtypes)}; a host pool holds one")
+    fmt = format_of(np.dtype(quant.BF16 if dtypes == {"bfloat16"} else dtypes.pop()))
+    pool = HostPool(cfg.num_layers * cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, fmt)
+    model = load_store(path, bank_allocator=pool.allocator(), **load_kwargs)
+    if pin:
+        pool.pin_if_cuda()
+    return model, pool

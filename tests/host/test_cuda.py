@@ -1,0 +1,102 @@
+"""CUDA FFI targets: zero-copy expert fill and the CPU-branch handshake inside jax.jit (GPU only)."""
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from ftjax import _host
+from ftjax.host import HostPool
+from ftjax.host.reference import experts_reference
+
+pytestmark = pytest.mark.gpu
+
+
+def _gpu() -> bool:
+    try:
+        return _host.cuda_built() and _host.cuda_device_count() > 0 and jax.default_backend() == "gpu"
+    except RuntimeError:
+        return False
+
+
+if not _gpu():
+    pytest.skip("needs a CUDA build, a GPU and JAX's GPU backend", allow_module_level=True)
+
+from ftjax.host import cuda  # noqa: E402
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+@pytest.fixture(scope="module")
+def pool():
+    rng = np.random.default_rng(0)
+    banks = {"gate_up": (rng.standard_normal((32, 256, 128)) * 0.2).astype(BF16),
+             "down": (rng.standard_normal((32, 128, 128)) * 0.2).astype(BF16)}
+    p = HostPool.from_banks(banks)
+    assert p.pin_if_cuda() and p.pinned
+    return p
+
+
+def test_fill_copies_valid_entries_only(pool):
+    S = 16
+    fill = jax.jit(lambda i, s, n, g, d: cuda.expert_fill(i, s, n, g, d, pool), donate_argnums=(3, 4))
+    g = jnp.full((S, 256, 128), -3.0, jnp.bfloat16)
+    d = jnp.full((S, 128, 128), -3.0, jnp.bfloat16)
+    ids = np.array([5, 31, 0, -1, 7, 9, 2, 3], np.int32)  # -1: masked entry
+    slots = np.array([3, 0, 15, 4, 6, 1, 2, 5], np.int32)
+    for n_valid in (5, 0, 8):  # the count is device data: one executable, replayed
+        g, d = fill(ids, slots, jnp.int32(n_valid), g, d)
+        gh, dh = np.asarray(g.astype(jnp.float32)), np.asarray(d.astype(jnp.float32))
+        for q in range(n_valid):
+            if ids[q] >= 0:
+                np.testing.assert_array_equal(gh[slots[q]], pool.bank("gate_up")[ids[q]].astype(np.float32))
+                np.testing.assert_array_equal(dh[slots[q]], pool.bank("down")[ids[q]].astype(np.float32))
+    untouched = sorted(set(range(S)) - set(slots[ids >= 0].tolist()))
+    assert np.all(gh[untouched] == -3.0) and np.all(dh[untouched] == -3.0)
+
+
+def test_fill_rejects_wrong_cache_size(pool):
+    with pytest.raises(Exception, match="cache sizes do not match"):
+        cuda.expert_fill(np.zeros(2, np.int32), np.zeros(2, np.int32), 1, jnp.zeros((4, 256, 64), jnp.bfloat16),
+                         jnp.zeros((4, 128, 128), jnp.bfloat16), pool)[0].block_until_ready()
+
+
+@pytest.mark.parametrize("cmd_buffer", [True, False])
+def test_submit_collect_overlaps_gpu_work_and_matches(pool, cmd_buffer):
+    channel = 100 + int(cmd_buffer)
+    cuda.create_channel(channel, pool, max_tokens=8, max_tasks=32)
+
+    @jax.jit
+    def step(x, tok, eid, w, n, m):
+        token = cuda.cpu_experts_submit(x, tok, eid, w, n, channel, cmd_buffer=cmd_buffer)
+        for _ in range(4):  # GPU work that runs while the CPU computes
+            m = jnp.tanh(m @ m)
+        y, status, m = cuda.cpu_experts_collect(token, x.shape[0], 128, channel, after=m, cmd_buffer=cmd_buffer)
+        return y, status, m
+
+    rng = np.random.default_rng(1)
+    ref_banks = {b: pool.bank(b).astype(np.float32) for b in ("gate_up", "down")}
+    m = jnp.asarray(rng.standard_normal((512, 512)) * 0.01, jnp.float32)
+    for it in range(4):  # fresh inputs each step: a replay must not reuse stale staging
+        x = rng.standard_normal((6, 128)).astype(np.float32)
+        tok = rng.integers(0, 6, 32).astype(np.int32)
+        eid = rng.integers(0, 32, 32).astype(np.int32)
+        w = rng.random(32).astype(np.float32)
+        n = int(rng.integers(0, 33))
+        y, status, m = step(x, tok, eid, w, jnp.int32(n), m)
+        assert int(status) == 0, cuda.channel_error(channel)
+        want = experts_reference(x, tok, eid, w, n, ref_banks["gate_up"], ref_banks["down"])
+        np.testing.assert_allclose(np.asarray(y), want, rtol=1e-4, atol=1e-4)
+
+
+def test_cpu_failure_and_watchdog_become_status_not_hang(pool):
+    cuda.create_channel(200, pool, max_tokens=2, max_tasks=4)
+    x = jnp.ones((2, 128), jnp.float32)
+    bad = np.array([0, 1, 99, 0], np.int32)  # expert 99 is outside the pool
+    tok = cuda.cpu_experts_submit(x, np.zeros(4, np.int32), bad, np.ones(4, np.float32), 4, 200)
+    y, status = cuda.cpu_experts_collect(tok, 2, 128, 200)
+    assert int(status) == 2 and np.isnan(np.asarray(y)).all()
+    assert "expert id 99" in cuda.channel_error(200)
+    # A sequence number the CPU never serves: the GPU wait gives up after timeout_ms.
+    y, status = cuda.cpu_experts_collect(jnp.asarray([10**6], jnp.int32), 2, 128, 200, timeout_ms=50)
+    assert int(status) == 1 and np.isnan(np.asarray(y)).all()

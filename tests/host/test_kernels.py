@@ -1,0 +1,145 @@
+"""CPU expert kernels (every ISA tier on this machine) against the float64 numpy reference."""
+import zlib
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from ftjax import _host
+from ftjax.host import HostPool, available_tiers, quant, set_tier
+from ftjax.host.reference import experts_reference
+
+TIERS = available_tiers()
+BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+@pytest.fixture(autouse=True)
+def _restore_tier():
+    yield
+    set_tier("auto")
+
+
+def make_pool(rng, fmt, n, hidden, inter):
+    banks = {"gate_up": rng.standard_normal((n, 2 * inter, hidden)).astype(np.float32) * 0.2,
+             "down": rng.standard_normal((n, hidden, inter)).astype(np.float32) * 0.2}
+    if fmt == "bf16":
+        banks = {k: v.astype(BF16) for k, v in banks.items()}
+    pool = HostPool(n, hidden, inter, fmt).fill(banks)
+    if fmt == "int4":  # the reference multiplies the dequantized weights
+        ref = {b: quant.dequantize_int4(*pool.int4_parts(b)) for b in ("gate_up", "down")}
+    else:
+        ref = {b: pool.bank(b).astype(np.float32) for b in ("gate_up", "down")}
+    return pool, ref
+
+
+def run(pool, x, tok, eid, w, n_valid):
+    bf16 = x.dtype == BF16
+    return _host.run_experts(pool._h, x.view(np.uint16) if bf16 else x, tok, eid, w, n_valid, x_bf16=bf16)
+
+
+def tasks(rng, T, n_tasks, n_experts, k=None):
+    tok = rng.integers(0, T, n_tasks).astype(np.int32)
+    eid = rng.integers(0, n_experts, n_tasks).astype(np.int32)
+    eid[: n_tasks // 3] = eid[0]  # duplicate experts: several tokens on one expert
+    return tok, eid, rng.random(n_tasks).astype(np.float32)
+
+
+def rel_err(y, ref):
+    return float(np.abs(y - ref).max() / max(np.abs(ref).max(), 1e-30))
+
+
+@pytest.mark.parametrize("tier", TIERS)
+@pytest.mark.parametrize("fmt,act", [("f32", "f32"), ("bf16", "f32"), ("bf16", "bf16"), ("int4", "f32"),
+                                     ("int4", "bf16")])
+@pytest.mark.parametrize("hidden,inter", [(64, 32), (96, 160)])
+def test_kernel_matches_reference(tier, fmt, act, hidden, inter):
+    set_tier(tier)
+    rng = np.random.default_rng(zlib.crc32(f"{tier}{fmt}{act}{hidden}".encode()))
+    pool, ref = make_pool(rng, fmt, 7, hidden, inter)
+    T, cap = 9, 24
+    x = rng.standard_normal((T, hidden)).astype(np.float32)
+    if act == "bf16":
+        x = x.astype(BF16)
+    tok, eid, w = tasks(rng, T, cap, 7)
+    for n_valid in (cap, 13, 1):
+        y = run(pool, x, tok, eid, w, n_valid)
+        want = experts_reference(x.astype(np.float32), tok, eid, w, n_valid, ref["gate_up"], ref["down"],
+                                 bf16_act=act == "bf16")
+        # f32 activations: float32 summation; bf16: the intermediate's bf16 rounding may flip.
+        tol = 2e-5 if act == "f32" else 2e-2
+        assert rel_err(y, want) < tol, (n_valid, rel_err(y, want))
+
+
+@pytest.mark.parametrize("tier", TIERS)
+@pytest.mark.parametrize("fmt", ["f32", "bf16"])
+def test_odd_sizes(tier, fmt):
+    set_tier(tier)
+    rng = np.random.default_rng(3)
+    pool, ref = make_pool(rng, fmt, 5, 37, 23)  # neither a multiple of 8 nor 16: every tail path
+    x = rng.standard_normal((5, 37)).astype(np.float32)
+    tok, eid, w = tasks(rng, 5, 11, 5)
+    y = run(pool, x, tok, eid, w, 11)
+    assert rel_err(y, experts_reference(x, tok, eid, w, 11, ref["gate_up"], ref["down"])) < 2e-5
+
+
+@pytest.mark.parametrize("tier", TIERS)
+def test_many_tokens_one_expert_and_repeated_task(tier):
+    set_tier(tier)
+    rng = np.random.default_rng(4)
+    pool, ref = make_pool(rng, "bf16", 3, 64, 32)
+    T = 13  # more than any micro-tile's activation count
+    x = rng.standard_normal((T, 64)).astype(np.float32)
+    tok = np.concatenate([np.arange(T), [2, 2]]).astype(np.int32)  # token 2 twice on expert 1
+    eid = np.ones(T + 2, np.int32)
+    w = rng.random(T + 2).astype(np.float32)
+    y = run(pool, x, tok, eid, w, T + 2)
+    assert rel_err(y, experts_reference(x, tok, eid, w, T + 2, ref["gate_up"], ref["down"])) < 2e-5
+
+
+def test_empty_task_list_gives_zeros():
+    rng = np.random.default_rng(5)
+    pool, _ = make_pool(rng, "bf16", 2, 32, 32)
+    x = rng.standard_normal((3, 32)).astype(np.float32)
+    z = np.zeros(0, np.int32)
+    np.testing.assert_array_equal(run(pool, x, z, z, np.zeros(0, np.float32), 0), 0.0)
+    tok, eid, w = tasks(rng, 3, 4, 2)
+    np.testing.assert_array_equal(run(pool, x, tok, eid, w, 0), 0.0)
+
+
+def test_bad_tasks_raise_with_the_value():
+    rng = np.random.default_rng(6)
+    pool, _ = make_pool(rng, "f32", 4, 32, 32)
+    x = rng.standard_normal((2, 32)).astype(np.float32)
+    w = np.ones(2, np.float32)
+    with pytest.raises(ValueError, match="expert id 9 is outside"):
+        run(pool, x, np.array([0, 1], np.int32), np.array([0, 9], np.int32), w, 2)
+    with pytest.raises(ValueError, match="token index 5 is outside"):
+        run(pool, x, np.array([5, 1], np.int32), np.array([0, 1], np.int32), w, 2)
+    with pytest.raises(ValueError, match="n_valid 3 outside"):
+        run(pool, x, np.array([0, 1], np.int32), np.array([0, 1], np.int32), w, 3)
+    with pytest.raises(ValueError, match="x must be"):
+        run(pool, np.zeros((2, 31), np.float32), np.array([0], np.int32), np.array([0], np.int32), w[:1], 1)
+
+
+def test_set_tier_rejects_unknown():
+    with pytest.raises(ValueError, match="valid: auto"):
+        set_tier("avx9000")
+    assert TIERS[0] == "scalar"
+
+
+def test_worker_pool_sizes_agree():
+    """Results do not depend on the number of worker threads (work split by output rows)."""
+    from ftjax.host import configure_workers, worker_info
+
+    rng = np.random.default_rng(7)
+    pool, _ = make_pool(rng, "bf16", 6, 64, 64)
+    x = rng.standard_normal((4, 64)).astype(np.float32)
+    tok, eid, w = tasks(rng, 4, 16, 6)
+    base = run(pool, x, tok, eid, w, 16)
+    try:
+        for n in (0, 3):
+            configure_workers(n_workers=n, spin_us=20)
+            assert worker_info()["n_threads"] == n + 1
+            np.testing.assert_allclose(run(pool, x, tok, eid, w, 16), base, rtol=1e-6, atol=1e-6)
+    finally:
+        configure_workers()
