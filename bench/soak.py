@@ -251,7 +251,9 @@ def main(argv=None) -> int:
               "leaks": leaks, "pages_reported": bool(pages), "health_after": health, "server_alive": alive,
               "server_exit_code": rc, "ttft_s": pct(soak.ttft_s), "latency_s": pct(soak.latency_s),
               "stream_tok_s": soak.tokens / wall if wall else 0.0}
-    ok = (all(v == 0 for v in leaks.values()) and alive and health == "SERVING"
+    internal = after["server"]["internal"] - before["server"]["internal"]  # server-side failures (logged there)
+    report["server_internal_errors"] = internal
+    ok = (all(v == 0 for v in leaks.values()) and alive and health == "SERVING" and internal == 0
           and soak.counts["errors"] == 0 and soak.counts["workers_stuck"] == 0)
     report["ok"] = ok
     print(f"\nsoak: {args.streams} streams for {wall / 60:.1f} min against {target} ({info.get('family')}, "
@@ -259,7 +261,8 @@ def main(argv=None) -> int:
     rows = [("requests", soak.counts["requests"]), ("completed", soak.counts["completed"]),
             ("cancelled (client)", soak.counts["cancelled"]), ("disconnected", soak.counts["disconnected"]),
             ("deadline exceeded", soak.counts["deadline_exceeded"]), ("queue full", soak.counts["queue_full"]),
-            ("malformed rejected", soak.counts["rejected_invalid"]), ("errors", soak.counts["errors"]),
+            ("malformed rejected", soak.counts["rejected_invalid"]), ("errors (client seen)", soak.counts["errors"]),
+            ("server INTERNAL errors", internal),
             ("engine completed / cancelled / errors", f"{delta['completed']} / {delta['cancelled']} / {delta['errors']}"),
             ("tokens streamed", soak.tokens), ("stream tok/s", f"{report['stream_tok_s']:.1f}"),
             ("TTFT p50 / p90 / p99 (s)", " / ".join(f"{report['ttft_s'][k]:.2f}" for k in ("p50", "p90", "p99"))),

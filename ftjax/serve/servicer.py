@@ -39,11 +39,17 @@ class NotReadyError(EngineError):
     """The model is still loading."""
 
 
+class DeadlinePassedError(Exception):
+    """The engine ended the request because the call's deadline passed."""
+
+
 _SERVER_COUNTERS = ("rpcs", "streams_open", "invalid_argument", "resource_exhausted", "unavailable", "cancelled",
                     "deadline_exceeded", "internal")
 
 
 def _status_for(e: BaseException) -> tuple[grpc.StatusCode, str]:
+    if isinstance(e, DeadlinePassedError):
+        return grpc.StatusCode.DEADLINE_EXCEEDED, str(e)
     if isinstance(e, InvalidRequestError):
         return grpc.StatusCode.INVALID_ARGUMENT, str(e)
     if isinstance(e, QueueFullError):
@@ -94,7 +100,12 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             log.error("%s failed", rpc, exc_info=e)
         else:
             log.info("%s: %s: %s", rpc, code.name, message)
-        await context.abort(code, message)
+        try:
+            await context.abort(code, message)
+        except grpc.aio.AbortError:
+            raise
+        except Exception as err:  # noqa: BLE001 - the call already ended (deadline, cancel): nothing to send
+            log.debug("%s: the call had ended before its %s status could be sent (%s)", rpc, code.name, err)
 
     def _ready_engine(self):
         if not self.engine.ready:
@@ -121,9 +132,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                 if ev.finished:
                     finished = True
                     if ev.finish_reason == "cancelled" and deadline is not None and time.monotonic() >= deadline:
-                        self.counters["deadline_exceeded"] += 1
-                        await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                            f"request {rid}: the deadline passed during generation")
+                        raise DeadlinePassedError(f"request {rid}: the deadline passed during generation")
                     result = await asyncio.to_thread(handle.result, RESULT_WAIT_S)
                     resp.finish_reason = messages.finish_reason(pb, ev.finish_reason)
                     resp.usage.CopyFrom(messages.usage(pb, result))

@@ -87,3 +87,17 @@ def test_async_client_streams_and_cancels(client, fake_server):
     assert got.token_ids == expected.token_ids and got.text == expected.text
     assert "".join(p.text for p in parts) == expected.text
     wait_idle(client, timeout=1.0)
+
+
+def test_status_after_the_call_ended_is_not_an_error(fake_server):
+    """A deadline the engine noticed after gRPC had already ended the call: the status cannot be sent
+    any more; that is logged, not raised (it once surfaced as 'Abort already called!')."""
+    from ftjax.serve.servicer import DeadlinePassedError, InferenceServicer
+
+    class EndedContext:
+        async def abort(self, code, details):
+            raise RuntimeError("execute_batch failed: the call is over")
+
+    servicer = InferenceServicer(fake_server.engine)
+    asyncio.run(servicer._abort(EndedContext(), DeadlinePassedError("request x: deadline"), "Generate"))
+    assert servicer.counters["deadline_exceeded"] == 1 and servicer.counters["internal"] == 0
