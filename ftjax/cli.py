@@ -61,6 +61,19 @@ def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
                    help="with --chat: render enable_thinking=false (an empty <think></think> block)")
     g.add_argument("--max-len", type=_positive_int, metavar="N",
                    help="context length to allocate (default: min(4096, max_position_embeddings))")
+    add_expert_args(p)
+
+
+def add_expert_args(p: argparse.ArgumentParser) -> None:
+    """``--policy`` and ``--vram-gib`` (the expert runtime's user knobs)."""
+    from ftjax.experts.policies import POLICIES
+
+    g = p.add_argument_group("experts")
+    g.add_argument("--policy", choices=sorted(POLICIES), default=None,
+                   help="expert placement: lru-split (LRU cache + bandwidth-adaptive miss split), lru-fill, "
+                   "cpu, static, resident (default: all experts resident; lru-split with --vram-gib)")
+    g.add_argument("--vram-gib", type=float, default=None, metavar="G",
+                   help="GPU memory for the expert cache in GiB (default: the whole expert pool)")
 
 
 def _sampling_params(args):
@@ -95,7 +108,7 @@ def _run_generation(model, args, prompt: str, echo_prompt: bool = False) -> None
     params = _sampling_params(args)  # validate before the slow part
     if not prompt:
         raise CLIError("the prompt is empty")
-    gen = Generator(model, batch=1, max_len=args.max_len)
+    gen = Generator(model, batch=1, max_len=args.max_len, policy=args.policy, vram_gib=args.vram_gib)
     text = _prompt_text(gen.tokenizer, args, prompt)
     ids = gen.encode_prompt(text)
     if len(ids) > gen.max_len:

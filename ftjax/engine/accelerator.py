@@ -101,16 +101,24 @@ class ModelAccelerator:
 
     backend_name = "resident"
 
-    def __init__(self, model, max_slots: int, max_len: int, prefill_chunk: int, dtype: str | None = None):
+    def __init__(self, model, max_slots: int, max_len: int, prefill_chunk: int, dtype: str | None = None,
+                 offload=None):
+        from ftjax.experts.runtime import OffloadConfig, build_backend
+        from ftjax.experts.stats import ExpertStats
+
         cfg = model.config
         self.cfg, self.max_slots, self.max_len = cfg, max_slots, max_len
         self.vocab_size = cfg.vocab_size
         self.buckets = prefill_buckets(prefill_chunk, max_len)
         jdtype = {None: None, "bf16": jnp.bfloat16, "fp32": jnp.float32}[dtype]
         self.params = model.params if jdtype is None else _cast_tree(model.params, jdtype)
-        self.backend = ResidentExperts(cfg.num_experts)
+        self.offload = offload or OffloadConfig()
+        self.backend, self.expert_state, self.expert_info = build_backend(
+            cfg, model.experts, self.offload, pool=getattr(model, "pool", None), max_tokens=prefill_chunk, dtype=jdtype)
+        self.backend_name = self.expert_info["policy"] if self.offload.offloaded else "resident"
         self._banks, self._jdtype = model.experts, jdtype
-        self.expert_state = ResidentExperts.init_state(model.experts, dtype=jdtype)
+        self.expert_stats = ExpertStats()
+        self._hot_frozen = False
         self.pool_bytes = int(sum(b.nbytes for b in model.experts.values()))
         self.dtype = jnp.asarray(self.params["embed"]).dtype
         self.state = get_family(cfg).init_state(cfg, max_slots, max_len, self.dtype)
@@ -128,13 +136,18 @@ class ModelAccelerator:
             row_tokens = np.zeros((1, length), np.int32)
             row_tokens[0, :n] = tokens[b, :n]
             rows[b] = self._run(self._prefill[length], jnp.int32(b), row_tokens, np.array([n], np.int32))
+        if rows and not self._hot_frozen and hasattr(self.backend, "freeze_hot_set"):
+            # static policy: the hot set is taken from the first prefill's histogram, then fixed
+            self.expert_state, self._hot_frozen = self.backend.freeze_hot_set(self.expert_state), True
         if not rows:
             return jnp.zeros((self.max_slots, self.vocab_size), jnp.float32)
         zero = jnp.zeros_like(next(iter(rows.values())))
         return jnp.stack([rows.get(b, zero) for b in range(self.max_slots)])
 
     def decode(self, tokens: np.ndarray, n_new: np.ndarray):
-        return self._run(self._decode, np.asarray(tokens)[:, None], n_new)
+        logits = self._run(self._decode, np.asarray(tokens)[:, None], n_new)
+        self.expert_stats.after_step(self.expert_state)
+        return logits
 
     def _run(self, step, *args):
         *head, tokens, n_new = args
@@ -145,7 +158,10 @@ class ModelAccelerator:
             # The donated state may be gone: start from empty slots (the scheduler fails their requests).
             log.warning("step failed; re-initialising the slot state")
             self.state = get_family(self.cfg).init_state(self.cfg, self.max_slots, self.max_len, self.dtype)
-            self.expert_state = ResidentExperts.init_state(self._banks, dtype=self._jdtype)
+            if self.offload.offloaded:
+                self.expert_state = self.backend.init_state(self.expert_info["bandwidth"].fill_fraction)
+            else:
+                self.expert_state = ResidentExperts.init_state(self._banks, dtype=self._jdtype)
             raise
         return logits
 

@@ -47,6 +47,9 @@ class EngineConfig:
         in chunks between decode steps so running streams keep flowing.
     max_queue: most requests waiting for a slot; ``submit`` raises QueueFullError beyond it.
     dtype: cast the weights and the KV state ("bf16" | "fp32"); None = the store's dtype.
+    policy: expert placement (``ftjax.experts.policies``: lru-split, lru-fill, cpu, static, resident);
+        None = every expert resident as plain device banks (lru-split when ``vram_gib`` is set).
+    vram_gib: GPU memory for the expert slot cache; None = room for the whole pool.
     """
 
     max_slots: int = 4
@@ -54,8 +57,13 @@ class EngineConfig:
     prefill_chunk: int = 256
     max_queue: int = 64
     dtype: str | None = None
+    policy: str | None = None
+    vram_gib: float | None = None
 
     def __post_init__(self):
+        from ftjax.experts.runtime import OffloadConfig
+
+        OffloadConfig(self.policy, self.vram_gib)  # validates both
         _check_int("max_slots", self.max_slots, 1)
         if self.max_len is not None:
             _check_int("max_len", self.max_len, 2)

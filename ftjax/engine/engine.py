@@ -111,8 +111,10 @@ class Engine:
     def _build_accelerator(self, model):
         from ftjax.engine.accelerator import ModelAccelerator
 
+        from ftjax.experts.runtime import OffloadConfig
+
         return ModelAccelerator(model, self.config.max_slots, self.max_len, self.config.prefill_chunk,
-                                self.config.dtype)
+                                self.config.dtype, OffloadConfig(self.config.policy, self.config.vram_gib))
 
     def _attach(self, accelerator) -> None:
         if accelerator.max_slots != self.config.max_slots:
@@ -252,6 +254,12 @@ class Engine:
         out["memory"] = {k: mem.get(k, 0) for k in ("params_bytes", "kv_bytes", "expert_cache_bytes",
                                                     "expert_pool_bytes")}
         out["bandwidth"] = {"b_pcie_gbps": None, "b_host_gbps": None}
+        reader = getattr(self.accelerator, "expert_stats", None)
+        info = getattr(self.accelerator, "expert_info", {}) or {}
+        if reader is not None and info.get("num_slots") is not None:  # the offload runtime's device counters
+            out["experts"] = {"backend": self.accelerator.backend_name, "num_slots": info["num_slots"],
+                              **reader.summary()}
+            out["bandwidth"] = info["bandwidth"].to_dict()
         return out
 
 

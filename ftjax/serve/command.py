@@ -27,13 +27,17 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prefill-chunk", type=int, default=256, metavar="N",
                    help="prompt tokens per slot per prefill step (default 256)")
     g.add_argument("--dtype", choices=("bf16", "fp32"), help="weights and KV dtype (default: the store's)")
+    from ftjax.cli import add_expert_args  # --policy / --vram-gib, shared with generate and demo
+
+    add_expert_args(p)
 
 
 def engine_config(args):
     from ftjax.engine import EngineConfig
 
     return EngineConfig(max_slots=args.max_slots, max_len=args.max_len, prefill_chunk=args.prefill_chunk,
-                        max_queue=args.max_queue, dtype=args.dtype)
+                        max_queue=args.max_queue, dtype=args.dtype, policy=args.policy,
+                        vram_gib=args.vram_gib)
 
 
 def model_dir(args) -> str:

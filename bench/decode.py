@@ -1,0 +1,228 @@
+"""Offloaded MoE decode benchmark: every policy, against the roofline measured in the same run.
+
+Synthetic Qwen3.6-35B-A3B-shaped bf16 model (40 layers, 256 experts, top-8, hidden 2048, expert 512,
+shared expert 512; random weights, vocabulary 151,669 = the Qwen3 tokenizer's), expert pool generated
+in host memory (60 GiB), expert cache at 37% and 11% of the pool, batch 1 and 4. Routing:
+
+- ``trace``: the calibrated synthetic trace (``ftjax.experts.traces``; LRU misses ~16% at 37%,
+  ~39% at 11%), replayed through the real decode step (``ReplayRouting``);
+- ``text``: the model's own router on real text through the Qwen3 tokenizer (teacher-forced decode).
+
+Per (routing, batch, cache size): tok/s of every policy, miss rate, mean fills and CPU experts per
+layer, B_P/B_H in use, and the roofline ``B / (T_gpu + miss_bytes / B_DRAM)``: T_gpu = the measured
+step with every routed expert resident (policy ``resident``), B_DRAM = the all-thread host read
+bandwidth measured in this run; plus the q* rule against the best fixed fill fraction of a sweep.
+Random weights: the routing is synthetic or organic but the text generated is meaningless.
+
+GPU machine only (CUDA FFI fill + CPU-branch handshake). Writes bench/out/decode.json.
+    python bench/decode.py                      # everything (long: one compile per configuration)
+    python bench/decode.py --routing trace --batches 1 --fractions 0.37
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ftjax.config import parse_hf_config
+from ftjax.experts import bandwidth as bw
+from ftjax.experts.decode import OffloadExperts
+from ftjax.experts.traces import ReplayRouting, synthetic_trace
+from ftjax.host import calibrate, measure
+from ftjax.models import get_family, make_step_fns
+from ftjax.models.params import param_shapes, unflatten
+
+TOKENIZER = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "qwen3-tokenizer"
+QWEN36 = {
+    "model_type": "qwen3_5_moe_text", "hidden_size": 2048, "num_hidden_layers": 40, "num_attention_heads": 16,
+    "num_key_value_heads": 2, "head_dim": 256, "vocab_size": 151669, "num_experts": 256, "num_experts_per_tok": 8,
+    "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512, "linear_conv_kernel_dim": 4,
+    "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128, "max_position_embeddings": 4096,
+    "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 10,
+}
+POLICIES = ("lru-split", "lru-fill", "cpu", "static")
+SWEEP = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.7, 0.9)
+
+
+def make_params(cfg, seed=0):
+    key = jax.random.PRNGKey(seed)
+    flat = {}
+    for i, (name, shape) in enumerate(sorted(param_shapes(cfg).items())):
+        flat[name] = (jax.random.normal(jax.random.fold_in(key, i), shape, jnp.float32) * 0.02).astype(jnp.bfloat16)
+    return unflatten(flat)
+
+
+def text_tokens(n: int, batch: int) -> np.ndarray:
+    from ftjax.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(TOKENIZER)
+    text = (Path(__file__).resolve().parents[1] / "ftjax" / "data" / "corpus.txt").read_text()
+    ids = np.asarray(tok.encode(text), np.int32)
+    need = n * batch
+    ids = np.resize(ids, max(need, len(ids)))
+    return np.stack([ids[b * n:(b + 1) * n] for b in range(batch)], axis=1)  # [n, B]
+
+
+class Run:
+    """One backend at one batch size: a decode step function and its states."""
+
+    def __init__(self, cfg, params, pool, policy, slots, batch, routing, trace, max_len, fill_fraction):
+        L, E, k = cfg.num_layers, cfg.num_experts, cfg.num_experts_per_tok
+        self.cfg, self.params, self.batch, self.routing, self.trace = cfg, params, batch, routing, trace
+        self.backend = OffloadExperts(pool, L, E, slots, policy, platform="cuda", max_tokens=max(batch, 16))
+        inner = self.backend.init_state(fill_fraction=fill_fraction)
+        if routing == "trace":
+            wrapped = ReplayRouting(self.backend)
+            self.expert_state = wrapped.init_state(inner, L, batch, k)
+        else:
+            wrapped, self.expert_state = self.backend, inner
+        _, self.decode = make_step_fns(cfg, wrapped, batch, 1, max_len)
+        self.state = get_family(cfg).init_state(cfg, batch, max_len, jnp.bfloat16)
+        self.tokens = text_tokens(max_len, batch) if routing == "text" else np.zeros((max_len, batch), np.int32)
+        self.i = 0
+
+    @property
+    def cache(self):
+        return self.expert_state["inner"] if self.routing == "trace" else self.expert_state
+
+    def set_fraction(self, f: float):
+        c = dict(self.cache, fill_fraction=jnp.asarray(f, jnp.float32))
+        self.expert_state = dict(self.expert_state, inner=c) if self.routing == "trace" else c
+
+    def step(self):
+        if self.routing == "trace":
+            s = self.i % self.trace.ids.shape[0]
+            self.expert_state = dict(self.expert_state, replay={"ids": jnp.asarray(self.trace.ids[s]),
+                                                                  "weights": jnp.asarray(self.trace.weights[s])})
+        tok = jnp.asarray(self.tokens[self.i % len(self.tokens)][:, None])
+        _, self.state, self.expert_state = self.decode(self.params, self.expert_state, self.state, tok,
+                                                       jnp.ones((self.batch,), jnp.int32))
+        self.i += 1
+
+    def stats(self):
+        return {k: np.asarray(v).astype(np.int64) for k, v in self.cache["stats"].items() if k != "hist"}
+
+    def timed(self, warmup: int, steps: int) -> dict:
+        for _ in range(warmup):
+            self.step()
+        if self.backend.policy.name == "static":
+            self.expert_state = _freeze(self)  # hot set from the warm-up histogram (the "prefill")
+            self.step()
+        jax.block_until_ready(self.expert_state)
+        s0 = self.stats()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            self.step()
+        jax.block_until_ready(self.expert_state)
+        dt = time.perf_counter() - t0
+        s1 = self.stats()
+        d = {k: int((s1[k] - s0[k]).sum()) for k in s0}
+        L = self.cfg.num_layers
+        return {"tok_s": self.batch * steps / dt, "step_ms": dt / steps * 1e3,
+                "miss_rate": d["misses"] / max(1, d["hits"] + d["misses"]),
+                "misses_per_step": d["misses"] / steps, "fills_per_layer": d["fills"] / steps / L,
+                "cpu_per_layer": d["cpu_experts"] / steps / L}
+
+
+def _freeze(run):
+    if run.routing == "trace":
+        return dict(run.expert_state, inner=run.backend.freeze_hot_set(run.expert_state["inner"]))
+    return run.backend.freeze_hot_set(run.expert_state)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--routing", nargs="+", default=["trace", "text"], choices=["trace", "text"])
+    ap.add_argument("--batches", nargs="+", type=int, default=[1, 4])
+    ap.add_argument("--fractions", nargs="+", type=float, default=[0.37, 0.11])
+    ap.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
+    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--warmup", type=int, default=96)
+    ap.add_argument("--layers", type=int, default=40, help="fewer layers for a quick check")
+    ap.add_argument("--no-sweep", action="store_true")
+    ap.add_argument("--out", default=str(Path(__file__).parent / "out" / "decode.json"))
+    args = ap.parse_args(argv)
+    if jax.default_backend() != "gpu":
+        print("bench/decode.py needs a CUDA GPU (the FFI fill and CPU-branch handshake)", file=sys.stderr)
+        return 2
+
+    hf = dict(QWEN36, num_hidden_layers=args.layers, layer_types=QWEN36["layer_types"][:args.layers])
+    cfg = parse_hf_config(hf)
+    L, E = cfg.num_layers, cfg.num_experts
+    shape = measure.ExpertShape(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok)
+    t0 = time.perf_counter()
+    pool = measure.make_pool(shape, "bf16", L * E * shape.expert_bytes("bf16"))
+    assert pool.n_experts == L * E
+    pool.pin()
+    print(f"pool {pool.total_bytes / 2**30:.1f} GiB generated and pinned in {time.perf_counter() - t0:.0f}s", flush=True)
+    b_dram = measure.stream_read_gbps(4 << 30)
+    prof = calibrate.load_profile()
+    if prof is None:
+        print("no calibration profile: measuring B_P/B_H now (ftjax calibrate)", flush=True)
+        prof = calibrate.calibrate(window_gib=2.0)
+    band = bw.from_profile(prof)
+    expert_bytes = shape.expert_bytes("bf16")
+    params = make_params(cfg)
+    max_len = args.warmup + args.steps + 8
+    results = {"b_dram_gbps": b_dram, "bandwidth": band.to_dict(), "expert_bytes": expert_bytes, "rows": []}
+    print(f"B_DRAM {b_dram:.1f} GB/s | in use: B_P {band.b_pcie_gbps:.1f} GB/s, B_H {band.b_host_gbps:.1f} GB/s "
+          f"({'concurrent' if band.concurrent else 'standalone'}, {band.source}), q* fraction {band.fill_fraction:.3f}")
+
+    for routing in args.routing:
+        for B in args.batches:
+            trace = synthetic_trace(max_len, L, E, cfg.num_experts_per_tok, batch=B, seed=B) if routing == "trace" else None
+            res = Run(cfg, params, pool, "resident", L * E, B, routing, trace, max_len, band.fill_fraction)
+            t_gpu = res.timed(args.warmup // 4, args.steps)
+            del res
+            for frac in args.fractions:
+                S = int(frac * L * E)
+                rows = {}
+                for pol in args.policies:
+                    run = Run(cfg, params, pool, pol, 0 if pol == "cpu" else S, B, routing, trace, max_len,
+                              band.fill_fraction)
+                    rows[pol] = run.timed(args.warmup, args.steps)
+                    if pol == "lru-split" and not args.no_sweep:
+                        sweep = {}
+                        for f in SWEEP:
+                            run.set_fraction(f)
+                            sweep[f] = run.timed(8, args.steps)["tok_s"]
+                        rows[pol]["sweep"] = sweep
+                    del run
+                miss_bytes = rows["lru-split"]["misses_per_step"] * expert_bytes if "lru-split" in rows else 0.0
+                roof = B / (t_gpu["step_ms"] / 1e3 + miss_bytes / (b_dram * 1e9))
+                row = {"routing": routing, "batch": B, "cache_fraction": frac, "slots": S,
+                       "t_gpu_ms": t_gpu["step_ms"], "resident_tok_s": t_gpu["tok_s"], "roofline_tok_s": roof,
+                       "policies": rows}
+                results["rows"].append(row)
+                print_row(row)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(results, indent=1, default=float) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+def print_row(row):
+    print(f"\n== routing {row['routing']}, batch {row['batch']}, cache {row['cache_fraction']:.0%} "
+          f"({row['slots']} slots) | T_gpu {row['t_gpu_ms']:.2f} ms | roofline {row['roofline_tok_s']:.1f} tok/s")
+    print(f"{'policy':10} {'tok/s':>8} {'/roof':>6} {'miss%':>6} {'fills/L':>8} {'cpu/L':>6}")
+    for pol, r in row["policies"].items():
+        print(f"{pol:10} {r['tok_s']:8.1f} {r['tok_s'] / row['roofline_tok_s']:6.2f} {100 * r['miss_rate']:6.1f} "
+              f"{r['fills_per_layer']:8.2f} {r['cpu_per_layer']:6.2f}")
+    p = row["policies"]
+    if "lru-split" in p and "lru-fill" in p:
+        print(f"lru-split / lru-fill = {p['lru-split']['tok_s'] / p['lru-fill']['tok_s']:.2f}")
+    if "sweep" in p.get("lru-split", {}):
+        best_f, best = max(p["lru-split"]["sweep"].items(), key=lambda kv: kv[1])
+        print(f"q* rule {p['lru-split']['tok_s']:.1f} tok/s vs best fixed fraction {best_f} {best:.1f} tok/s "
+              f"({p['lru-split']['tok_s'] / best:.2f})")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,107 @@
+"""B_P / B_H in use for the miss split: from the calibration profile, refined online from step times.
+
+``fill_fraction`` f is what the plan reads (``state["fill_fraction"]``, data: changing it never
+recompiles). From a profile with concurrent measurements (both kernels running together, so DRAM
+contention is in the numbers) f = B_P / (B_P + B_H) balances F / B_P = (m - F) / B_H; from standalone
+numbers the paper's f = B_P / B_H (the CPU loses the fill's share of DRAM bandwidth).
+
+The reference reads a static profile and misfires under contention (FreeToken #151, #436). The
+:class:`OnlineSplitTuner` therefore probes f up and down in windows of decode steps and moves it
+towards the side with the lower step time per missed expert; the reported B_P is the one that f implies
+with B_H held at the profile's value.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+
+log = logging.getLogger(__name__)
+DEFAULT_B_PCIE_GBPS = 25.0  # PCIe 4 x16 class, used only without a calibration profile
+DEFAULT_B_HOST_GBPS = 50.0
+
+
+@dataclasses.dataclass
+class Bandwidth:
+    b_pcie_gbps: float
+    b_host_gbps: float
+    concurrent: bool
+    source: str  # "profile" | "default" | "online"
+
+    def __post_init__(self):
+        if not (self.b_pcie_gbps > 0 and self.b_host_gbps > 0):
+            raise ValueError(f"bandwidths must be > 0 GB/s, got B_P={self.b_pcie_gbps}, B_H={self.b_host_gbps}")
+
+    @property
+    def fill_fraction(self) -> float:
+        p, h = self.b_pcie_gbps, self.b_host_gbps
+        return p / (p + h) if self.concurrent else min(1.0, p / h)
+
+    def with_fraction(self, f: float) -> "Bandwidth":
+        """The B_P that fraction f implies, B_H unchanged."""
+        f = min(max(f, 1e-3), 1.0 - 1e-3)
+        p = self.b_host_gbps * (f / (1 - f) if self.concurrent else f)
+        return Bandwidth(p, self.b_host_gbps, self.concurrent, "online")
+
+    def to_dict(self) -> dict:
+        return {"b_pcie_gbps": self.b_pcie_gbps, "b_host_gbps": self.b_host_gbps, "concurrent": self.concurrent,
+                "source": self.source, "fill_fraction": self.fill_fraction}
+
+
+def from_profile(profile: dict | None) -> Bandwidth:
+    """B_P / B_H of a ``ftjax calibrate`` profile (concurrent pair when measured), else defaults."""
+    if profile and profile.get("b_pcie_gbps") and profile.get("b_host_gbps"):
+        conc = profile.get("concurrent") or {}
+        if conc.get("b_pcie_gbps") and conc.get("b_host_gbps"):
+            return Bandwidth(conc["b_pcie_gbps"], conc["b_host_gbps"], True, "profile")
+        return Bandwidth(profile["b_pcie_gbps"], profile["b_host_gbps"], False, "profile")
+    return Bandwidth(DEFAULT_B_PCIE_GBPS, DEFAULT_B_HOST_GBPS, False, "default")
+
+
+def load_bandwidth() -> Bandwidth:
+    from ftjax.host.calibrate import load_profile
+
+    return from_profile(load_profile())
+
+
+class OnlineSplitTuner:
+    """Hill climbing on the logit of f from measured decode step times.
+
+    Alternate windows (of decode steps totalling ``window`` unique misses) at ``f * exp(+delta)`` and ``f * exp(-delta)`` (in logit
+    space); after each pair move f by ``step`` towards the window with the lower mean step time per
+    unique miss. Windows with no misses carry no information and are skipped.
+    """
+
+    def __init__(self, bandwidth: Bandwidth, window: int = 16, delta: float = 0.25, step: float = 0.15):
+        self.bandwidth, self.window, self.delta, self.step = bandwidth, window, delta, step
+        self._logit = _logit(bandwidth.fill_fraction)
+        self._side, self._acc, self._cost = +1, [0.0, 0], {}
+
+    @property
+    def trial_fraction(self) -> float:
+        return _sigmoid(self._logit + self._side * self.delta)
+
+    def record(self, step_seconds: float, misses: int) -> float:
+        """Feed one decode step; returns the fraction to use for the next step."""
+        if misses > 0:
+            self._acc[0] += step_seconds
+            self._acc[1] += misses
+        if self._acc[1] >= self.window:
+            self._cost[self._side] = self._acc[0] / self._acc[1]
+            self._acc = [0.0, 0]
+            if len(self._cost) == 2:
+                better = +1 if self._cost[+1] < self._cost[-1] else -1
+                self._logit += better * self.step
+                self._cost = {}
+                self.bandwidth = self.bandwidth.with_fraction(_sigmoid(self._logit))
+            self._side = -self._side
+        return self.trial_fraction
+
+
+def _logit(f: float) -> float:
+    f = min(max(f, 1e-3), 1 - 1e-3)
+    return math.log(f / (1 - f))
+
+
+def _sigmoid(x: float) -> float:
+    return 1 / (1 + math.exp(-x))

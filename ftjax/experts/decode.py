@@ -1,0 +1,203 @@
+"""``OffloadExperts``: the offloaded MoE backend (DESIGN.md mechanisms 1-3) behind the expert interface.
+
+One MoE layer call, inside the model's jitted step (fixed shapes, no host sync):
+
+1. plan (``plan.py``): dedup, hits, misses, ``n_fill``, LRU victims; cache maps updated in place;
+2. submit the CPU branch (the misses left to the CPU, computed where they lie in the host pool);
+3. fill the chosen misses into their victim slots;
+4. GPU grouped expert compute over hits + fills (gather GEMVs for decode, ragged dots for prefill;
+   the Pallas kernels replace these);
+5. collect the CPU partial and add it. Router ids, top-k and gate weights are never changed.
+
+Platforms: ``"cuda"`` (the product) fills with the ``expert_fill`` FFI kernel reading the pinned pool
+zero-copy and overlaps the CPU branch through ``cpu_experts_submit``/``collect``; ``"cpu"`` (CI, no
+GPU) keeps the "GPU cache" as CPU-device arrays, fills through a host callback gathering pool rows and
+runs the CPU branch synchronously through ``cpu_experts``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ftjax.experts.cache import CacheGeometry, init_cache_state, preload
+from ftjax.experts.interface import combine_routes, expert_mlp
+from ftjax.experts.plan import plan_layer
+from ftjax.experts.policies import Policy, get_policy, min_slots
+from ftjax.experts.resident import _ragged_routes
+from ftjax.host import quant
+from ftjax.host.ffi import cpu_experts
+from ftjax.host.pool import HostPool
+
+log = logging.getLogger(__name__)
+PLATFORMS = ("cpu", "cuda")
+_channels = itertools.count(1 << 20)  # CUDA CPU-branch channel ids, unique per process
+
+
+def cache_dtype(pool: HostPool):
+    """Slot banks hold f32 for f32 pools, bf16 otherwise (int4 rows are dequantized on fill)."""
+    return jnp.float32 if pool.format == "f32" else jnp.bfloat16
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class OffloadExperts:
+    """Experts in ``pool`` (flat ids ``l*E + e``) served through a global slot cache of ``num_slots``.
+
+    Hashable by identity (jitted steps take it as static). ``fill_cap`` bounds fills per layer call
+    (None: the batch's unique experts). ``max_tokens`` sizes the CUDA CPU-branch staging (the largest
+    T of any call: the prefill chunk). ``gather_max_routes``: decode-style gather GEMVs up to this
+    many routes, ragged dots beyond (default E).
+    """
+
+    pool: HostPool
+    num_layers: int
+    num_experts: int
+    num_slots: int
+    policy: Policy = dataclasses.field(default_factory=lambda: get_policy("lru-split"))
+    fill_cap: int | None = None
+    platform: str = "cpu"
+    max_tokens: int = 256
+    gather_max_routes: int | None = None
+    channel_base: int = -1
+
+    def __post_init__(self):
+        object.__setattr__(self, "policy", get_policy(self.policy))
+        L, E = self.num_layers, self.num_experts
+        if L * E != self.pool.n_experts:
+            raise ValueError(f"{L} layers x {E} experts != the pool's {self.pool.n_experts} experts")
+        if self.platform not in PLATFORMS:
+            raise ValueError(f"platform {self.platform!r} unknown; valid: {PLATFORMS}")
+        lo = min_slots(self.policy, L, E)
+        hi = L * E if self.policy.uses_cache else 0
+        if not lo <= self.num_slots <= hi:
+            raise ValueError(f"policy {self.policy.name!r} needs {lo} <= num_slots <= {hi}, got {self.num_slots}"
+                             + (" (the expert pool does not fit the VRAM budget)" if self.policy.preload == "all" else ""))
+        if self.fill_cap is not None and self.fill_cap < 1:
+            raise ValueError(f"fill_cap must be >= 1 or None, got {self.fill_cap}")
+        if self.platform == "cuda":
+            from ftjax.host import cuda
+
+            if not self.pool.pinned:
+                raise ValueError("the CUDA path reads the pool zero-copy: pin it first (HostPool.pin_if_cuda)")
+            base = next(_channels) * 1024
+            object.__setattr__(self, "channel_base", base)
+            for layer in range(L):
+                cuda.create_channel(base + layer, self.pool, self.max_tokens,
+                                    self.max_tokens * max(1, E))
+
+    @property
+    def geometry(self) -> CacheGeometry:
+        return CacheGeometry(self.num_layers, self.num_experts, self.num_slots, self.pool.hidden, self.pool.inter)
+
+    def init_state(self, fill_fraction: float = 0.5) -> dict:
+        """An empty cache (``resident``: every expert preloaded) in the pool's compute dtype."""
+        state = init_cache_state(self.geometry, cache_dtype(self.pool), fill_fraction)
+        if self.policy.preload == "all":
+            state = preload(state, np.arange(self.num_layers * self.num_experts), self.host_banks())
+        return state
+
+    def freeze_hot_set(self, state: dict) -> dict:
+        """``static`` policy: load the ``S`` most routed experts of the histogram so far (host side, at a
+        safe point; call after prefill). A no-op for the other policies."""
+        if self.policy.preload != "hot":
+            return state
+        hist = np.asarray(state["stats"]["hist"])
+        order = np.lexsort((np.arange(len(hist)), -hist))  # most routed first, ties to the lower id
+        hot = order[:self.num_slots][hist[order[:self.num_slots]] > 0]
+        return preload(state, hot, self.host_banks())
+
+    def host_banks(self) -> dict[str, np.ndarray]:
+        """Float views (or dequantized copies, for int4) of the pool's banks."""
+        if self.pool.format != "int4":
+            return {b: self.pool.bank(b) for b in ("gate_up", "down")}
+        return {b: _DequantBank(self.pool, b) for b in ("gate_up", "down")}
+
+    # ----------------------------------------------------------------------------------- the step
+    def __call__(self, state, layer: int, x, expert_ids, gate_weights, token_valid):
+        T, k = expert_ids.shape
+        E = self.num_experts
+        if not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer {layer} outside the pool's {self.num_layers} layers")
+        rule = self.policy.rule(T)
+        plan, state = plan_layer(state, layer, expert_ids, token_valid, num_experts=E, rule=rule,
+                                 fill_cap=self.fill_cap, update=self.policy.update)
+
+        flat = layer * E + expert_ids.reshape(-1).astype(jnp.int32)
+        tasks = plan.cpu_routes
+        cpu_args = (x, tasks // k, flat[tasks], gate_weights.reshape(-1).astype(jnp.float32)[tasks], plan.n_cpu_routes)
+        if self.platform == "cuda":
+            from ftjax.host import cuda
+
+            if T > self.max_tokens:
+                raise ValueError(f"{T} tokens in one call, the CPU-branch staging holds {self.max_tokens}")
+            token = cuda.cpu_experts_submit(*cpu_args, channel=self.channel_base + layer)
+        else:
+            y_cpu = cpu_experts(*cpu_args, self.pool)
+
+        if plan.fill_ids.shape[0]:
+            state = self._fill(state, plan)
+        if self.num_slots:
+            out = self._gpu_routes(state, layer, x, expert_ids, plan.route_slot)
+            y = combine_routes(out.reshape(T, k, -1), expert_ids, gate_weights, token_valid)
+        else:
+            y = jnp.zeros_like(x)
+
+        if self.platform == "cuda":
+            y_cpu, _status, y = cuda.cpu_experts_collect(token, T, x.shape[1], self.channel_base + layer, after=y)
+        y = (y.astype(jnp.float32) + y_cpu).astype(x.dtype)
+        return jnp.where(token_valid[:, None], y, jnp.zeros_like(y)), state
+
+    def _fill(self, state, plan):
+        gu, dn = state["gate_up"], state["down"]
+        if self.platform == "cuda":
+            from ftjax.host import cuda
+
+            gu, dn = cuda.expert_fill(plan.fill_ids, plan.fill_slots, plan.n_fill, gu, dn, self.pool)
+        else:
+            F = plan.fill_ids.shape[0]
+            banks = self.host_banks()
+            shapes = (jax.ShapeDtypeStruct((F,) + gu.shape[1:], gu.dtype), jax.ShapeDtypeStruct((F,) + dn.shape[1:], dn.dtype))
+
+            def gather(ids, n):
+                n = int(n)
+                out = [np.zeros(s.shape, s.dtype) for s in shapes]
+                for o, b in zip(out, ("gate_up", "down")):
+                    o[:n] = banks[b][np.asarray(ids[:n])]
+                return tuple(out)
+
+            rows_gu, rows_dn = jax.pure_callback(gather, shapes, plan.fill_ids, plan.n_fill, vmap_method="sequential")
+            S = gu.shape[0]
+            dst = jnp.where(jnp.arange(F) < plan.n_fill, plan.fill_slots, S)
+            gu = gu.at[dst].set(rows_gu, mode="drop")
+            dn = dn.at[dst].set(rows_dn, mode="drop")
+        return dict(state, gate_up=gu, down=dn)
+
+    def _gpu_routes(self, state, layer, x, expert_ids, route_slot):
+        """Per-route outputs ``[T*k, H]`` of the routes with a slot; zeros for the others."""
+        T, k = expert_ids.shape
+        E = self.num_experts
+        gu, dn = state["gate_up"], state["down"]
+        limit = E if self.gather_max_routes is None else self.gather_max_routes
+        on_gpu = route_slot >= 0
+        xc = x.astype(gu.dtype)
+        if T * k <= limit:
+            slot = jnp.maximum(route_slot, 0)
+            out = expert_mlp(jnp.repeat(xc, k, axis=0), gu[slot], dn[slot])
+        else:  # prefill: the layer's experts as one bank view over their slots, ragged dots
+            slot_e = jnp.maximum(state["slot_of"][layer * E:(layer + 1) * E], 0)
+            out = _ragged_routes(xc, expert_ids, gu[slot_e], dn[slot_e])
+        return jnp.where(on_gpu[:, None], out, jnp.zeros_like(out)).astype(x.dtype)
+
+
+class _DequantBank:
+    """``bank[ids] -> float32 rows`` of an int4 pool bank (dequantized on the host)."""
+
+    def __init__(self, pool: HostPool, bank: str):
+        self.packed, self.scales = pool.int4_parts(bank)
+
+    def __getitem__(self, ids):
+        return quant.dequantize_int4(self.packed[ids], self.scales[ids])

@@ -1,0 +1,159 @@
+"""The plan of one MoE layer in one step (DESIGN.md mechanisms 1-3): fixed shapes, no host sync.
+
+Per call: de-duplicate the routed experts of the batch (capacity ``U = min(T*k, E)``, sentinel-padded);
+split them into hits and unique misses (m); choose ``n_fill`` misses to copy into LRU victim slots
+(most recently active misses first) and leave the other ``m - n_fill`` to the CPU; update the cache
+maps in place. Everything dynamic is data: id/slot lists of static capacity plus device counts.
+
+The split (:func:`balance_fill`): with ``f = B_P / B_H``, filling F of m misses costs time
+``F / B_P`` on PCIe and ``(m - F) / (B_H - B_P)`` on the CPU (the fill's DRAM reads slow the CPU
+down), balanced at the paper's ``q* = m * B_P / B_H``. We take floor(q*) or floor(q*)+1, whichever
+makes the slower side faster; at least 1 when m > 0; at most the fill cap and the evictable slots.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+FILL_RULES = ("balance", "all", "none")
+
+
+class LayerPlan(NamedTuple):
+    """What the decode step executes for one layer (``R = T*k`` routes in order ``t*k + j``)."""
+
+    route_slot: jax.Array    # [R] i32: cache slot of a route served on the GPU, -1 otherwise
+    cpu_routes: jax.Array    # [R] i32: route indices, the n_cpu_routes CPU routes first
+    n_cpu_routes: jax.Array  # [] i32
+    fill_ids: jax.Array      # [F] i32: flat ids to copy from the host pool (first n_fill valid)
+    fill_slots: jax.Array    # [F] i32: their slots
+    n_fill: jax.Array        # [] i32
+    hits: jax.Array          # [] i32 unique experts already resident
+    misses: jax.Array        # [] i32 unique experts not resident (m)
+    cpu_experts: jax.Array   # [] i32 unique experts computed on the CPU (m - n_fill)
+
+
+def balance_fill(m: jax.Array, fill_fraction: jax.Array) -> jax.Array:
+    """floor(m f) or floor(m f) + 1, whichever minimises max(F (1 - f), (m - F) f); >= 1 when m > 0."""
+    f = jnp.clip(fill_fraction.astype(jnp.float32), 0.0, 1.0)
+    mf = m.astype(jnp.float32)
+    lo = jnp.minimum(jnp.floor(mf * f).astype(jnp.int32), m)
+    hi = jnp.minimum(lo + 1, m)
+
+    def slower(F):
+        Ff = F.astype(jnp.float32)
+        return jnp.maximum(Ff * (1.0 - f), (mf - Ff) * f)
+
+    n = jnp.where(slower(hi) < slower(lo), hi, lo)
+    return jnp.where(m > 0, jnp.maximum(n, 1), 0)
+
+
+def compact(mask: jax.Array, size: int, fill_value: int | None) -> jax.Array:
+    """Indices where ``mask`` holds, ascending, in ``size`` entries; then ``fill_value``, or (None) the
+    other indices ascending (a stable partition). Scatter-based: no sort."""
+    n = mask.shape[0]
+    idx = jnp.arange(n, dtype=jnp.int32)
+    pos = jnp.cumsum(mask, dtype=jnp.int32) - 1
+    if fill_value is None:
+        pos = jnp.where(mask, pos, jnp.sum(mask, dtype=jnp.int32) + jnp.cumsum(~mask, dtype=jnp.int32) - 1)
+        return jnp.zeros((size,), jnp.int32).at[pos].set(idx, mode="drop")
+    return jnp.full((size,), fill_value, jnp.int32).at[jnp.where(mask, pos, size)].set(idx, mode="drop")
+
+
+def rank_misses(miss: jax.Array, recency: jax.Array, ids: jax.Array) -> jax.Array:
+    """Order of the unique experts: misses first, most recently routed first, ties to the lower id.
+
+    Pairwise ranks over the ``U <= E`` unique experts (no sort; distinct ids make the order total)."""
+    mi, mj = miss[:, None], miss[None, :]
+    ri, rj = recency[:, None], recency[None, :]
+    before = (mj & ~mi) | ((mj == mi) & ((rj > ri) | ((rj == ri) & (ids[None, :] < ids[:, None]))))
+    rank = jnp.sum(before, axis=1, dtype=jnp.int32)  # how many go before entry i
+    return jnp.zeros_like(rank).at[rank].set(jnp.arange(rank.shape[0], dtype=jnp.int32))
+
+
+def fill_capacity(num_routes: int, num_experts: int, num_slots: int, fill_cap: int | None, rule: str) -> int:
+    """Static length of the fill lists: the most misses one call can fill."""
+    if rule == "none" or num_slots == 0:
+        return 0
+    cap = min(num_routes, num_experts, num_slots)
+    return cap if fill_cap is None else min(cap, fill_cap)
+
+
+def plan_layer(cache: dict, layer: int, expert_ids: jax.Array, token_valid: jax.Array, *, num_experts: int,
+               rule: str = "balance", fill_cap: int | None = None, update: bool = True) -> tuple[LayerPlan, dict]:
+    """Plan one MoE layer call and return the updated cache maps (banks untouched: the caller fills).
+
+    ``expert_ids [T, k]`` per-layer ids; ``token_valid [T]``. ``rule``: "balance" (the miss split with
+    ``cache["fill_fraction"]``), "all" (fill every miss the pool can take), "none" (no fills: every
+    miss on the CPU). ``update=False`` freezes the cache (no LRU bookkeeping): the static policies.
+    """
+    if rule not in FILL_RULES:
+        raise ValueError(f"fill rule {rule!r} unknown; valid: {FILL_RULES}")
+    T, k = expert_ids.shape
+    E, R = num_experts, T * k
+    S, N = cache["owner_of"].shape[0], cache["slot_of"].shape[0]
+    U = min(R, E)
+    F = fill_capacity(R, E, S, fill_cap, rule) if update else 0
+
+    ids = expert_ids.reshape(-1).astype(jnp.int32)
+    route_valid = jnp.repeat(token_valid, k)
+    flat_routes = layer * E + ids
+    step = cache["step"] + 1
+
+    # De-duplicate over the layer's E experts: ascending ids, sentinel E after the last one.
+    present = jnp.zeros((E,), jnp.int32).at[ids].max(route_valid.astype(jnp.int32)) > 0
+    uniq = compact(present, U, fill_value=E)
+    uniq_valid = uniq < E
+    uniq_flat = layer * E + jnp.minimum(uniq, E - 1)
+    slot_u = jnp.where(uniq_valid, cache["slot_of"][uniq_flat], -1)
+    hit_u = slot_u >= 0
+    miss_u = uniq_valid & ~hit_u
+    m = jnp.sum(miss_u, dtype=jnp.int32)
+    hits = jnp.sum(hit_u, dtype=jnp.int32)
+
+    slot_of, owner_of, last_use = cache["slot_of"], cache["owner_of"], cache["last_use"]
+    if update:  # hits are used in this step: they can no longer be victims
+        last_use = last_use.at[jnp.where(hit_u, slot_u, S)].set(step, mode="drop")
+
+    if F > 0:
+        if rule == "all":
+            want = m
+        else:
+            want = balance_fill(m, cache["fill_fraction"])
+        evictable = jnp.sum(last_use < step, dtype=jnp.int32)
+        n_fill = jnp.minimum(jnp.minimum(want, F), evictable)
+        # Misses first, most recently routed first, ties to the lower id (lexsort: last key is primary).
+        order = rank_misses(miss_u, cache["recency"][uniq_flat], uniq)
+        fill_ids = uniq_flat[order[:F]]
+        # Victims: the F least recently used slots of the whole pool (used slots carry `step`).
+        _, victims = lax.top_k(-last_use, F)
+        victims = victims.astype(jnp.int32)
+        take = jnp.arange(F, dtype=jnp.int32) < n_fill
+        old = owner_of[victims]
+        slot_of = slot_of.at[jnp.where(take & (old >= 0), old, N)].set(-1, mode="drop")
+        slot_of = slot_of.at[jnp.where(take, fill_ids, N)].set(victims, mode="drop")
+        owner_of = owner_of.at[jnp.where(take, victims, S)].set(fill_ids, mode="drop")
+        last_use = last_use.at[jnp.where(take, victims, S)].set(step, mode="drop")
+        fill_slots = jnp.where(take, victims, 0)
+        fill_ids = jnp.where(take, fill_ids, 0)
+    else:
+        n_fill = jnp.zeros((), jnp.int32)
+        fill_ids = fill_slots = jnp.zeros((0,), jnp.int32)
+
+    route_slot = jnp.where(route_valid, slot_of[flat_routes], -1)
+    on_cpu = route_valid & (route_slot < 0)
+    cpu_routes = compact(on_cpu, R, fill_value=None)
+    plan = LayerPlan(route_slot=route_slot, cpu_routes=cpu_routes, n_cpu_routes=jnp.sum(on_cpu, dtype=jnp.int32),
+                     fill_ids=fill_ids, fill_slots=fill_slots, n_fill=n_fill, hits=hits, misses=m,
+                     cpu_experts=m - n_fill)
+
+    stats = dict(cache["stats"])
+    for key, val in (("hits", hits), ("misses", m), ("fills", n_fill), ("cpu_experts", m - n_fill),
+                     ("calls", jnp.ones((), jnp.int32))):
+        stats[key] = stats[key].at[layer].add(val)
+    stats["hist"] = stats["hist"].at[flat_routes].add(route_valid.astype(jnp.int32))
+    new = dict(cache, slot_of=slot_of, owner_of=owner_of, last_use=last_use, step=step, stats=stats,
+               recency=cache["recency"].at[jnp.where(uniq_valid, uniq_flat, N)].set(step, mode="drop"))
+    return plan, new

@@ -1,0 +1,102 @@
+"""OffloadExperts equals ResidentExperts for every policy and cache size, batch 1 and 3 (CPU platform)."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ftjax.config import parse_hf_config
+from ftjax.experts.cache import check_invariants
+from ftjax.experts.decode import OffloadExperts
+from ftjax.experts.policies import POLICIES
+from ftjax.experts.resident import ResidentExperts
+from ftjax.host import HostPool
+from ftjax.models import get_family, make_step_fns
+from ftjax.models.params import expert_bank_shapes, param_shapes, unflatten
+
+CFG = {
+    "model_type": "qwen3_moe", "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
+    "num_key_value_heads": 1, "head_dim": 16, "vocab_size": 48, "num_experts": 8, "num_experts_per_tok": 3,
+    "moe_intermediate_size": 16, "norm_topk_prob": True,
+}
+L, E = 2, 8
+PROMPT, STEPS, MAX_LEN = 5, 6, 16
+# cache sizes: smallest legal (1), one layer's worth (E), ~37% of the pool, all
+SIZES = {"min": 1, "layer": E, "37%": round(0.37 * L * E), "all": L * E}
+CASES = [(p, s) for p in ("lru-split", "lru-fill", "static") for s in SIZES] + [("cpu", None), ("resident", None)]
+# Every case at batch 3; at batch 1 the ~37% size and the single-size policies, the rest marked slow
+# (each case compiles a prefill and a decode executable: ~3 s on a CI core).
+MATRIX = [(p, s, 3) for p, s in CASES] + [
+    pytest.param(p, s, 1, marks=() if s in ("37%", None) else pytest.mark.slow) for p, s in CASES]
+
+
+@pytest.fixture(autouse=True)
+def _on_cpu():
+    with jax.default_device(jax.devices("cpu")[0]):
+        yield
+
+
+@pytest.fixture(scope="module")
+def model():
+    cfg = parse_hf_config(CFG)
+    rng = np.random.default_rng(0)
+    params = unflatten({n: jnp.asarray(rng.standard_normal(s) * 0.3, jnp.float32) for n, s in param_shapes(cfg).items()})
+    banks = {b: (rng.standard_normal(s) * 0.3).astype(np.float32) for b, s in expert_bank_shapes(cfg).items()}
+    return cfg, params, banks, HostPool.from_banks(banks)
+
+
+def run(cfg, params, backend, expert_state, batch, check=None, freeze=None):
+    fam = get_family(cfg)
+    rng = np.random.default_rng(batch)
+    prompt = jnp.asarray(rng.integers(0, cfg.vocab_size, (batch, PROMPT)), jnp.int32)
+    n_new = jnp.asarray([PROMPT - (b % 2) for b in range(batch)], jnp.int32)
+    prefill, decode = make_step_fns(cfg, backend, batch, PROMPT, MAX_LEN)
+    logits, state, expert_state = prefill(params, expert_state, fam.init_state(cfg, batch, MAX_LEN), prompt, n_new)
+    if freeze:
+        expert_state = freeze(expert_state)
+    outs = [logits]
+    feed = rng.integers(0, cfg.vocab_size, (STEPS, batch))  # teacher-forced: no argmax near-ties
+    for i in range(STEPS):
+        live = jnp.asarray([1 if (b + i) % 4 else 0 for b in range(batch)] if batch > 1 else [1], jnp.int32)
+        logits, state, expert_state = decode(params, expert_state, state, jnp.asarray(feed[i][:, None], jnp.int32), live)
+        outs.append(logits)
+        if check:
+            check(expert_state)
+    return np.stack([np.asarray(o) for o in outs]), expert_state
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    cfg, params, banks, _ = model
+    return {b: run(cfg, params, ResidentExperts(E), ResidentExperts.init_state(banks), b)[0] for b in (1, 3)}
+
+
+@pytest.mark.parametrize("policy,size,batch", MATRIX)
+def test_offload_equals_resident(model, reference, policy, size, batch):
+    cfg, params, banks, pool = model
+    S = {"cpu": 0, "resident": L * E}.get(policy, SIZES.get(size))
+    backend = OffloadExperts(pool, L, E, S, policy)
+    got, st = run(cfg, params, backend, backend.init_state(fill_fraction=0.4), batch,
+                  check=check_invariants, freeze=backend.freeze_hot_set)
+    want = reference[batch]
+    assert np.abs(got - want).max() / np.abs(want).max() < 1e-5
+    stats = {k: np.asarray(v) for k, v in st["stats"].items()}
+    assert np.all(stats["calls"] == 1 + STEPS)
+    assert np.array_equal(stats["misses"], stats["fills"] + stats["cpu_experts"])
+    if policy == "resident" or (size == "all" and policy != "static"):
+        assert stats["cpu_experts"][:].sum() == 0 or policy != "resident"
+    if policy == "cpu":
+        assert stats["fills"].sum() == 0 and stats["hits"].sum() == 0
+    if policy == "lru-fill" and S >= L * E:
+        assert stats["cpu_experts"].sum() == 0
+
+
+def test_bad_sizes(model):
+    cfg, params, banks, pool = model
+    with pytest.raises(ValueError, match="num_slots"):
+        OffloadExperts(pool, L, E, 5, "resident")
+    with pytest.raises(ValueError, match="num_slots"):
+        OffloadExperts(pool, L, E, 0, "lru-split")
+    with pytest.raises(ValueError, match="unknown"):
+        OffloadExperts(pool, L, E, 3, "lfu")
+    with pytest.raises(ValueError, match="layers x"):
+        OffloadExperts(pool, 3, E, 3)

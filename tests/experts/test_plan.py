@@ -1,0 +1,97 @@
+"""The plan of one MoE layer: the miss split rule, and cache invariants under random routing."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ftjax.experts.cache import CacheGeometry, check_invariants, init_cache_state
+from ftjax.experts.plan import balance_fill, plan_layer
+
+
+@pytest.fixture(autouse=True)
+def _on_cpu():
+    with jax.default_device(jax.devices("cpu")[0]):
+        yield
+
+
+def _slower(F, m, f):
+    return max(F * (1 - f), (m - F) * f)
+
+
+def test_balance_fill_picks_floor_or_ceil_minimising_the_slower_side():
+    for m in range(0, 40):
+        for f in (0.0, 0.05, 0.17, 0.25, 1 / 3, 0.5, 0.61, 0.9, 1.0):
+            got = int(balance_fill(jnp.int32(m), jnp.float32(f)))
+            lo = min(int(np.floor(m * np.float32(f))), m)
+            cands = [lo] + ([lo + 1] if lo + 1 <= m else [])
+            best = min(_slower(F, m, f) for F in cands)
+            ok = {max(F, 1) if m else 0 for F in cands if _slower(F, m, f) <= best + 1e-5}  # ties: either
+            assert got in ok, (m, f, got, ok)
+
+
+def test_plan_counts_and_lists():
+    geom = CacheGeometry(num_layers=2, num_experts=8, num_slots=4, hidden=4, inter=2)
+    cache = init_cache_state(geom, jnp.float32, fill_fraction=0.5)
+    ids = jnp.asarray([[0, 1, 2], [2, 3, 4]], jnp.int32)
+    plan, cache = plan_layer(cache, 1, ids, jnp.asarray([True, True]), num_experts=8)
+    assert int(plan.misses) == 5 and int(plan.hits) == 0
+    assert int(plan.n_fill) == int(balance_fill(jnp.int32(5), jnp.float32(0.5)))
+    n = int(plan.n_fill)
+    # Most recently routed first, ties to the lower id: all new, so the lowest ids are filled.
+    assert list(np.asarray(plan.fill_ids)[:n]) == [8 + e for e in range(n)]
+    check_invariants(cache)
+    # Padded tokens route nothing.
+    plan2, _ = plan_layer(cache, 0, ids, jnp.asarray([False, False]), num_experts=8)
+    assert int(plan2.misses) == 0 and int(plan2.n_fill) == 0 and int(plan2.n_cpu_routes) == 0
+
+
+@pytest.mark.parametrize("rule,S,T", [("balance", 1, 3), ("balance", 5, 1), ("all", 7, 3), ("all", 3, 4),
+                                      ("balance", 24, 2)])
+def test_random_routing_keeps_invariants(rule, S, T):
+    L, E, k = 3, 8, 3
+    geom = CacheGeometry(num_layers=L, num_experts=E, num_slots=S, hidden=4, inter=2)
+    cache = init_cache_state(geom, jnp.float32, fill_fraction=0.4)
+
+    @jax.jit
+    def step(cache, layer, ids, valid):
+        outs = []
+        for l in range(L):  # static layer loop, as in the model
+            p, c = plan_layer(cache, l, ids, valid, num_experts=E, rule=rule)
+            cache = jax.tree.map(lambda a, b: jnp.where(layer == l, b, a), cache, c)
+            outs.append(p)
+        return jax.tree.map(lambda *xs: jnp.stack(xs)[layer], *outs), cache
+
+    rng = np.random.default_rng(1)
+    for it in range(60):
+        layer = int(rng.integers(L))
+        ids = np.stack([rng.choice(E, k, replace=False) for _ in range(T)]).astype(np.int32)
+        valid = rng.random(T) < 0.8
+        before_slot_of = np.asarray(cache["slot_of"])
+        before_owner = np.asarray(cache["owner_of"])
+        plan, cache = step(cache, jnp.int32(layer), jnp.asarray(ids), jnp.asarray(valid))
+        routed = np.unique(layer * E + ids[valid]) if valid.any() else np.zeros(0, np.int64)
+        hit_slots = before_slot_of[routed][before_slot_of[routed] >= 0]
+        check_invariants(cache, hit_slots, before_owner[hit_slots])
+        m, nf = int(plan.misses), int(plan.n_fill)
+        assert int(plan.hits) == len(hit_slots) and m == len(routed) - len(hit_slots)
+        assert int(plan.cpu_experts) == m - nf and 0 <= nf <= m
+        if m and S > len(hit_slots):  # at least one fill while a slot is evictable
+            assert nf >= 1
+            if rule == "all":
+                assert nf == min(m, S - len(hit_slots))
+        fill_ids = np.asarray(plan.fill_ids)[:nf]
+        assert len(set(fill_ids)) == nf and all(before_slot_of[fill_ids] < 0)
+        assert set(fill_ids) <= set(routed)
+        slot_of = np.asarray(cache["slot_of"])
+        assert np.all(slot_of[fill_ids] == np.asarray(plan.fill_slots)[:nf])
+        # Routes: GPU ones point at the slot of their expert; the CPU list holds exactly the others.
+        rs = np.asarray(plan.route_slot)
+        flat = (layer * E + ids).reshape(-1)
+        rv = np.repeat(valid, k)
+        assert np.all(rs[rv & (rs >= 0)] == slot_of[flat[rv & (rs >= 0)]])
+        ncpu = int(plan.n_cpu_routes)
+        cpu = np.sort(np.asarray(plan.cpu_routes)[:ncpu])
+        assert np.array_equal(cpu, np.flatnonzero(rv & (rs < 0)))
+        assert len(np.unique(flat[cpu])) == m - nf
+    st = {k: np.asarray(v) for k, v in cache["stats"].items()}
+    assert st["calls"].sum() == 60

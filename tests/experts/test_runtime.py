@@ -1,0 +1,68 @@
+"""The engine with an offloaded policy: same greedy tokens as resident, device statistics, bad budgets."""
+import jax
+import numpy as np
+import pytest
+
+from ftjax.demo import DemoSpec, ensure_demo_model
+from ftjax.engine import Engine
+from ftjax.engine.api import EngineConfig
+from ftjax.engine.sampling import SamplingParams
+from ftjax.experts.bandwidth import Bandwidth, OnlineSplitTuner, from_profile
+from ftjax.experts.runtime import OffloadConfig
+from ftjax.ftw import load_store
+from ftjax.tokenizer import Tokenizer
+
+
+@pytest.fixture(autouse=True)
+def _on_cpu():
+    with jax.default_device(jax.devices("cpu")[0]):
+        yield
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    store = ensure_demo_model(tmp_path_factory.mktemp("offload-cache"), spec=DemoSpec.tiny(), progress=False)
+    return load_store(store), Tokenizer.from_dir(store)
+
+
+def test_engine_lru_split_matches_resident(tiny):
+    model, tok = tiny
+    prompts = ["the lighthouse", "a keeper of"]
+    sp = SamplingParams(temperature=0.0, max_tokens=6)
+    with Engine(model, tok, EngineConfig(max_slots=2, max_len=64, prefill_chunk=16)) as eng:
+        want = [r.token_ids for r in eng.generate(prompts, sp)]
+    cfg = model.config
+    slot_gib = 3 * cfg.hidden_size * cfg.moe_intermediate_size * 4 / 2**30
+    budget = slot_gib * max(2, int(0.37 * cfg.num_layers * cfg.num_experts))
+    with Engine(model, tok, EngineConfig(max_slots=2, max_len=64, prefill_chunk=16, policy="lru-split",
+                                         vram_gib=budget)) as eng:
+        got = [r.token_ids for r in eng.generate(prompts, sp)]
+        eng.accelerator.expert_stats.after_step(eng.accelerator.expert_state)
+        stats = eng.stats()
+    assert got == want
+    ex = stats["experts"]
+    assert ex["backend"] == "lru-split" and ex["num_slots"] >= 2
+    assert ex["misses"] == ex["fills"] + ex["cpu_experts"] and ex["hits"] + ex["misses"] > 0
+    assert stats["bandwidth"]["b_pcie_gbps"] > 0
+
+
+def test_budget_errors():
+    with pytest.raises(ValueError, match="policy"):
+        OffloadConfig(policy="lfu")
+    with pytest.raises(ValueError, match="vram_gib"):
+        EngineConfig(vram_gib=-1)
+
+
+def test_bandwidth_from_profile_and_online_tuner():
+    assert from_profile(None).source == "default"
+    prof = {"b_pcie_gbps": 50.0, "b_host_gbps": 100.0, "concurrent": {"b_pcie_gbps": 30.0, "b_host_gbps": 60.0}}
+    b = from_profile(prof)
+    assert b.concurrent and abs(b.fill_fraction - 1 / 3) < 1e-9
+    assert abs(from_profile({"b_pcie_gbps": 50.0, "b_host_gbps": 100.0}).fill_fraction - 0.5) < 1e-9
+    # Steps get cheaper with more filling: the tuner moves f up.
+    tuner = OnlineSplitTuner(Bandwidth(10.0, 100.0, False, "profile"), window=4)
+    f0 = b0 = tuner.bandwidth.fill_fraction
+    f = tuner.trial_fraction
+    for _ in range(200):
+        f = tuner.record(1.0 - 0.5 * f, misses=4)
+    assert tuner.bandwidth.fill_fraction > f0 and tuner.bandwidth.b_pcie_gbps > 10.0 * b0 / f0 - 1e-9
