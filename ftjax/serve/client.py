@@ -23,6 +23,7 @@ from typing import Any, Iterable, Sequence
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from ftjax.engine.api import RequestResult
 from ftjax.serve.stubs import is_repeated, load
 
 log = logging.getLogger(__name__)
@@ -42,16 +43,8 @@ class Chunk:
     usage: dict[str, Any] | None = None  # prompt_tokens, completion_tokens, ttft_s, decode_tok_s
 
 
-@dataclasses.dataclass(frozen=True)
-class Completion:
-    request_id: str
-    text: str
-    token_ids: list[int]
-    finish_reason: str
-    prompt_tokens: int
-    completion_tokens: int
-    ttft_s: float
-    decode_tok_s: float
+# A finished call: the same record the engine returns for a request.
+Completion = RequestResult
 
 
 def _reason(value: int) -> str | None:
