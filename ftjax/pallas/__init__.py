@@ -1,0 +1,1 @@
+"""Pallas expert kernels, one module per kernel, each beside a plain jax.numpy reference."""
