@@ -220,7 +220,9 @@ def _mib(n: float) -> str:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ftjax", description="FreeToken-style MoE inference on JAX: convert Hugging Face checkpoints "
-        "to FTW stores, generate text, run the built-in demo model.")
+        "to FTW stores, generate text, run the built-in demo model, serve over gRPC, run batch "
+        "evaluations, calibrate the machine's fill and CPU-expert bandwidths. `ftjax COMMAND --help` "
+        "explains each command.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress details (INFO)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
