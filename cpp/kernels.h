@@ -50,6 +50,12 @@ inline float bf16_to_f32(uint16_t b) {
   union { uint32_t u; float f; } v{static_cast<uint32_t>(b) << 16};
   return v.f;
 }
+// Weight (row, k) of an f32 or bf16 matrix: the SIMD tiers' scalar tail for widths that are not a
+// multiple of their vector length.
+inline float dense_weight(const MatrixRef& w, int64_t row, int64_t k) {
+  return w.format == WeightFormat::kF32 ? reinterpret_cast<const float*>(w.data)[row * w.cols + k]
+                                        : bf16_to_f32(reinterpret_cast<const uint16_t*>(w.data)[row * w.cols + k]);
+}
 inline uint16_t f32_to_bf16(float f) {  // round to nearest even (NaN kept quiet)
   union { float f; uint32_t u; } v{f};
   if ((v.u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((v.u >> 16) | 0x40);

@@ -84,10 +84,7 @@ void tile(const MatrixRef& w, int64_t r, const ActRef& a, int j0, float* out) {
     for (int j = 0; j < N; ++j) {
       float s = hsum(acc[i][j]);
       for (int64_t kk = k; kk < K; ++kk) {
-        const float wv = w.format == WeightFormat::kF32
-                             ? reinterpret_cast<const float*>(w.data)[(r + i) * K + kk]
-                             : bf16_to_f32(reinterpret_cast<const uint16_t*>(w.data)[(r + i) * K + kk]);
-        s += wv * x[j][kk];
+        s += dense_weight(w, r + i, kk) * x[j][kk];
       }
       out[i * a.n + j0 + j] = s;
     }
