@@ -34,7 +34,7 @@ from ftjax.config import parse_hf_config
 from ftjax.experts import bandwidth as bw
 from ftjax.experts.decode import OffloadExperts
 from ftjax.experts.traces import ReplayRouting, synthetic_trace
-from ftjax.host import calibrate, measure
+from ftjax.host import calibrate, configure_workers, measure, worker_info
 from ftjax.models import get_family, make_step_fns
 from ftjax.models.params import param_shapes, unflatten
 
@@ -131,6 +131,18 @@ class Run:
                 "cpu_per_layer": d["cpu_experts"] / steps / L}
 
 
+def profile(run, root: str | None, name: str, steps: int = 3) -> None:
+    """A profiler trace (perfetto JSON) of a few more steps of ``run``, when ``--profile`` is given."""
+    if not root:
+        return
+    run.step()
+    jax.block_until_ready(run.expert_state)
+    with jax.profiler.trace(str(Path(root) / name), create_perfetto_trace=True):
+        for _ in range(steps):
+            run.step()
+        jax.block_until_ready(run.expert_state)
+
+
 def _freeze(run):
     if run.routing == "trace":
         return dict(run.expert_state, inner=run.backend.freeze_hot_set(run.expert_state["inner"]))
@@ -147,6 +159,11 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=96)
     ap.add_argument("--layers", type=int, default=40, help="fewer layers for a quick check")
     ap.add_argument("--no-sweep", action="store_true")
+    ap.add_argument("--worker-variants", nargs="*", default=[], metavar="N:SPIN_US",
+                    help="also run lru-split with the CPU worker pool reconfigured (N workers, -1 = default; "
+                    "spin SPIN_US before sleeping), e.g. 14:2000")
+    ap.add_argument("--profile", metavar="DIR", help="also capture a profiler trace of 3 steps of each run "
+                    "(perfetto JSON under DIR/<routing>-b<B>-<policy>-<cache>; summarise with bench/trace_summary.py)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "out" / "decode.json"))
     args = ap.parse_args(argv)
     if jax.default_backend() != "gpu":
@@ -175,11 +192,13 @@ def main(argv=None) -> int:
     print(f"B_DRAM {b_dram:.1f} GB/s | in use: B_P {band.b_pcie_gbps:.1f} GB/s, B_H {band.b_host_gbps:.1f} GB/s "
           f"({'concurrent' if band.concurrent else 'standalone'}, {band.source}), q* fraction {band.fill_fraction:.3f}")
 
+    print(f"CPU worker pool: {worker_info()}")
     for routing in args.routing:
         for B in args.batches:
             trace = synthetic_trace(max_len, L, E, cfg.num_experts_per_tok, batch=B, seed=B) if routing == "trace" else None
             res = Run(cfg, params, pool, "resident", L * E, B, routing, trace, max_len, band.fill_fraction)
             t_gpu = res.timed(args.warmup // 4, args.steps)
+            profile(res, args.profile, f"{routing}-b{B}-resident")
             del res
             for frac in args.fractions:
                 S = int(frac * L * E)
@@ -188,6 +207,7 @@ def main(argv=None) -> int:
                     run = Run(cfg, params, pool, pol, 0 if pol == "cpu" else S, B, routing, trace, max_len,
                               band.fill_fraction)
                     rows[pol] = run.timed(args.warmup, args.steps)
+                    profile(run, args.profile, f"{routing}-b{B}-{pol}-{round(100 * frac)}")
                     if pol == "lru-split" and not args.no_sweep:
                         sweep = {}
                         for f in SWEEP:
@@ -195,6 +215,14 @@ def main(argv=None) -> int:
                             sweep[f] = run.timed(8, args.steps)["tok_s"]
                         rows[pol]["sweep"] = sweep
                     del run
+                for variant in args.worker_variants:
+                    n, spin = (int(v) for v in variant.split(":"))
+                    configure_workers(n_workers=n, spin_us=spin)
+                    run = Run(cfg, params, pool, "lru-split", S, B, routing, trace, max_len, band.fill_fraction)
+                    rows[f"split w{n}s{spin}"] = run.timed(args.warmup, args.steps)
+                    del run
+                if args.worker_variants:
+                    configure_workers()
                 miss_bytes = rows["lru-split"]["misses_per_step"] * expert_bytes if "lru-split" in rows else 0.0
                 roof = B / (t_gpu["step_ms"] / 1e3 + miss_bytes / (b_dram * 1e9))
                 row = {"routing": routing, "batch": B, "cache_fraction": frac, "slots": S,

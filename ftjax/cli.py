@@ -74,6 +74,8 @@ def add_expert_args(p: argparse.ArgumentParser) -> None:
                    "cpu, static, resident (default: all experts resident; lru-split with --vram-gib)")
     g.add_argument("--vram-gib", type=float, default=None, metavar="G",
                    help="GPU memory for the expert cache in GiB (default: the whole expert pool)")
+    g.add_argument("--fixed-split", action="store_true",
+                   help="lru-split: keep the calibrated fill fraction (no online refinement from step times)")
 
 
 def _sampling_params(args):
@@ -108,7 +110,8 @@ def _run_generation(model, args, prompt: str, echo_prompt: bool = False) -> None
     params = _sampling_params(args)  # validate before the slow part
     if not prompt:
         raise CLIError("the prompt is empty")
-    gen = Generator(model, batch=1, max_len=args.max_len, policy=args.policy, vram_gib=args.vram_gib)
+    gen = Generator(model, batch=1, max_len=args.max_len, policy=args.policy, vram_gib=args.vram_gib,
+                    online_split=not args.fixed_split)
     text = _prompt_text(gen.tokenizer, args, prompt)
     ids = gen.encode_prompt(text)
     if len(ids) > gen.max_len:

@@ -118,6 +118,7 @@ class ModelAccelerator:
         self.backend_name = self.expert_info["policy"] if self.offload.offloaded else "resident"
         self._banks, self._jdtype = model.experts, jdtype
         self.expert_stats = ExpertStats()
+        self.split = self._split_controller()
         self._hot_frozen = False
         self.pool_bytes = int(sum(b.nbytes for b in model.experts.values()))
         self.dtype = jnp.asarray(self.params["embed"]).dtype
@@ -128,7 +129,30 @@ class ModelAccelerator:
         self._prefill = {length: make_row_prefill(cfg, self.backend, length) for length in self.buckets}
         _, self._decode = make_step_fns(cfg, self.backend, max_slots, 1, max_len)
 
+    def _split_controller(self):
+        """Online refinement of the miss split (lru-split with ``online``): None for other policies."""
+        from ftjax.experts.bandwidth import OnlineSplitTuner, SplitController
+
+        policy = getattr(self.backend, "policy", None)
+        if not (self.offload.online and policy is not None and policy.decode_rule == "balance"):
+            return None
+        split = SplitController(OnlineSplitTuner(self.expert_info["bandwidth"]))
+        self._set_fill_fraction(split.fraction)
+        return split
+
+    def _set_fill_fraction(self, f: float) -> None:
+        self.expert_state = dict(self.expert_state, fill_fraction=jnp.asarray(f, jnp.float32))
+
+    def bandwidth(self) -> dict | None:
+        """B_P / B_H in use (online-refined under lru-split), None without an offloaded backend."""
+        if self.split is not None:
+            return self.split.to_dict()
+        band = self.expert_info.get("bandwidth")
+        return None if band is None else band.to_dict()
+
     def prefill(self, tokens: np.ndarray, n_new: np.ndarray):
+        if self.split is not None:
+            self.split.on_prefill()
         rows = {}
         for b in np.flatnonzero(n_new):
             n = int(n_new[b])
@@ -147,6 +171,10 @@ class ModelAccelerator:
     def decode(self, tokens: np.ndarray, n_new: np.ndarray):
         logits = self._run(self._decode, np.asarray(tokens)[:, None], n_new)
         self.expert_stats.after_step(self.expert_state)
+        if self.split is not None:
+            f = self.split.after_decode(*self.expert_stats.misses())
+            if f is not None:
+                self._set_fill_fraction(f)
         return logits
 
     def _run(self, step, *args):
@@ -159,7 +187,8 @@ class ModelAccelerator:
             log.warning("step failed; re-initialising the slot state")
             self.state = get_family(self.cfg).init_state(self.cfg, self.max_slots, self.max_len, self.dtype)
             if self.offload.offloaded:
-                self.expert_state = self.backend.init_state(self.expert_info["bandwidth"].fill_fraction)
+                f = self.split.fraction if self.split is not None else self.expert_info["bandwidth"].fill_fraction
+                self.expert_state = self.backend.init_state(f)
             else:
                 self.expert_state = ResidentExperts.init_state(self._banks, dtype=self._jdtype)
             raise

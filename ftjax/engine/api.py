@@ -50,6 +50,8 @@ class EngineConfig:
     policy: expert placement (``ftjax.experts.policies``: lru-split, lru-fill, cpu, static, resident);
         None = every expert resident as plain device banks (lru-split when ``vram_gib`` is set).
     vram_gib: GPU memory for the expert slot cache; None = room for the whole pool.
+    online_split: under lru-split, refine the fill fraction from measured decode step times
+        (``ftjax.experts.bandwidth.SplitController``); False keeps the calibration profile's.
     """
 
     max_slots: int = 4
@@ -59,6 +61,7 @@ class EngineConfig:
     dtype: str | None = None
     policy: str | None = None
     vram_gib: float | None = None
+    online_split: bool = True
 
     def __post_init__(self):
         from ftjax.experts.runtime import OffloadConfig

@@ -114,7 +114,8 @@ class Engine:
         from ftjax.experts.runtime import OffloadConfig
 
         return ModelAccelerator(model, self.config.max_slots, self.max_len, self.config.prefill_chunk,
-                                self.config.dtype, OffloadConfig(self.config.policy, self.config.vram_gib))
+                                self.config.dtype, OffloadConfig(self.config.policy, self.config.vram_gib,
+                                                              online=self.config.online_split))
 
     def _attach(self, accelerator) -> None:
         if accelerator.max_slots != self.config.max_slots:
@@ -259,7 +260,7 @@ class Engine:
         if reader is not None and info.get("num_slots") is not None:  # the offload runtime's device counters
             out["experts"] = {"backend": self.accelerator.backend_name, "num_slots": info["num_slots"],
                               **reader.summary()}
-            out["bandwidth"] = info["bandwidth"].to_dict()
+            out["bandwidth"] = self.accelerator.bandwidth()
         return out
 
 

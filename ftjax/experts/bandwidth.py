@@ -105,3 +105,59 @@ def _logit(f: float) -> float:
 
 def _sigmoid(x: float) -> float:
     return 1 / (1 + math.exp(-x))
+
+
+class SplitController:
+    """Drives an :class:`OnlineSplitTuner` from the engine's decode loop without stalling it.
+
+    The loop calls :meth:`on_prefill` when a prefill runs (the next interval is not a decode step) and
+    :meth:`after_decode` after dispatching each decode step with the newest device miss counter that
+    has already reached the host (``ExpertStats``: one step or so behind). Time between consecutive
+    decode dispatches is the step time (the scheduler waits for each step's logits); misses arrive when
+    their snapshot does and are paired with the time accumulated since the previous snapshot, so a
+    window's figures lag by about one step, small against windows of many misses.
+    Returns the fill fraction the next step should use, or None while it is unchanged.
+    """
+
+    def __init__(self, tuner: OnlineSplitTuner, clock=None):
+        import time
+
+        self.tuner, self._clock = tuner, clock or time.perf_counter
+        self._last_t: float | None = None
+        self._seconds = 0.0
+        self._misses: int | None = None
+        self._snapshot = 0
+        self.fraction = tuner.trial_fraction
+        self.updates = 0
+
+    @property
+    def bandwidth(self) -> Bandwidth:
+        return self.tuner.bandwidth
+
+    def on_prefill(self) -> None:
+        self._last_t = None
+
+    def after_decode(self, misses_total: int | None, snapshot: int = 0) -> float | None:
+        """``misses_total``: all misses counted so far in the newest snapshot on the host (None: none
+        yet); ``snapshot``: that snapshot's sequence number (unchanged: no new counts this step)."""
+        now = self._clock()
+        if self._last_t is not None:
+            self._seconds += now - self._last_t
+        self._last_t = now
+        if misses_total is None or snapshot == self._snapshot:
+            return None
+        self._snapshot = snapshot
+        if self._misses is None or misses_total < self._misses:  # first reading (or counters reset)
+            self._misses, self._seconds = misses_total, 0.0
+            return None
+        new, self._misses = misses_total - self._misses, misses_total
+        f = self.tuner.record(self._seconds, new)
+        self._seconds = 0.0
+        self.updates += 1
+        if f == self.fraction:
+            return None
+        self.fraction = f
+        return f
+
+    def to_dict(self) -> dict:
+        return {**self.bandwidth.to_dict(), "trial_fill_fraction": self.fraction, "online_updates": self.updates}

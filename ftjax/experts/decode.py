@@ -85,9 +85,14 @@ class OffloadExperts:
                 raise ValueError("the CUDA path reads the pool zero-copy: pin it first (HostPool.pin_if_cuda)")
             base = next(_channels) * 1024
             object.__setattr__(self, "channel_base", base)
-            for layer in range(L):
+            for layer in range(L if self.cpu_branch else 0):
                 cuda.create_channel(base + layer, self.pool, self.max_tokens,
                                     self.max_tokens * max(1, E))
+
+    @property
+    def cpu_branch(self) -> bool:
+        """False when no call can miss (``resident``: the whole pool preloaded, never evicted)."""
+        return self.policy.preload != "all"
 
     @property
     def geometry(self) -> CacheGeometry:
@@ -129,7 +134,10 @@ class OffloadExperts:
         flat = layer * E + expert_ids.reshape(-1).astype(jnp.int32)
         tasks = plan.cpu_routes
         cpu_args = (x, tasks // k, flat[tasks], gate_weights.reshape(-1).astype(jnp.float32)[tasks], plan.n_cpu_routes)
-        if self.platform == "cuda":
+        token, y_cpu = None, jnp.zeros(x.shape, jnp.float32)
+        if not self.cpu_branch:
+            pass  # every expert is in the cache: nothing can miss
+        elif self.platform == "cuda":
             from ftjax.host import cuda
 
             if T > self.max_tokens:
@@ -139,24 +147,25 @@ class OffloadExperts:
             y_cpu = cpu_experts(*cpu_args, self.pool)
 
         if plan.fill_ids.shape[0]:
-            state = self._fill(state, plan)
+            state = self._fill(state, plan, token)
         if self.num_slots:
             out = self._gpu_routes(state, layer, x, expert_ids, plan.route_slot)
             y = combine_routes(out.reshape(T, k, -1), expert_ids, gate_weights, token_valid)
         else:
             y = jnp.zeros_like(x)
 
-        if self.platform == "cuda":
+        if token is not None:
             y_cpu, _status, y = cuda.cpu_experts_collect(token, T, x.shape[1], self.channel_base + layer, after=y)
         y = (y.astype(jnp.float32) + y_cpu).astype(x.dtype)
         return jnp.where(token_valid[:, None], y, jnp.zeros_like(y)), state
 
-    def _fill(self, state, plan):
+    def _fill(self, state, plan, submit_token=None):
         gu, dn = state["gate_up"], state["down"]
         if self.platform == "cuda":
             from ftjax.host import cuda
 
-            gu, dn = cuda.expert_fill(plan.fill_ids, plan.fill_slots, plan.n_fill, gu, dn, self.pool)
+            gu, dn = cuda.expert_fill(plan.fill_ids, plan.fill_slots, plan.n_fill, gu, dn, self.pool,
+                                      after_submit=submit_token)
         else:
             F = plan.fill_ids.shape[0]
             banks = self.host_banks()

@@ -18,6 +18,7 @@ class ExpertStats:
         self._lock = threading.Lock()
         self._pending = None
         self._latest: dict[str, np.ndarray] | None = None
+        self.version = 0  # bumped each time a newer snapshot reaches the host
 
     def after_step(self, expert_state) -> None:
         stats = expert_state.get("stats") if isinstance(expert_state, dict) else None
@@ -34,11 +35,19 @@ class ExpertStats:
         if self._pending is not None and all(_ready(v) for v in self._pending.values()):
             self._latest = {k: np.asarray(v) for k, v in self._pending.items()}
             self._pending = None
+            self.version += 1
 
     def read(self) -> dict[str, np.ndarray] | None:
         with self._lock:
             self._promote()
             return None if self._latest is None else dict(self._latest)
+
+    def misses(self) -> tuple[int | None, int]:
+        """``(all misses counted in the newest snapshot on the host, its version)``; never waits."""
+        with self._lock:
+            self._promote()
+            latest, version = self._latest, self.version
+        return (None if latest is None else int(latest["misses"].sum())), version
 
     def summary(self) -> dict:
         """Totals and per-layer lists of hits, misses, fills, CPU experts (unique experts per call)."""

@@ -1,4 +1,6 @@
 """The engine with an offloaded policy: same greedy tokens as resident, device statistics, bad budgets."""
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -7,7 +9,7 @@ from ftjax.demo import DemoSpec, ensure_demo_model
 from ftjax.engine import Engine
 from ftjax.engine.api import EngineConfig
 from ftjax.engine.sampling import SamplingParams
-from ftjax.experts.bandwidth import Bandwidth, OnlineSplitTuner, from_profile
+from ftjax.experts.bandwidth import Bandwidth, OnlineSplitTuner, SplitController, from_profile
 from ftjax.experts.runtime import OffloadConfig
 from ftjax.ftw import load_store
 from ftjax.tokenizer import Tokenizer
@@ -66,3 +68,41 @@ def test_bandwidth_from_profile_and_online_tuner():
     for _ in range(200):
         f = tuner.record(1.0 - 0.5 * f, misses=4)
     assert tuner.bandwidth.fill_fraction > f0 and tuner.bandwidth.b_pcie_gbps > 10.0 * b0 / f0 - 1e-9
+
+
+def test_split_controller_pairs_time_with_new_snapshots():
+    clock = iter(np.arange(0.0, 100.0, 1.0))
+    tuner = OnlineSplitTuner(Bandwidth(50.0, 50.0, True, "profile"), window=2)
+    ctl = SplitController(tuner, clock=lambda: float(next(clock)))
+    f0 = ctl.fraction
+    assert ctl.after_decode(None, 0) is None  # no snapshot on the host yet
+    assert ctl.after_decode(10, 1) is None  # first reading sets the baseline
+    assert ctl.after_decode(10, 1) is None  # same snapshot: time accumulates, nothing recorded
+    f = ctl.after_decode(13, 2)  # 3 new misses over 2 s: window full, the tuner tries the other side
+    assert ctl.updates == 1 and f is not None and f != f0 and f == tuner.trial_fraction
+    ctl.on_prefill()  # the next interval is not a decode step
+    assert ctl.after_decode(13, 2) is None and ctl.to_dict()["trial_fill_fraction"] == f
+
+
+def test_engine_refines_the_split_online(tiny):
+    model, tok = tiny
+    cfg = model.config
+    slot_gib = 3 * cfg.hidden_size * cfg.moe_intermediate_size * 4 / 2**30
+    budget = slot_gib * max(2, int(0.11 * cfg.num_layers * cfg.num_experts))
+    sp = SamplingParams(temperature=0.0, max_tokens=24)
+    config = EngineConfig(max_slots=2, max_len=64, prefill_chunk=16, policy="lru-split", vram_gib=budget)
+    with Engine(model, tok, config) as eng:
+        acc = eng.accelerator
+        acc.split.tuner.window = 1  # every snapshot with misses completes a window
+        f_start = float(acc.expert_state["fill_fraction"])
+        eng.generate(["the lighthouse keeper", "a storm over"], sp)
+        stats = eng.stats()
+        f_end = float(acc.expert_state["fill_fraction"])
+    assert acc.split.updates > 0 and f_end != f_start
+    assert f_end == pytest.approx(acc.split.fraction)
+    assert stats["bandwidth"]["online_updates"] == acc.split.updates
+    assert 0 < stats["bandwidth"]["fill_fraction"] < 1
+    with Engine(model, tok, dataclasses.replace(config, online_split=False)) as eng:
+        assert eng.accelerator.split is None
+        eng.generate(["the lighthouse keeper"], SamplingParams(temperature=0.0, max_tokens=4))
+        assert "online_updates" not in eng.stats()["bandwidth"]
