@@ -38,7 +38,7 @@ from ftjax.host import calibrate, configure_workers, measure, worker_info
 from ftjax.models import get_family, make_step_fns
 from ftjax.models.params import param_shapes, unflatten
 
-TOKENIZER = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "qwen3-tokenizer"
+TOKENIZER = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "qwen3-tokenizer"  # --tokenizer
 QWEN36 = {
     "model_type": "qwen3_5_moe_text", "hidden_size": 2048, "num_hidden_layers": 40, "num_attention_heads": 16,
     "num_key_value_heads": 2, "head_dim": 256, "vocab_size": 151669, "num_experts": 256, "num_experts_per_tok": 8,
@@ -59,10 +59,10 @@ def make_params(cfg, seed=0):
     return unflatten(flat)
 
 
-def text_tokens(n: int, batch: int) -> np.ndarray:
+def text_tokens(n: int, batch: int, tokenizer_dir=TOKENIZER) -> np.ndarray:
     from ftjax.tokenizer import Tokenizer
 
-    tok = Tokenizer.from_dir(TOKENIZER)
+    tok = Tokenizer.from_dir(tokenizer_dir)
     text = (Path(__file__).resolve().parents[1] / "ftjax" / "data" / "corpus.txt").read_text()
     ids = np.asarray(tok.encode(text), np.int32)
     need = n * batch
@@ -73,7 +73,7 @@ def text_tokens(n: int, batch: int) -> np.ndarray:
 class Run:
     """One backend at one batch size: a decode step function and its states."""
 
-    def __init__(self, cfg, params, pool, policy, slots, batch, routing, trace, max_len, fill_fraction):
+    def __init__(self, cfg, params, pool, policy, slots, batch, routing, trace, max_len, fill_fraction, tokens=None):
         L, E, k = cfg.num_layers, cfg.num_experts, cfg.num_experts_per_tok
         self.cfg, self.params, self.batch, self.routing, self.trace = cfg, params, batch, routing, trace
         self.backend = OffloadExperts(pool, L, E, slots, policy, platform="cuda", max_tokens=max(batch, 16))
@@ -85,7 +85,7 @@ class Run:
             wrapped, self.expert_state = self.backend, inner
         _, self.decode = make_step_fns(cfg, wrapped, batch, 1, max_len)
         self.state = get_family(cfg).init_state(cfg, batch, max_len, jnp.bfloat16)
-        self.tokens = text_tokens(max_len, batch) if routing == "text" else np.zeros((max_len, batch), np.int32)
+        self.tokens = tokens if routing == "text" else np.zeros((max_len, batch), np.int32)
         self.i = 0
 
     @property
@@ -159,6 +159,7 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=96)
     ap.add_argument("--layers", type=int, default=40, help="fewer layers for a quick check")
     ap.add_argument("--no-sweep", action="store_true")
+    ap.add_argument("--tokenizer", default=str(TOKENIZER), help="the real Qwen3 tokenizer (routing text)")
     ap.add_argument("--worker-variants", nargs="*", default=[], metavar="N:SPIN_US",
                     help="also run lru-split with the CPU worker pool reconfigured (N workers, -1 = default; "
                     "spin SPIN_US before sleeping), e.g. 14:2000")
@@ -187,7 +188,10 @@ def main(argv=None) -> int:
     band = bw.from_profile(prof)
     expert_bytes = shape.expert_bytes("bf16")
     params = make_params(cfg)
-    max_len = args.warmup + args.steps + 8
+    # Every step of the longest run (lru-split: timing, worker variants, sweep, profile) must fit the
+    # KV length: past it, text routing would come from an overflowing context.
+    max_len = (args.warmup + args.steps + 8 + len(args.worker_variants) * (args.warmup // 2 + args.steps)
+               + (0 if args.no_sweep else len(SWEEP) * (8 + args.steps)) + (4 if args.profile else 0))
     results = {"b_dram_gbps": b_dram, "bandwidth": band.to_dict(), "expert_bytes": expert_bytes, "rows": []}
     print(f"B_DRAM {b_dram:.1f} GB/s | in use: B_P {band.b_pcie_gbps:.1f} GB/s, B_H {band.b_host_gbps:.1f} GB/s "
           f"({'concurrent' if band.concurrent else 'standalone'}, {band.source}), q* fraction {band.fill_fraction:.3f}")
@@ -196,7 +200,8 @@ def main(argv=None) -> int:
     for routing in args.routing:
         for B in args.batches:
             trace = synthetic_trace(max_len, L, E, cfg.num_experts_per_tok, batch=B, seed=B) if routing == "trace" else None
-            res = Run(cfg, params, pool, "resident", L * E, B, routing, trace, max_len, band.fill_fraction)
+            tokens = text_tokens(max_len, B, args.tokenizer) if routing == "text" else None
+            res = Run(cfg, params, pool, "resident", L * E, B, routing, trace, max_len, band.fill_fraction, tokens)
             t_gpu = res.timed(args.warmup // 4, args.steps)
             profile(res, args.profile, f"{routing}-b{B}-resident")
             del res
@@ -205,9 +210,16 @@ def main(argv=None) -> int:
                 rows = {}
                 for pol in args.policies:
                     run = Run(cfg, params, pool, pol, 0 if pol == "cpu" else S, B, routing, trace, max_len,
-                              band.fill_fraction)
+                              band.fill_fraction, tokens)
                     rows[pol] = run.timed(args.warmup, args.steps)
                     profile(run, args.profile, f"{routing}-b{B}-{pol}-{round(100 * frac)}")
+                    if pol == "lru-split":
+                        for variant in args.worker_variants:  # same executable, other worker pool
+                            n, spin = (int(v) for v in variant.split(":"))
+                            configure_workers(n_workers=n, spin_us=spin)
+                            rows[f"split w{n}s{spin}"] = run.timed(args.warmup // 2, args.steps)
+                        if args.worker_variants:
+                            configure_workers()
                     if pol == "lru-split" and not args.no_sweep:
                         sweep = {}
                         for f in SWEEP:
@@ -215,14 +227,6 @@ def main(argv=None) -> int:
                             sweep[f] = run.timed(8, args.steps)["tok_s"]
                         rows[pol]["sweep"] = sweep
                     del run
-                for variant in args.worker_variants:
-                    n, spin = (int(v) for v in variant.split(":"))
-                    configure_workers(n_workers=n, spin_us=spin)
-                    run = Run(cfg, params, pool, "lru-split", S, B, routing, trace, max_len, band.fill_fraction)
-                    rows[f"split w{n}s{spin}"] = run.timed(args.warmup, args.steps)
-                    del run
-                if args.worker_variants:
-                    configure_workers()
                 miss_bytes = rows["lru-split"]["misses_per_step"] * expert_bytes if "lru-split" in rows else 0.0
                 roof = B / (t_gpu["step_ms"] / 1e3 + miss_bytes / (b_dram * 1e9))
                 row = {"routing": routing, "batch": B, "cache_fraction": frac, "slots": S,
