@@ -47,7 +47,7 @@ std::vector<int> physical_core_cpus() {
 WorkerPool::WorkerPool(const WorkerConfig& cfg) : cfg_(cfg) {
   const auto cores = physical_core_cpus();
   int n = cfg.n_workers;
-  if (n < 0) n = std::max(0, static_cast<int>(cores.size()) - 1);
+  if (n < 0) n = std::max(0, static_cast<int>(cores.size()) - 2);
   if (n > 1024) throw std::invalid_argument("n_workers " + std::to_string(n) + " is too large (max 1024)");
   cfg_.n_workers = n;
   // Core 0 of the list stays with the caller (the coordinator); workers take the rest, wrapping.

@@ -1,6 +1,8 @@
-// Persistent worker pool: one thread per physical core minus one (the caller coordinates and
-// works too), each pinned; wake-up spins briefly then sleeps, so back-to-back calls of a decode
-// step cost a cache-line handoff rather than a futex round trip.
+// Persistent worker pool: one thread per physical core minus two (the caller coordinates and
+// works too; one core stays free for the JAX dispatch thread: on the H200 host, 15 workers + the
+// coordinator + dispatch on 16 cores gave millisecond stalls whenever a pinned worker was
+// descheduled), each pinned; wake-up spins (2 ms: longer than the gap between the MoE layers of a
+// decode step) then sleeps, so the calls of a decode step cost a cache-line handoff, not a futex.
 #pragma once
 #include <atomic>
 #include <condition_variable>
@@ -14,8 +16,8 @@
 namespace ftjax {
 
 struct WorkerConfig {
-  int n_workers = -1;   // threads besides the caller; -1 = physical cores - 1
-  int spin_us = 100;    // busy-wait this long for new work before sleeping
+  int n_workers = -1;   // threads besides the caller; -1 = physical cores - 2 (at least 0)
+  int spin_us = 2000;   // busy-wait this long for new work before sleeping
   bool pin = true;      // pin worker i to the first logical CPU of physical core i + 1
 };
 

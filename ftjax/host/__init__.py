@@ -33,8 +33,8 @@ def set_tier(name: str) -> None:
     _host.set_tier(name)
 
 
-def configure_workers(n_workers: int = -1, spin_us: int = 100, pin: bool = True) -> None:
-    """Replace the worker pool: ``n_workers`` threads besides the caller (-1 = physical cores - 1)."""
+def configure_workers(n_workers: int = -1, spin_us: int = 2000, pin: bool = True) -> None:
+    """Replace the worker pool: ``n_workers`` threads besides the caller (-1 = physical cores - 2)."""
     _host.configure_workers(n_workers, spin_us, pin)
 
 

@@ -1,0 +1,220 @@
+"""Pallas expert kernels on the GPU: prefill grouped GEMM and decode grouped GEMV against ceilings.
+
+Ceilings measured in the same run: a plain bf16 matmul ([8192, 8192] @ [8192, 8192], random data;
+TFLOP/s) and a device-to-device copy (2 GiB, bytes read + written; GB/s).
+
+- prefill (``ftjax.pallas.prefill_gemm``): per (H, I), token count and weight type, the kernel's
+  time, useful TFLOP/s (``prefill_flops``) and its ratio to the matmul ceiling; ``--ragged`` adds the
+  ``lax.ragged_dot`` baseline (bf16). Routing: uniform random top-k over E experts per token.
+- decode (``ftjax.pallas.decode_gemv``): 1-8 tokens x top-k routes into a cache of S slots, the
+  weight bytes actually read (``decode_bytes_read``) per second and the ratio to the copy ceiling;
+  beside it the jnp gather path the offloaded backend used before (gather the routed slots, einsum).
+
+GPU machine (Hopper). Writes bench/out/kernels.json.
+    python bench/kernels.py                               # everything
+    python bench/kernels.py --only decode --decode-tokens 1 8
+    python bench/kernels.py --smoke                       # tiny shapes, Mosaic GPU interpret mode (CPU)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ftjax.experts.interface import expert_mlp
+from ftjax.pallas import decode_gemv as dg
+from ftjax.pallas import prefill_gemm as pg
+
+
+def _time_ms(fn, *args, iters):
+    jax.block_until_ready(fn(*args))  # compile + warm up
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append((time.perf_counter() - t0) * 1e3)
+    return float(np.median(times))
+
+
+def dense_ceiling_tflops(n=8192, iters=10):
+    ka, kb = jax.random.split(jax.random.key(0))
+    a = jax.random.normal(ka, (n, n), jnp.bfloat16)
+    b = jax.random.normal(kb, (n, n), jnp.bfloat16)
+    ms = _time_ms(jax.jit(lambda a, b: a @ b), a, b, iters=iters)
+    return 2 * n ** 3 / ms / 1e9
+
+
+def copy_ceiling_gbps(nbytes=2 << 30, iters=10):
+    """Device-to-device copy, bytes read + written per second."""
+    src = jax.random.bits(jax.random.key(1), (nbytes // 4,), jnp.uint32)
+    ms = _time_ms(jax.jit(lambda a: a + jnp.uint32(1)), src, iters=iters)
+    return 2 * nbytes / ms / 1e6
+
+
+def _decode_inputs(key, T, k, H, I, S, int4):
+    ks = jax.random.split(key, 5)
+    x = jax.random.normal(ks[0], (T, H), jnp.bfloat16)
+    R = T * k
+    slots = jax.random.choice(ks[1], S, (R,), replace=False).astype(jnp.int32)
+    tokens = jnp.repeat(jnp.arange(T, dtype=jnp.int32), k)
+    if int4:
+        banks = (jax.random.bits(ks[2], (S, 2 * I, H // 2), jnp.uint8),
+                 (jax.random.uniform(ks[3], (S, 2 * I, H // 32)) * 0.02).astype(jnp.bfloat16),
+                 jax.random.bits(ks[4], (S, H, I // 2), jnp.uint8),
+                 (jax.random.uniform(ks[3], (S, H, I // 32)) * 0.02).astype(jnp.bfloat16))
+    else:
+        banks = (jax.random.normal(ks[2], (S, 2 * I, H), jnp.bfloat16) * 0.02,
+                 jax.random.normal(ks[4], (S, H, I), jnp.bfloat16) * 0.02)
+    return x, slots, tokens, banks
+
+
+def gather_decode(x, slots, tokens, n_valid, gate_up, down):
+    """Baseline: the jnp gather path (gather the routed slots' weights, batched GEMVs)."""
+    y = expert_mlp(x[tokens], gate_up[slots], down[slots]).astype(jnp.float32)
+    return jnp.where((jnp.arange(slots.shape[0]) < n_valid)[:, None], y, 0.0)
+
+
+def bench_decode(args, copy_gbps, rows):
+    print(f"\ndecode grouped GEMV: cache {args.slots_decode} slots, top-{args.top_k}; "
+          f"copy ceiling {copy_gbps:.0f} GB/s")
+    print(f"{'H':>5} {'I':>5} {'T':>3} {'dtype':>5} {'us':>8} {'GB/s':>7} {'/copy':>6} {'gather us':>10} {'err':>8}")
+    kw = dict(interpret=True) if args.smoke else {}
+    for shape in args.shapes:
+        H, I = map(int, shape.split("x"))
+        for dtype in args.dtypes:
+            int4 = dtype == "int4"
+            S = args.slots_decode
+            if not args.smoke:  # keep the cache under ~40 GiB
+                S = min(S, int(40 * 2**30 // (3 * H * I * (0.53 if int4 else 2))))
+            for T in args.decode_tokens:
+                x, slots, tokens, banks = _decode_inputs(jax.random.key(T), T, args.top_k, H, I, S, int4)
+                R = slots.shape[0]
+                n = jnp.int32(R)
+                f = dg.decode_experts_int4 if int4 else dg.decode_experts
+                fn = jax.jit(lambda *a, _f=f: _f(*a, **kw))
+                us = 1e3 * _time_ms(fn, x, slots, tokens, n, *banks, iters=args.iters)
+                nbytes = dg.decode_bytes_read(R, H, I, int4=int4)
+                got = fn(x, slots, tokens, n, *banks)
+                ref_fn = dg.reference_decode_experts_int4 if int4 else dg.reference_decode_experts
+                ref = jax.jit(ref_fn)(x, slots, tokens, n, *banks)
+                err = float(jnp.linalg.norm(got - ref) / jnp.linalg.norm(ref))
+                row = dict(kind="decode", H=H, I=I, T=T, routes=R, slots=S, dtype=dtype, us=us,
+                           gbps=nbytes / us / 1e3, ratio=nbytes / us / 1e3 / copy_gbps, rel_err=err,
+                           copy_ceiling_gbps=copy_gbps)
+                if not int4:
+                    row["gather_us"] = 1e3 * _time_ms(jax.jit(gather_decode), x, slots, tokens, n, *banks,
+                                                      iters=args.iters)
+                rows.append(row)
+                print(f"{H:>5} {I:>5} {T:>3} {dtype:>5} {us:>8.1f} {row['gbps']:>7.0f} {row['ratio']:>6.2f} "
+                      f"{row.get('gather_us', float('nan')):>10.1f} {err:>8.1e}", flush=True)
+                del banks
+
+
+def _inputs(key, T, k, H, I, E, S, int4):
+    ks = jax.random.split(key, 6)
+    x = jax.random.normal(ks[0], (T, H), jnp.bfloat16)
+    ids = jnp.argsort(jax.random.uniform(ks[1], (T, E)), axis=1)[:, :k].astype(jnp.int32)
+    w = jax.nn.softmax(jax.random.normal(ks[2], (T, k)), axis=-1)
+    valid = jnp.ones((T,), bool)
+    slots = jax.random.permutation(ks[3], S)[:E].astype(jnp.int32)
+    if int4:
+        banks = (jax.random.bits(ks[4], (S, 2 * I, H // 2), jnp.uint8),
+                 jnp.full((S, 2 * I, H // 32), 0.01, jnp.bfloat16),
+                 jax.random.bits(ks[5], (S, H, I // 2), jnp.uint8),
+                 jnp.full((S, H, I // 32), 0.01, jnp.bfloat16))
+    else:
+        banks = (jax.random.normal(ks[4], (S, 2 * I, H), jnp.bfloat16) * 0.02,
+                 jax.random.normal(ks[5], (S, H, I), jnp.bfloat16) * 0.02)
+    return (x, ids, w, valid), banks, slots
+
+
+def ragged_dot_moe(x, ids, w, valid, gate_up, down, slots):
+    """Baseline: the same layer with lax.ragged_dot over expert-sorted routes (no slot skipping)."""
+    T, k = ids.shape
+    inter = down.shape[-1]
+    order = jnp.argsort(ids.reshape(-1))
+    xs = jnp.repeat(x, k, axis=0)[order]
+    sizes = jnp.bincount(ids.reshape(-1), length=slots.shape[0]).astype(jnp.int32)
+    gu = jax.lax.ragged_dot(xs, jnp.swapaxes(gate_up[slots], 1, 2), sizes)
+    act = (jax.nn.silu(gu[:, :inter].astype(jnp.float32)) * gu[:, inter:]).astype(x.dtype)
+    out = jax.lax.ragged_dot(act, jnp.swapaxes(down[slots], 1, 2), sizes)
+    y = jnp.zeros((T * k, x.shape[1]), jnp.float32).at[order].set(out.astype(jnp.float32))
+    return jnp.where(valid[:, None], (y.reshape(T, k, -1) * w[..., None]).sum(1), 0.0)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
+    ap.add_argument("--shapes", nargs="+", default=["2048x512", "4096x2048"], help="HxI")
+    ap.add_argument("--experts", type=int, default=256)
+    ap.add_argument("--slots", type=int, default=256)
+    ap.add_argument("--top-k", type=int, default=8)
+    ap.add_argument("--dtypes", nargs="+", default=["bf16", "int4"])
+    ap.add_argument("--tile-m", type=int, default=128)
+    ap.add_argument("--stages", type=int, default=4)
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--ragged", action="store_true", help="also time the lax.ragged_dot baseline")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode, CPU")
+    ap.add_argument("--only", choices=["prefill", "decode"], help="one section only")
+    ap.add_argument("--decode-tokens", type=int, nargs="+", default=[1, 2, 4, 8])
+    ap.add_argument("--slots-decode", type=int, default=2000, help="decode cache slots (capped at ~40 GiB)")
+    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "out" / "kernels.json")
+    args = ap.parse_args()
+
+    kw = dict(tile_m=args.tile_m, stages=args.stages)
+    if args.smoke:
+        args.tokens, args.shapes, args.experts, args.slots, args.iters = [40], ["256x256"], 8, 8, 1
+        args.decode_tokens, args.slots_decode = [1], 16
+        kw = dict(tile_m=64, tile_n_gate_up=64, tile_n_down=64, stages=2, num_sms=2,
+                  interpret=True)
+    ceiling = 1.0 if args.smoke else dense_ceiling_tflops()
+    copy_gbps = 1.0 if args.smoke else copy_ceiling_gbps()
+    print(f"ceilings: dense bf16 matmul {ceiling:.0f} TFLOP/s, device copy {copy_gbps:.0f} GB/s")
+    rows = []
+    if args.only != "prefill":
+        bench_decode(args, copy_gbps, rows)
+    if args.only == "decode":
+        args.shapes = []
+    else:
+        print("\nprefill grouped expert MLP")
+    print(f"{'H':>5} {'I':>5} {'T':>6} {'dtype':>5} {'ms':>8} {'TFLOP/s':>8} {'ratio':>6} "
+          f"{'GB/s':>7}")
+    for shape in args.shapes:
+        H, I = map(int, shape.split("x"))
+        for dtype in args.dtypes:
+            int4 = dtype == "int4"
+            fn = jax.jit(lambda *a, _f=(pg.prefill_experts_int4 if int4 else pg.prefill_experts):
+                         _f(*a, **kw))
+            for T in args.tokens:
+                route, banks, slots = _inputs(jax.random.key(T), T, args.top_k, H, I,
+                                              args.experts, args.slots, int4)
+                ms = _time_ms(fn, *route, *banks, slots, iters=args.iters)
+                hit = int(jnp.unique(route[1]).size)
+                flops = pg.prefill_flops(T, args.top_k, H, I)
+                nbytes = pg.prefill_bytes(T, args.top_k, H, I, hit, int4=int4)
+                row = dict(kind="prefill", H=H, I=I, T=T, dtype=dtype, ms=ms, tflops=flops / ms / 1e9,
+                           ratio=flops / ms / 1e9 / ceiling, gbps=nbytes / ms / 1e6,
+                           experts_hit=hit, ceiling_tflops=ceiling, **{k: v for k, v in kw.items()
+                                                                        if k != "interpret"})
+                if args.ragged and not int4:
+                    rms = _time_ms(jax.jit(ragged_dot_moe), *route, *banks, slots,
+                                   iters=args.iters)
+                    row["ragged_dot_tflops"] = flops / rms / 1e9
+                rows.append(row)
+                print(f"{H:>5} {I:>5} {T:>6} {dtype:>5} {ms:>8.3f} {row['tflops']:>8.1f} "
+                      f"{row['ratio']:>6.2f} {row['gbps']:>7.0f}"
+                      + (f"  ragged_dot {row['ragged_dot_tflops']:.1f} TFLOP/s"
+                         if "ragged_dot_tflops" in row else ""), flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(dict(device=str(jax.devices()[0]), matmul_tflops=ceiling,
+                                        copy_gbps=copy_gbps, rows=rows), indent=1))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,485 @@
+"""Prefill grouped expert MLP on Mosaic GPU (Hopper WGMMA), bf16 and int4, beside its jnp reference.
+
+One MoE layer's prefill: ``x [T, H]``, router output ``expert_ids [T, k]`` and ``gate_weights
+[T, k]``, ``token_valid [T]``; expert weights from a slot cache, ``gate_up [S, 2I, H]`` (rows
+0..I-1 gate, I..2I-1 up) and ``down [S, H, I]`` in torch [out, in] orientation, found through
+``slot_of_expert [E]``. Output ``y [T, H]`` fp32:
+
+    y_t = sum_j w[t, j] * down[s] @ (silu(gate[s] @ x_t) * (up[s] @ x_t)),
+    s = slot_of_expert[expert_ids[t, j]]
+
+and zero for invalid tokens.
+
+Plan (one screen):
+  1. `routing.plan_routes` sorts the routes by expert into groups padded to ``tile_m`` rows;
+     `routing.gather_rows` builds ``x_rows [R_pad, H]`` (padding rows zero). ``R_pad`` is a
+     static bound, ``T*k + min(E, T*k) * (tile_m - 1)`` rounded down to a tile.
+  2. kernel 1, gate+up grouped matmul with fused SwiGLU: ``act [R_pad, I]`` bf16.
+  3. kernel 2, down grouped matmul: ``out [R_pad, H]`` bf16.
+  4. `routing.combine_rows`: fp32 weighted gather-sum back to tokens.
+  The whole thing sits under ``lax.cond(n_tiles > 0)``: no Mosaic kernel is launched for an
+  empty batch (Mosaic GPU hung once on an all-empty launch).
+
+Kernel layout (both kernels are one builder, `_grouped_matmul`): a persistent grid of one CTA
+per SM walks the output tiles ``(m, n)``, ``n`` fastest, so neighbouring CTAs share a row tile and
+an expert's weights while they are in L2. The walk is ``plgpu.nd_loop`` over a *device* count of
+row tiles (``n_tiles``), so the idle tail of the padded buffer costs nothing, and since an empty
+group has no row tile it costs nothing either. Each CTA has three warpgroups: a memory warpgroup
+issuing TMA copies into a ``stages``-deep SMEM ring (``emit_pipeline_warp_specialized``) and two
+compute warpgroups, each owning ``tile_n`` of the CTA's ``2 * tile_n`` output columns. A pipeline
+step is one ``tile_k`` slice of the reduction: the ``[tile_m, tile_k]`` row tile and the
+``[2 * tile_n, tile_k]`` weight tile(s), read straight from ``w.at[slot]`` (torch [out, in] is
+K-major, so the weight tile is WGMMA's B operand through a transposed SMEM view). The slot is
+``tile_slot[m] = slot_of_expert[tile_group[m]]``, an int32 GMEM input read inside the kernel
+before the TMA addresses are formed; any cache (prefill double buffer, decode LRU) can feed it.
+Kernel 1 streams the gate and the up rows of the same output columns and keeps two fp32
+accumulators per warpgroup; its epilogue applies SwiGLU in registers. Epilogues go through a
+``[tile_m, 64]`` SMEM tile per warpgroup and TMA stores. A compute warpgroup waits for its
+WGMMAs before a step returns its SMEM slot (no ``delay_release``: a WGMMA still reading the last
+slot would race the memory warpgroup's prologue copies for the next tile); the two compute
+warpgroups interleave on the tensor cores.
+
+int4 (`prefill_experts_int4`): weights are the host pool's group-32 layout (`ftjax.host.quant`):
+``packed uint8 [.., rows, cols/2]`` (column 2j in the low nibble of byte j) and ``scales bf16
+[.., rows, cols/32]``, value ``(q - 8) * scale``. The wrapper reinterprets ``packed`` as an int4
+array ``[.., rows, cols]`` (a bitcast; the nibble order is jax's int4 order). Per step the memory
+warpgroup copies the int4 tile and an 8-group (256-column) block of scales; each compute
+warpgroup loads its int4 rows into registers, flips the top bit (``q ^ 8`` read as signed int4
+is ``q - 8``), converts to bf16, multiplies by the scales selected per 32-column group, stores the
+bf16 tile into its own swizzled SMEM tile, fences (``commit_smem``: proxy fence + warpgroup
+barrier) and issues WGMMA from it. Needs ``H % 256 == 0``, ``I % 256 == 0`` and
+``tile_n`` a multiple of 64 with ``2 * tile_n <= 256`` (one TMA copy of scales).
+
+Defaults (H100/H200, 227 KiB SMEM): ``tile_m=128, tile_k=64, stages=4``; kernel 1 ``tile_n=64``
+(CTA 128 x 128 act columns = 256 weight rows, 2 x 64 fp32 accumulator registers per thread),
+kernel 2 ``tile_n=128`` (CTA 128 x 256). Both use 48 KiB per stage in bf16 and 28 KiB in int4
+(plus a 32 KiB dequant buffer), and a 32 KiB epilogue. ``tile_m=64`` halves the padding waste
+(at most 63 rows per non-empty expert).
+
+Cost model (for the benchmark): `prefill_flops` counts the useful FLOPs, ``6 * T*k * H * I``
+(three matmuls of 2 flops per MAC). `prefill_bytes` counts the minimum HBM traffic: the weights
+of the experts hit once, ``n_hit * 3*H*I * b_w`` (``b_w`` = 2 for bf16, ``0.5 + 2/32`` for int4),
+plus ``x`` in and ``y`` out, ``T*H*(2 + 4)``. The padded bf16 intermediates ``x_rows``, ``act``
+and ``out`` are each written once and read back once, ``R_pad * (4H + 2I) * 2`` bytes;
+`prefill_bytes(..., with_intermediates=True)` adds them.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from ftjax.pallas import routing
+
+QUANT_GROUP = 32
+_SCALE_BLOCK = 8  # scale columns per TMA copy: 8 bf16 = the 16-byte TMA minimum = 256 inputs
+_SMEM_LIMIT_BYTES = 232448  # H100/H200 per-block shared memory (227 KiB)
+_WG_ROWS = 64  # WGMMA M granularity per warpgroup
+_EPI_N = 64  # epilogue SMEM tile width (columns)
+_TMA_MAX_BOX = 256  # elements per dimension of one TMA copy
+
+
+# ---------------------------------------------------------------------------------------------
+# Reference and cost model
+
+
+def reference_prefill_experts(x, expert_ids, gate_weights, token_valid, gate_up, down,
+                              slot_of_expert):
+    """Plain jnp reference: gather each route's weights, fp32 HIGHEST einsums. ``[T, H]`` fp32."""
+    num_tokens, top_k = expert_ids.shape
+    inter = down.shape[-1]
+    hi = lax.Precision.HIGHEST
+    slots = slot_of_expert[expert_ids.reshape(-1)]  # [R]
+    xf = jnp.repeat(x.astype(jnp.float32), top_k, axis=0)  # [R, H]
+    gu = jnp.einsum("rih,rh->ri", gate_up[slots].astype(jnp.float32), xf, precision=hi)
+    act = jax.nn.silu(gu[:, :inter]) * gu[:, inter:]
+    y = jnp.einsum("rhi,ri->rh", down[slots].astype(jnp.float32), act, precision=hi)
+    w = gate_weights.reshape(-1).astype(jnp.float32)
+    y = (y * w[:, None]).reshape(num_tokens, top_k, -1).sum(axis=1)
+    return jnp.where(token_valid[:, None], y, 0.0)
+
+
+def dequantize_int4(packed, scales):
+    """jnp twin of `ftjax.host.quant.dequantize_int4`: ``[.., rows, cols/2]`` uint8 -> fp32."""
+    lo = (packed & 0x0F).astype(jnp.float32)
+    hi = (packed >> 4).astype(jnp.float32)
+    q = jnp.stack([lo, hi], axis=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
+    s = jnp.repeat(scales.astype(jnp.float32), QUANT_GROUP, axis=-1)
+    return (q - 8.0) * s
+
+
+def reference_prefill_experts_int4(x, expert_ids, gate_weights, token_valid, gate_up_packed,
+                                   gate_up_scales, down_packed, down_scales, slot_of_expert):
+    """int4 reference: dequantize the banks to fp32, then `reference_prefill_experts`."""
+    return reference_prefill_experts(
+        x, expert_ids, gate_weights, token_valid, dequantize_int4(gate_up_packed, gate_up_scales),
+        dequantize_int4(down_packed, down_scales), slot_of_expert)
+
+
+def prefill_flops(num_tokens: int, top_k: int, hidden: int, inter: int) -> int:
+    """Useful FLOPs of one layer's expert MLP: gate+up ``2*(2I)*H`` and down ``2*H*I`` per route."""
+    return 6 * num_tokens * top_k * hidden * inter
+
+
+def prefill_bytes(num_tokens: int, top_k: int, hidden: int, inter: int, experts_hit: int, *,
+                  int4: bool = False, num_experts: int | None = None, tile_m: int = 128,
+                  with_intermediates: bool = False) -> int:
+    """Minimum HBM bytes: weights of the experts hit once, ``x`` (bf16) in, ``y`` (fp32) out.
+
+    ``with_intermediates`` adds the padded ``x_rows``/``act``/``out`` buffers written and read back
+    (bound ``R_pad`` from `routing.padded_rows_bound`, needs ``num_experts``).
+    """
+    per_weight = 0.5 + 2 / QUANT_GROUP if int4 else 2
+    total = int(experts_hit * 3 * hidden * inter * per_weight) + num_tokens * hidden * (2 + 4)
+    if with_intermediates:
+        rows = routing.padded_rows_bound(num_tokens * top_k, num_experts or experts_hit, tile_m)
+        total += rows * (4 * hidden + 2 * inter) * 2
+    return total
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernel
+
+
+def _plgpu():
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    return plgpu
+
+
+def _default_num_sms() -> int:
+    try:
+        dev = jax.devices()[0]
+        if dev.platform == "gpu":
+            return int(dev.core_count)
+    except (RuntimeError, AttributeError):
+        pass
+    return 132  # H100 / H200 SXM
+
+
+def _check_tiles(*, what, n_out, k_dim, tile_m, tile_n, tile_k, stages, int4, n_b):
+    """Raise ValueError naming the offending size and what would be valid; return SMEM bytes."""
+    if tile_m % _WG_ROWS or tile_m <= 0:
+        raise ValueError(f"tile_m must be a positive multiple of {_WG_ROWS} (WGMMA rows per "
+                         f"warpgroup), got {tile_m}")
+    if tile_n % 8 or tile_n <= 0 or (tile_n > _EPI_N and tile_n % _EPI_N):
+        raise ValueError(f"{what}: tile_n must be a multiple of 8, and of {_EPI_N} above {_EPI_N}, "
+                         f"got {tile_n}")
+    if tile_k not in (32, 64, 128, 256) or (int4 and tile_k < 64):
+        valid = "64, 128, 256" if int4 else "32, 64, 128, 256"
+        raise ValueError(f"{what}: tile_k must be one of {valid}, got {tile_k}")
+    if stages < 2:
+        raise ValueError(f"stages must be >= 2, got {stages}")
+    cta_n = 2 * tile_n
+    if n_out % cta_n:
+        raise ValueError(f"{what}: the output dim {n_out} must be a multiple of 2 * tile_n = "
+                         f"{cta_n} (two compute warpgroups); pick tile_n dividing {n_out // 2}")
+    if k_dim % tile_k:
+        raise ValueError(f"{what}: the reduction dim {k_dim} must be a multiple of tile_k = "
+                         f"{tile_k}")
+    if int4 and tile_n % _WG_ROWS:
+        raise ValueError(f"{what}: int4 needs tile_n to be a multiple of {_WG_ROWS} (dequantized "
+                         f"rows are a WGMMA-layout register tile), got {tile_n}")
+    if int4 and cta_n > _TMA_MAX_BOX:
+        raise ValueError(f"{what}: int4 needs 2 * tile_n <= {_TMA_MAX_BOX} (the scale block is "
+                         f"one TMA copy of 2 * tile_n rows), got tile_n = {tile_n}")
+    if int4 and k_dim % (QUANT_GROUP * _SCALE_BLOCK):
+        raise ValueError(f"{what}: int4 needs the input dim divisible by "
+                         f"{QUANT_GROUP * _SCALE_BLOCK} (8 scale groups per copy), got {k_dim}")
+    a_bytes = tile_m * tile_k * 2
+    w_bytes = n_b * cta_n * tile_k // 2 if int4 else n_b * cta_n * tile_k * 2
+    s_bytes = n_b * cta_n * _SCALE_BLOCK * 2 if int4 else 0
+    deq_bytes = 2 * n_b * tile_n * tile_k * 2 if int4 else 0
+    epi_bytes = 2 * tile_m * min(tile_n, _EPI_N) * 2
+    smem = stages * (a_bytes + w_bytes + s_bytes) + deq_bytes + epi_bytes
+    if smem > _SMEM_LIMIT_BYTES - 1024:
+        raise ValueError(f"{what}: tile_m={tile_m}, tile_n={tile_n}, tile_k={tile_k}, "
+                         f"stages={stages} needs {smem} bytes of SMEM, over the "
+                         f"{_SMEM_LIMIT_BYTES} available; lower stages or the tiles")
+    return smem
+
+
+def _swizzled(minor_elems: int, dtype):
+    """TMA/WGMMA-friendly SMEM transforms for a tile whose rows hold ``minor_elems`` of dtype."""
+    plgpu = _plgpu()
+    bits = jnp.dtype(dtype).itemsize * 8 if dtype != jnp.int4 else 4
+    swizzle = plgpu.find_swizzle(minor_elems * bits)
+    return (plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle))
+
+
+def _dequant_tile(q_ref, s_ref, k, *, tile_k):
+    """int4 ``[n, tile_k]`` SMEM tile + ``[n, 8]`` scale block -> bf16 ``[n, tile_k]`` in registers.
+
+    ``q ^ 8`` read as signed int4 is ``q - 8``; each 32-column group takes its scale column,
+    picked from the 8-column block by a masked row sum (the column index is dynamic).
+    """
+    plgpu = _plgpu()
+    n = q_ref.shape[0]
+    # Load 8 nibbles (32 bits) per register, shuffle to 4 per register, convert, shuffle into
+    # the WGMMA layout where a row's scale broadcasts along the columns: the layout chain
+    # Mosaic GPU supports for int4 -> bf16 (4X -> 2X relayouts are 4-bit only).
+    q = plgpu.load(q_ref, layout=plgpu.Layout.WGMMA_UPCAST_4X) ^ jnp.int4(-8)
+    q = plgpu.layout_cast(q, plgpu.Layout.WGMMA_UPCAST_2X)
+    w = plgpu.layout_cast(q.astype(jnp.bfloat16), plgpu.Layout.WGMMA)
+    s_blk = s_ref[...].astype(jnp.float32)  # [n, 8]
+    groups = tile_k // QUANT_GROUP
+    base = lax.rem(k * groups, _SCALE_BLOCK)
+    blk_col = lax.broadcasted_iota(jnp.int32, (n, _SCALE_BLOCK), 1)
+    per_group = []
+    for g in range(groups):
+        s_g = jnp.sum(jnp.where(blk_col == base + g, s_blk, 0.0), axis=1).astype(jnp.bfloat16)
+        per_group.append(jnp.broadcast_to(s_g[:, None], (n, QUANT_GROUP)))
+    scale = jnp.concatenate(per_group, axis=1)
+    # (q - 8) * scale rounds once to bf16, as the fp32 product would when stored.
+    return w * scale
+
+
+def _grouped_matmul(a, tile_slot, n_tiles, weights, *, n_out, swiglu, tile_m, tile_n, tile_k,
+                    stages, num_sms, interpret):
+    """``out[rows of tile m] = epilogue(a[rows] @ W[slot]^T)`` over the active row tiles.
+
+    ``a [R_pad, K]`` bf16; ``tile_slot [R_pad/tile_m]`` and ``n_tiles [1]`` int32;
+    ``weights`` is ``(w,)`` with ``w [S, n_w, K]`` bf16, or ``(q, s)`` with ``q [S, n_w, K]`` int4
+    and ``s [S, n_w, K/32]`` bf16. ``swiglu``: ``n_w = 2 * n_out`` and the output is
+    ``silu(a @ W[:n_out]^T) * (a @ W[n_out:]^T)``; otherwise ``n_w = n_out``. Returns
+    ``[R_pad, n_out]`` bf16; rows of idle tiles are left unwritten.
+    """
+    from jax.experimental import pallas as pl
+
+    plgpu = _plgpu()
+    int4 = len(weights) == 2
+    num_rows, k_dim = a.shape
+    n_b = 2 if swiglu else 1
+    cta_n = 2 * tile_n
+    n_iters = n_out // cta_n
+    k_iters = k_dim // tile_k
+    k_per_scale_block = (QUANT_GROUP * _SCALE_BLOCK) // tile_k if int4 else 1
+    epi_n = min(tile_n, _EPI_N)
+
+    a_tr = _swizzled(tile_k, jnp.bfloat16)
+    w_tr = _swizzled(tile_k, jnp.int4 if int4 else jnp.bfloat16)
+    deq_tr = _swizzled(tile_k, jnp.bfloat16)
+    out_tr = _swizzled(epi_n, jnp.bfloat16)
+
+    in_specs = [plgpu.BlockSpec((tile_m, tile_k), lambda k: (0, k), transforms=a_tr)]
+    for _ in range(n_b):
+        in_specs.append(plgpu.BlockSpec((cta_n, tile_k), lambda k: (0, k), transforms=w_tr))
+        if int4:
+            in_specs.append(plgpu.BlockSpec((cta_n, _SCALE_BLOCK),
+                                            lambda k: (0, k // k_per_scale_block)))
+
+    def get_pipeline(body, compute_context):
+        return plgpu.emit_pipeline_warp_specialized(
+            body, grid=(k_iters,), memory_registers=40, in_specs=in_specs, wg_axis="wg",
+            num_compute_wgs=2, max_concurrent_steps=stages, compute_context=compute_context)
+
+    def weight_refs(w_gmem, slot, ni):
+        """GMEM slabs of the ``n_b`` weight row blocks (gate, up) of output block ni."""
+        refs = []
+        for b in range(n_b):
+            row0 = b * n_out + ni * cta_n
+            refs.append(w_gmem[0].at[slot, pl.ds(row0, cta_n)])
+            if int4:
+                refs.append(w_gmem[1].at[slot, pl.ds(row0, cta_n)])
+        return refs
+
+    def kernel(slot_ref, nt_ref, a_gmem, *refs, o_smem, deq_smem=None):
+        w_gmem, o_gmem = refs[:-1], refs[-1]
+        ignore = lambda *_, **__: None
+        allocs = get_pipeline(ignore, ignore).get_allocations(
+            a_gmem.at[pl.ds(0, tile_m)], *weight_refs(w_gmem, 0, 0))
+
+        @functools.partial(pl.run_scoped, allocs=allocs, collective_axes="wg")
+        def _scope(allocs):
+            wg = lax.axis_index("wg")
+            wg_rows = pl.ds(wg * tile_n, tile_n)
+
+            @plgpu.nd_loop((nt_ref[0], n_iters), collective_axes="sm")
+            def _tile(info):
+                mi, ni = info.index
+                slot = slot_ref[mi]
+
+                def compute_context(run_pipeline):
+                    accs = [plgpu.ACC((tile_m, tile_n), jnp.float32) for _ in range(n_b)]
+
+                    @functools.partial(pl.run_scoped, accs=accs)
+                    def _acc_scope(accs):
+                        run_pipeline(tuple(accs))
+                        if swiglu:
+                            g, u = accs[0][...], accs[1][...]
+                            val = g / (1.0 + jnp.exp(-g)) * u
+                        else:
+                            val = accs[0][...]
+                        val = val.astype(o_gmem.dtype)
+                        for j in range(tile_n // epi_n):
+                            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                            o_smem[wg] = val[:, j * epi_n:(j + 1) * epi_n]
+                            plgpu.commit_smem()
+                            col0 = ni * cta_n + wg * tile_n + j * epi_n
+                            plgpu.copy_smem_to_gmem(
+                                o_smem.at[wg],
+                                o_gmem.at[pl.ds(mi * tile_m, tile_m), pl.ds(col0, epi_n)])
+
+                def mma(idx, a_smem, *refs):
+                    *b_refs, accs = refs
+                    (k,) = idx
+                    if int4:
+                        for b in range(n_b):
+                            q_ref, s_ref = b_refs[2 * b], b_refs[2 * b + 1]
+                            deq_smem[wg, b] = _dequant_tile(
+                                q_ref.at[wg_rows], s_ref.at[wg_rows], k, tile_k=tile_k)
+                        plgpu.commit_smem()  # generic-proxy stores -> visible to WGMMA
+                        b_tiles = [deq_smem.at[wg, b] for b in range(n_b)]
+                    else:
+                        b_tiles = [b_ref.at[wg_rows] for b_ref in b_refs]
+                    for acc, b_tile in zip(accs, b_tiles):
+                        plgpu.wgmma(acc, a_smem, b_tile.T)
+                    # Done before the step returns its SMEM slot (and dequant buffer): a WGMMA
+                    # left in flight past the last step would race the next tile's prologue
+                    # copies. The other compute warpgroup keeps the tensor cores busy meanwhile.
+                    plgpu.wgmma_wait(0)
+                    return accs
+
+                get_pipeline(mma, compute_context)(
+                    a_gmem.at[pl.ds(mi * tile_m, tile_m)], *weight_refs(w_gmem, slot, ni),
+                    allocations=allocs)
+
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    scratch = dict(o_smem=plgpu.SMEM((2, tile_m, epi_n), jnp.bfloat16, transforms=out_tr))
+    if int4:  # per compute warpgroup, per weight block
+        scratch["deq_smem"] = plgpu.SMEM((2, n_b, tile_n, tile_k), jnp.bfloat16,
+                                         transforms=deq_tr)
+    call = plgpu.kernel(
+        kernel,
+        out_type=jax.ShapeDtypeStruct((num_rows, n_out), jnp.bfloat16),
+        grid=(num_sms,), grid_names=("sm",), num_threads=3, thread_name="wg",
+        scratch_types=scratch,
+        compiler_params=plgpu.CompilerParams(
+            lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
+    )
+    return call(tile_slot, n_tiles, a, *weights)
+
+
+# ---------------------------------------------------------------------------------------------
+# Public entry points
+
+
+def _check_routing(x, expert_ids, gate_weights, token_valid, slot_of_expert):
+    num_tokens = x.shape[0]
+    if expert_ids.ndim != 2 or expert_ids.shape[0] != num_tokens:
+        raise ValueError(f"expert_ids must be [T={num_tokens}, k], got {expert_ids.shape}")
+    if gate_weights.shape != expert_ids.shape:
+        raise ValueError(f"gate_weights {gate_weights.shape} must match expert_ids "
+                         f"{expert_ids.shape}")
+    if token_valid.shape != (num_tokens,):
+        raise ValueError(f"token_valid must be [{num_tokens}], got {token_valid.shape}")
+    if slot_of_expert.ndim != 1:
+        raise ValueError(f"slot_of_expert must be [E], got {slot_of_expert.shape}")
+
+
+def _prefill(x, expert_ids, gate_weights, token_valid, slot_of_expert, gu_weights, d_weights,
+             *, hidden, inter, tiles):
+    tile_m, tile_n_gate_up, tile_n_down, tile_k, stages, num_sms, interpret = tiles
+    num_tokens, top_k = expert_ids.shape
+    num_experts = slot_of_expert.shape[0]
+    plan = routing.plan_routes(expert_ids, token_valid, num_experts, tile_m)
+    tile_slot = slot_of_expert.astype(jnp.int32)[plan.tile_group]
+    n_tiles = plan.n_tiles.reshape(1)
+    common = dict(tile_m=tile_m, tile_k=tile_k, stages=stages, num_sms=num_sms,
+                  interpret=interpret)
+
+    def run(_):
+        x_rows = routing.gather_rows(x.astype(jnp.bfloat16), plan, top_k)
+        act = _grouped_matmul(x_rows, tile_slot, n_tiles, gu_weights, n_out=inter, swiglu=True,
+                              tile_n=tile_n_gate_up, **common)
+        out = _grouped_matmul(act, tile_slot, n_tiles, d_weights, n_out=hidden, swiglu=False,
+                              tile_n=tile_n_down, **common)
+        return routing.combine_rows(out, plan, gate_weights)
+
+    return lax.cond(plan.n_tiles > 0, run,
+                    lambda _: jnp.zeros((num_tokens, hidden), jnp.float32), None)
+
+
+_STATIC = ("tile_m", "tile_n_gate_up", "tile_n_down", "tile_k", "stages", "num_sms", "interpret")
+
+
+def _tiles_and_checks(hidden, inter, *, int4, tile_m, tile_n_gate_up, tile_n_down, tile_k,
+                      stages, num_sms, interpret):
+    _check_tiles(what="gate_up", n_out=inter, k_dim=hidden, tile_m=tile_m,
+                 tile_n=tile_n_gate_up, tile_k=tile_k, stages=stages, int4=int4, n_b=2)
+    _check_tiles(what="down", n_out=hidden, k_dim=inter, tile_m=tile_m, tile_n=tile_n_down,
+                 tile_k=tile_k, stages=stages, int4=int4, n_b=1)
+    if num_sms is None:
+        num_sms = _default_num_sms()
+    return (tile_m, tile_n_gate_up, tile_n_down, tile_k, stages, num_sms, interpret)
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def prefill_experts(x, expert_ids, gate_weights, token_valid, gate_up, down, slot_of_expert, *,
+                    tile_m=128, tile_n_gate_up=64, tile_n_down=128, tile_k=64, stages=4,
+                    num_sms=None, interpret=False):
+    """Mosaic GPU prefill expert MLP, bf16 weights; same contract as `reference_prefill_experts`.
+
+    x [T, H]; expert_ids [T, k] int32 in 0..E-1; gate_weights [T, k]; token_valid [T] bool;
+    gate_up [S, 2I, H] and down [S, H, I] bf16; slot_of_expert [E] int32. Returns [T, H] fp32.
+    Needs ``I % (2 * tile_n_gate_up) == 0``, ``H % (2 * tile_n_down) == 0`` and both divisible by
+    ``tile_k`` (ValueError otherwise). ``num_sms`` CTAs (default: this GPU's SM count, else 132);
+    ``interpret=True`` runs Mosaic GPU interpret mode on the CPU.
+    """
+    _check_routing(x, expert_ids, gate_weights, token_valid, slot_of_expert)
+    hidden, inter = x.shape[1], down.shape[-1]
+    if gate_up.shape[1:] != (2 * inter, hidden) or down.shape[1:] != (hidden, inter) \
+            or gate_up.shape[0] != down.shape[0]:
+        raise ValueError(f"banks gate_up {gate_up.shape} / down {down.shape} do not match "
+                         f"x {x.shape}: want [S, 2I, H] and [S, H, I]")
+    tiles = _tiles_and_checks(hidden, inter, int4=False, tile_m=tile_m,
+                              tile_n_gate_up=tile_n_gate_up, tile_n_down=tile_n_down,
+                              tile_k=tile_k, stages=stages, num_sms=num_sms, interpret=interpret)
+    return _prefill(x, expert_ids, gate_weights, token_valid, slot_of_expert,
+                    (gate_up.astype(jnp.bfloat16),), (down.astype(jnp.bfloat16),),
+                    hidden=hidden, inter=inter, tiles=tiles)
+
+
+def _as_int4(packed):
+    """uint8 ``[.., cols/2]`` -> int4 ``[.., cols]`` view, low nibble first (jax's int4 order)."""
+    q = lax.bitcast_convert_type(packed, jnp.int4)
+    return q.reshape(*packed.shape[:-1], packed.shape[-1] * 2)
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def prefill_experts_int4(x, expert_ids, gate_weights, token_valid, gate_up_packed,
+                         gate_up_scales, down_packed, down_scales, slot_of_expert, *,
+                         tile_m=128, tile_n_gate_up=64, tile_n_down=128, tile_k=64, stages=4,
+                         num_sms=None, interpret=False):
+    """Mosaic GPU prefill expert MLP, int4 group-32 weights (host pool layout, `ftjax.host.quant`).
+
+    gate_up_packed uint8 [S, 2I, H/2], gate_up_scales bf16 [S, 2I, H/32], down_packed uint8
+    [S, H, I/2], down_scales bf16 [S, H, I/32]; the rest as `prefill_experts`. Also needs
+    ``H % 256 == 0`` and ``I % 256 == 0``. Same contract as `reference_prefill_experts_int4`.
+    """
+    _check_routing(x, expert_ids, gate_weights, token_valid, slot_of_expert)
+    hidden = x.shape[1]
+    inter = down_packed.shape[-1] * 2
+    want = {"gate_up_packed": (2 * inter, hidden // 2), "gate_up_scales": (2 * inter,
+            hidden // QUANT_GROUP), "down_packed": (hidden, inter // 2),
+            "down_scales": (hidden, inter // QUANT_GROUP)}
+    got = {"gate_up_packed": gate_up_packed, "gate_up_scales": gate_up_scales,
+           "down_packed": down_packed, "down_scales": down_scales}
+    for name, arr in got.items():
+        if arr.shape[1:] != want[name] or arr.shape[0] != gate_up_packed.shape[0]:
+            raise ValueError(f"{name} is {arr.shape}, want [S, {', '.join(map(str, want[name]))}]"
+                             f" for x {x.shape} and I = {inter}")
+    for name in ("gate_up_packed", "down_packed"):
+        if got[name].dtype != jnp.uint8:
+            raise ValueError(f"{name} must be uint8 (two int4 per byte), got {got[name].dtype}")
+    tiles = _tiles_and_checks(hidden, inter, int4=True, tile_m=tile_m,
+                              tile_n_gate_up=tile_n_gate_up, tile_n_down=tile_n_down,
+                              tile_k=tile_k, stages=stages, num_sms=num_sms, interpret=interpret)
+    return _prefill(x, expert_ids, gate_weights, token_valid, slot_of_expert,
+                    (_as_int4(gate_up_packed), gate_up_scales.astype(jnp.bfloat16)),
+                    (_as_int4(down_packed), down_scales.astype(jnp.bfloat16)),
+                    hidden=hidden, inter=inter, tiles=tiles)

@@ -1,0 +1,116 @@
+"""Route sorting for the grouped expert kernels: routes grouped by expert, in a padded row layout.
+
+A route is one (token, choice) pair of the router output ``expert_ids [T, k]``; flat route
+``r = t * k + j``. Grouped matmuls want the routes of each expert contiguous, and a kernel whose
+row tiles never straddle two experts wants each group padded to a multiple of the row tile:
+
+    group g (expert g) occupies rows ``padded_starts[g] .. padded_starts[g] + sizes[g]`` of a
+    ``[num_rows, H]`` buffer, followed by ``round_up(sizes[g], tile) - sizes[g]`` padding rows.
+
+Empty groups occupy no rows and no tiles. The padded total is data dependent; its upper bound
+(`padded_rows_bound`) fixes every shape: with ``n`` non-empty groups the padding is at most
+``n * (tile - 1)`` rows and ``n <= min(E, R)``. Row tiles ``0 .. n_tiles - 1`` are the active
+ones (``tile_group`` names their expert); the rest of the buffer is never computed.
+
+Routes of invalid tokens belong to no group: their padded row is the sentinel ``num_rows``.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+class RoutePlan(NamedTuple):
+    """Where each route goes in the padded, expert-sorted row layout (all int32 device arrays)."""
+
+    order: jax.Array  # [R] sorted position -> flat route (by expert, stable; invalid routes last)
+    rank: jax.Array  # [R] flat route -> sorted position (inverse of `order`)
+    group_sizes: jax.Array  # [E] valid routes per expert
+    group_starts: jax.Array  # [E] first sorted position of each group (unpadded)
+    padded_starts: jax.Array  # [E] first row of each group in the padded layout
+    row_of_route: jax.Array  # [R] padded row of each route; num_rows for invalid routes
+    route_of_row: jax.Array  # [num_rows] flat route at each padded row; R for padding rows
+    tile_group: jax.Array  # [num_rows // tile] expert of each row tile (clamped for idle tiles)
+    n_tiles: jax.Array  # [] row tiles in use: rows 0 .. n_tiles * tile - 1
+
+
+def padded_rows_bound(num_routes: int, num_groups: int, tile: int) -> int:
+    """Static upper bound on the padded row count: a multiple of `tile`, at least one tile."""
+    if num_routes < 0 or num_groups < 1 or tile < 1:
+        raise ValueError(f"need num_routes >= 0, num_groups >= 1, tile >= 1; got "
+                         f"{num_routes}, {num_groups}, {tile}")
+    bound = num_routes + min(num_groups, num_routes) * (tile - 1)
+    return max(tile, bound // tile * tile)
+
+
+def sort_routes(group_ids: jax.Array, valid: jax.Array, num_groups: int):
+    """Stable sort of routes by group. ``group_ids [R]`` in ``0..num_groups-1``; ``valid [R]`` bool.
+
+    Returns ``(order, rank, group_sizes, group_starts)``: ``order[p]`` is the route at sorted
+    position p (invalid routes after every group), ``rank`` its inverse, ``group_sizes [G]`` the
+    valid routes per group and ``group_starts [G]`` their exclusive cumulative sum.
+    """
+    num_routes = group_ids.shape[0]
+    key = jnp.where(valid, group_ids.astype(jnp.int32), num_groups)
+    order = jnp.argsort(key, stable=True).astype(jnp.int32)
+    rank = jnp.zeros(num_routes, jnp.int32).at[order].set(jnp.arange(num_routes, dtype=jnp.int32))
+    sizes = jnp.zeros(num_groups + 1, jnp.int32).at[key].add(1)[:num_groups]
+    starts = jnp.cumsum(sizes) - sizes
+    return order, rank, sizes, starts
+
+
+def plan_routes(expert_ids: jax.Array, token_valid: jax.Array, num_experts: int,
+                tile: int) -> RoutePlan:
+    """Sort the routes of ``expert_ids [T, k]`` by expert into groups padded to ``tile`` rows."""
+    num_tokens, top_k = expert_ids.shape
+    num_routes = num_tokens * top_k
+    num_rows = padded_rows_bound(num_routes, num_experts, tile)
+    valid = jnp.repeat(token_valid.astype(bool), top_k)
+    order, rank, sizes, starts = sort_routes(expert_ids.reshape(-1), valid, num_experts)
+
+    padded_sizes = (sizes + tile - 1) // tile * tile
+    padded_ends = jnp.cumsum(padded_sizes)
+    padded_starts = padded_ends - padded_sizes
+
+    group = jnp.clip(expert_ids.reshape(-1).astype(jnp.int32), 0, num_experts - 1)
+    row = padded_starts[group] + rank - starts[group]
+    row_of_route = jnp.where(valid, row, num_rows).astype(jnp.int32)
+
+    # Row p lies in the group whose padded range holds it; past the group's routes it is padding.
+    rows = jnp.arange(num_rows, dtype=jnp.int32)
+    g_of_row = jnp.minimum(jnp.searchsorted(padded_ends, rows, side="right"), num_experts - 1)
+    pos = rows - padded_starts[g_of_row]
+    is_route = (pos < sizes[g_of_row]) & (rows < padded_ends[-1])
+    sorted_pos = jnp.clip(starts[g_of_row] + pos, 0, max(num_routes - 1, 0))
+    route = order[sorted_pos] if num_routes else jnp.zeros_like(rows)
+    route_of_row = jnp.where(is_route, route, num_routes).astype(jnp.int32)
+
+    tile_group = g_of_row[::tile].astype(jnp.int32)
+    n_tiles = (padded_ends[-1] // tile).astype(jnp.int32)
+    return RoutePlan(order, rank, sizes, starts, padded_starts.astype(jnp.int32), row_of_route,
+                     route_of_row, tile_group, n_tiles)
+
+
+def gather_rows(x: jax.Array, plan: RoutePlan, top_k: int) -> jax.Array:
+    """``x [T, H]`` -> ``[num_rows, H]`` in the padded layout; padding rows are zero."""
+    num_tokens = x.shape[0]
+    is_route = plan.route_of_row < num_tokens * top_k
+    token = jnp.where(is_route, plan.route_of_row // top_k, 0)
+    return jnp.where(is_route[:, None], x[token], jnp.zeros((), x.dtype))
+
+
+def combine_rows(rows: jax.Array, plan: RoutePlan, gate_weights: jax.Array) -> jax.Array:
+    """Weighted sum over each token's routes, fp32: ``y[t] = sum_j w[t, j] * rows[row(t, j)]``.
+
+    A gather per route (no scatter, so deterministic); routes of invalid tokens add nothing.
+    """
+    num_tokens, top_k = gate_weights.shape
+    num_rows = rows.shape[0]
+    valid = plan.row_of_route < num_rows
+    picked = rows[jnp.where(valid, plan.row_of_route, 0)].astype(jnp.float32)
+    w = jnp.where(valid, gate_weights.reshape(-1).astype(jnp.float32), 0.0)
+    # where, not a multiply by 0: a garbage row must not leak NaN into the sum.
+    contrib = jnp.where(valid[:, None], picked * w[:, None], 0.0)
+    return contrib.reshape(num_tokens, top_k, -1).sum(axis=1)

@@ -1,0 +1,330 @@
+"""Prefill grouped expert MLP (ftjax.pallas.prefill_gemm) and its routing helpers.
+
+Kernels run against the jnp reference in Mosaic GPU interpret mode on the CPU, with tiny tiles
+(64-row / 64-column tiles, the smallest WGMMA takes with two compute warpgroups); they skip where
+this jax has no interpret mode. The CUDA lowering test runs Mosaic GPU layout inference and
+lowering for sm_90 at a real shape without a GPU. The `gpu` test runs the compiled kernels."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ftjax.host import quant
+from ftjax.pallas import prefill_gemm as pg
+from ftjax.pallas import routing
+
+SMALL = dict(tile_m=64, tile_n_gate_up=64, tile_n_down=64, tile_k=64, stages=2, num_sms=2,
+             interpret=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Routing helpers against numpy
+
+
+def _np_plan(expert_ids, token_valid, num_experts, tile):
+    """Straightforward numpy version of routing.plan_routes."""
+    num_tokens, top_k = expert_ids.shape
+    flat = expert_ids.reshape(-1)
+    valid = np.repeat(token_valid, top_k)
+    key = np.where(valid, flat, num_experts)
+    order = np.argsort(key, kind="stable")
+    sizes = np.bincount(flat[valid], minlength=num_experts)
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    padded = -(-sizes // tile) * tile
+    pstarts = np.concatenate([[0], np.cumsum(padded)[:-1]])
+    num_rows = routing.padded_rows_bound(flat.size, num_experts, tile)
+    row_of_route = np.full(flat.size, num_rows)
+    route_of_row = np.full(num_rows, flat.size)
+    for g in range(num_experts):
+        routes = order[starts[g]:starts[g] + sizes[g]]
+        rows = pstarts[g] + np.arange(sizes[g])
+        row_of_route[routes] = rows
+        route_of_row[rows] = routes
+    tile_group = np.full(num_rows // tile, num_experts - 1)
+    for g in range(num_experts):
+        tile_group[pstarts[g] // tile:(pstarts[g] + padded[g]) // tile] = g
+    return dict(order=order, group_sizes=sizes, group_starts=starts, padded_starts=pstarts,
+                row_of_route=row_of_route, route_of_row=route_of_row, tile_group=tile_group,
+                n_tiles=padded.sum() // tile)
+
+
+@pytest.mark.parametrize("case", [
+    dict(T=13, k=3, E=7, tile=4, p_valid=0.7),
+    dict(T=9, k=2, E=16, tile=8, p_valid=1.0),  # most groups empty, every token valid
+    dict(T=5, k=2, E=4, tile=4, p_valid=0.0),  # no valid token: no tile in use
+    dict(T=16, k=1, E=3, tile=1, p_valid=0.5),  # tile 1: no padding at all
+])
+def test_plan_routes_matches_numpy(case):
+    rng = np.random.default_rng(case["T"])
+    ids = rng.integers(0, case["E"], (case["T"], case["k"])).astype(np.int32)
+    valid = rng.uniform(size=case["T"]) < case["p_valid"]
+    plan = routing.plan_routes(jnp.asarray(ids), jnp.asarray(valid), case["E"], case["tile"])
+    want = _np_plan(ids, valid, case["E"], case["tile"])
+    for name, value in want.items():
+        np.testing.assert_array_equal(np.asarray(getattr(plan, name)), value, err_msg=name)
+    np.testing.assert_array_equal(np.asarray(plan.rank)[np.asarray(plan.order)],
+                                  np.arange(ids.size))
+    assert np.all(want["padded_starts"] % case["tile"] == 0)
+    assert want["n_tiles"] * case["tile"] <= plan.route_of_row.shape[0]
+
+
+def test_padded_rows_bound_is_tight_and_validated():
+    # 8 routes in 4 groups of sizes 5, 1, 1, 1 pad to 8 + 4 + 4 + 4 = 20 rows: the bound.
+    assert routing.padded_rows_bound(num_routes=8, num_groups=4, tile=4) == 20
+    ids = jnp.asarray([[0], [0], [0], [0], [0], [1], [2], [3]], jnp.int32)
+    plan = routing.plan_routes(ids, jnp.ones(8, bool), num_experts=4, tile=4)
+    assert int(plan.n_tiles) * 4 == 20 == plan.route_of_row.shape[0]
+    assert routing.padded_rows_bound(num_routes=3, num_groups=100, tile=64) == 192
+    assert routing.padded_rows_bound(num_routes=0, num_groups=4, tile=64) == 64
+    ids = jnp.asarray(np.repeat(np.arange(4), 5)[:, None].astype(np.int32))  # 4 groups of 5
+    plan = routing.plan_routes(ids, jnp.ones(20, bool), num_experts=4, tile=4)
+    assert int(plan.n_tiles) * 4 == 32 == plan.route_of_row.shape[0]
+    with pytest.raises(ValueError, match="tile >= 1"):
+        routing.padded_rows_bound(8, 4, 0)
+
+
+def test_gather_and_combine_rows_match_numpy():
+    rng = np.random.default_rng(3)
+    T, k, E, H = 11, 3, 5, 6
+    ids = rng.integers(0, E, (T, k)).astype(np.int32)
+    valid = rng.uniform(size=T) < 0.7
+    x = rng.standard_normal((T, H)).astype(np.float32) + 0.1
+    w = rng.uniform(0.1, 1.0, (T, k)).astype(np.float32)
+    plan = routing.plan_routes(jnp.asarray(ids), jnp.asarray(valid), E, 4)
+    rows = np.asarray(routing.gather_rows(jnp.asarray(x), plan, k))
+    r_of_row = np.asarray(plan.route_of_row)
+    is_route = r_of_row < T * k
+    np.testing.assert_array_equal(rows[is_route], x[r_of_row[is_route] // k])
+    assert np.all(rows[~is_route] == 0.0)
+    # Pretend each row's result is the row itself plus a NaN in padding rows: combine skips them.
+    rows_nan = np.where(is_route[:, None], rows, np.nan).astype(np.float32)
+    y = np.asarray(routing.combine_rows(jnp.asarray(rows_nan), plan, jnp.asarray(w)))
+    want = np.where(valid[:, None], x * w.sum(1, keepdims=True), 0.0)
+    np.testing.assert_allclose(y, want, rtol=1e-6, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernels against the reference (interpret mode)
+
+
+def _inputs(seed, *, T, k, H, I, E, S, p_valid=0.8, experts=None):
+    rng = np.random.default_rng(seed)
+    pool = np.arange(E) if experts is None else np.asarray(experts)
+    ids = rng.choice(pool, (T, k)).astype(np.int32)
+    x = (rng.standard_normal((T, H)) + 0.1).astype(np.float32)
+    w = rng.uniform(0.1, 1.0, (T, k)).astype(np.float32)
+    valid = rng.uniform(size=T) < p_valid
+    slot_of_expert = rng.permutation(S)[:E].astype(np.int32)  # non-identity, S > E
+    gate_up = rng.standard_normal((S, 2 * I, H)) / np.sqrt(H) + 0.01
+    down = rng.standard_normal((S, H, I)) / np.sqrt(I) + 0.01
+    routing_args = (jnp.asarray(x, jnp.bfloat16), jnp.asarray(ids), jnp.asarray(w),
+                    jnp.asarray(valid))
+    return routing_args, jnp.asarray(slot_of_expert), gate_up, down
+
+
+def _check(out, ref, valid):
+    out, ref = np.asarray(out), np.asarray(ref)
+    assert out.dtype == np.float32 and out.shape == ref.shape
+    assert np.all(out[~valid] == 0.0)
+    if valid.any():
+        scale = np.max(np.abs(ref[valid]))
+        assert scale > 0
+        np.testing.assert_allclose(out[valid], ref[valid], rtol=0, atol=1e-2 * scale)
+    else:
+        assert np.all(out == 0.0)
+
+
+BF16_CASES = {
+    # T not a multiple of the tile; ~20% invalid tokens; slot map a permutation into S > E;
+    # H = 256: two output blocks of the down kernel and a 4-step ring of 2 stages
+    "random": dict(T=37, k=4, E=8, S=11, H=256),
+    # 2 of 16 experts used: 14 empty groups, each costing no tile
+    "empty-groups": dict(T=20, k=2, E=16, S=16, experts=[3, 12]),
+    # every route to one expert: one group of several row tiles, every token valid (capacity)
+    "one-group": dict(T=70, k=2, E=4, S=5, experts=[2], p_valid=1.0),
+    # no valid token: zero rows, no kernel launched
+    "count0": dict(T=9, k=2, E=4, S=4, p_valid=0.0),
+}
+
+
+@pytest.mark.parametrize("case", BF16_CASES.values(), ids=BF16_CASES.keys())
+def test_prefill_bf16_matches_reference(case, mgpu_interpret):
+    args, slots, gate_up, down = _inputs(1, **{"H": 128, "I": 128, **case})
+    gu, dn = jnp.asarray(gate_up, jnp.bfloat16), jnp.asarray(down, jnp.bfloat16)
+    out = pg.prefill_experts(*args, gu, dn, slots, **SMALL)
+    ref = pg.reference_prefill_experts(*args, gu, dn, slots)
+    _check(out, ref, np.asarray(args[3]))
+
+
+def _int4_banks(gate_up, down):
+    gp, gs = quant.quantize_int4(gate_up)
+    dp, ds = quant.quantize_int4(down)
+    return tuple(map(jnp.asarray, (gp, gs, dp, ds)))
+
+
+INT4_CASES = {
+    "random": dict(T=21, k=3, E=6, S=7),
+    # one expert of 8 takes every route: a group of two row tiles, every token valid
+    "one-group-capacity": dict(T=40, k=2, E=8, S=9, experts=[5], p_valid=1.0),
+}
+
+
+@pytest.mark.parametrize("case", INT4_CASES.values(), ids=INT4_CASES.keys())
+def test_prefill_int4_matches_reference(case, mgpu_interpret):
+    # I = 256: the down matmul's reduction covers one full 8-group scale block per copy.
+    args, slots, gate_up, down = _inputs(2, H=256, I=256, **case)
+    banks = _int4_banks(gate_up, down)
+    out = pg.prefill_experts_int4(*args, *banks, slots, **SMALL)
+    ref = pg.reference_prefill_experts_int4(*args, *banks, slots)
+    _check(out, ref, np.asarray(args[3]))
+
+
+def test_int4_reference_dequantizes_like_the_host_pool():
+    rng = np.random.default_rng(4)
+    packed, scales = quant.quantize_int4(rng.standard_normal((3, 5, 64)))
+    np.testing.assert_array_equal(
+        np.asarray(pg.dequantize_int4(jnp.asarray(packed), jnp.asarray(scales))),
+        quant.dequantize_int4(packed, scales))
+
+
+def test_device_count_one_compile(mgpu_interpret):
+    """The number of valid tokens is data: one compiled function serves every count, 0 included."""
+    args, slots, gate_up, down = _inputs(5, T=12, k=2, E=4, S=4, H=128, I=128)
+    gu, dn = jnp.asarray(gate_up, jnp.bfloat16), jnp.asarray(down, jnp.bfloat16)
+    fn = jax.jit(functools.partial(pg.prefill_experts, **SMALL))
+    for n_valid in (0, 5, 12):
+        valid = jnp.arange(12) < n_valid
+        out = fn(*args[:3], valid, gu, dn, slots)
+        ref = pg.reference_prefill_experts(*args[:3], valid, gu, dn, slots)
+        _check(out, ref, np.asarray(valid))
+    assert fn._cache_size() == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Size validation (no kernel runs)
+
+
+def _shapes(T=8, k=2, H=128, I=128, E=4, S=4):
+    sd = jax.ShapeDtypeStruct
+    return [sd((T, H), jnp.bfloat16), sd((T, k), jnp.int32), sd((T, k), jnp.float32),
+            sd((T,), jnp.bool_), sd((S, 2 * I, H), jnp.bfloat16), sd((S, H, I), jnp.bfloat16),
+            sd((E,), jnp.int32)]
+
+
+@pytest.mark.parametrize("sizes, kwargs, match", [
+    (dict(H=96), {}, r"reduction dim 96 must be a multiple of tile_k = 64"),
+    (dict(H=192), {}, r"down: the output dim 192 must be a multiple of 2 \* tile_n = 128"),
+    (dict(I=192), {}, r"gate_up: the output dim 192 must be a multiple of 2 \* tile_n = 128"),
+    (dict(H=384, I=160), dict(tile_n_gate_up=40), r"reduction dim 160 must be a multiple of"),
+    ({}, dict(tile_m=100), r"tile_m must be a positive multiple of 64 \(WGMMA rows per "
+                           r"warpgroup\), got 100"),
+    ({}, dict(tile_k=48), r"tile_k must be one of 32, 64, 128, 256, got 48"),
+    ({}, dict(stages=9, tile_m=256), r"needs \d+ bytes of SMEM"),
+])
+def test_bad_sizes_raise_value_error(sizes, kwargs, match):
+    fn = functools.partial(pg.prefill_experts, **{**SMALL, **kwargs})
+    with pytest.raises(ValueError, match=match):
+        jax.eval_shape(fn, *_shapes(**sizes))
+
+
+def _int4_shapes(T=8, k=2, H=128, I=128, S=4):
+    sd = jax.ShapeDtypeStruct
+    return [sd((T, H), jnp.bfloat16), sd((T, k), jnp.int32), sd((T, k), jnp.float32),
+            sd((T,), jnp.bool_), sd((S, 2 * I, H // 2), jnp.uint8),
+            sd((S, 2 * I, H // 32), jnp.bfloat16), sd((S, H, I // 2), jnp.uint8),
+            sd((S, H, I // 32), jnp.bfloat16), sd((S,), jnp.int32)]
+
+
+def test_int4_size_limits():
+    fn = functools.partial(pg.prefill_experts_int4, **SMALL)
+    with pytest.raises(ValueError, match=r"int4 needs the input dim divisible by 256 \(8 scale "
+                                         r"groups per copy\), got 128"):
+        jax.eval_shape(fn, *_int4_shapes(H=128, I=128))
+    fn = functools.partial(pg.prefill_experts_int4, **{**SMALL, "tile_n_down": 256})
+    with pytest.raises(ValueError, match=r"int4 needs 2 \* tile_n <= 256 .* got tile_n = 256"):
+        jax.eval_shape(fn, *_int4_shapes(H=512, I=256))
+    bad = _int4_shapes(H=256, I=256)
+    bad[4] = jax.ShapeDtypeStruct(bad[4].shape, jnp.int8)
+    with pytest.raises(ValueError, match="gate_up_packed must be uint8"):
+        jax.eval_shape(fn, *bad)
+
+
+def test_cost_model():
+    assert pg.prefill_flops(8192, 8, 2048, 512) == 6 * 8192 * 8 * 2048 * 512
+    bf16 = pg.prefill_bytes(1024, 8, 2048, 512, experts_hit=256)
+    assert bf16 == 256 * 3 * 2048 * 512 * 2 + 1024 * 2048 * 6
+    int4 = pg.prefill_bytes(1024, 8, 2048, 512, experts_hit=256, int4=True)
+    assert int4 == int(256 * 3 * 2048 * 512 * (0.5 + 2 / 32)) + 1024 * 2048 * 6
+    assert pg.prefill_bytes(1024, 8, 2048, 512, 256, num_experts=256,
+                            with_intermediates=True) > bf16
+
+
+# ---------------------------------------------------------------------------------------------
+# Lowering for CUDA (sm_90) without a GPU, at a real shape
+
+
+def _export(fn, *shapes):
+    from jax import export
+
+    exp = export.export(jax.jit(fn), platforms=["cuda"])(*shapes)
+    return exp.mlir_module()
+
+
+@pytest.mark.parametrize("H, I", [(2048, 512), (4096, 2048)])
+@pytest.mark.parametrize("int4", [False, True], ids=["bf16", "int4"])
+def test_lowers_for_cuda_at_real_shape(int4, H, I, mgpu):
+    sd = jax.ShapeDtypeStruct
+    T, k, E, S = 1024, 8, 256, 256
+    common = [sd((T, H), jnp.bfloat16), sd((T, k), jnp.int32), sd((T, k), jnp.float32),
+              sd((T,), jnp.bool_)]
+    if int4:
+        banks = [sd((S, 2 * I, H // 2), jnp.uint8), sd((S, 2 * I, H // 32), jnp.bfloat16),
+                 sd((S, H, I // 2), jnp.uint8), sd((S, H, I // 32), jnp.bfloat16)]
+        fn = functools.partial(pg.prefill_experts_int4, num_sms=132)
+    else:
+        banks = [sd((S, 2 * I, H), jnp.bfloat16), sd((S, H, I), jnp.bfloat16)]
+        fn = functools.partial(pg.prefill_experts, num_sms=132)
+    text = _export(fn, *common, *banks, sd((E,), jnp.int32))
+    assert text.count("stablehlo.custom_call @mosaic_gpu") == 2  # gate_up and down kernels
+
+
+# ---------------------------------------------------------------------------------------------
+# Compiled on a GPU
+
+
+def _on_gpu():
+    try:
+        return jax.default_backend() == "gpu"
+    except RuntimeError:
+        return False
+
+
+def _chunked_reference(ref_fn, args, banks, slots, chunk=32):
+    """The per-route reference gathers whole weight matrices: run it a few tokens at a time."""
+    x, ids, w, valid = args
+    parts = [ref_fn(x[i:i + chunk], ids[i:i + chunk], w[i:i + chunk], valid[i:i + chunk],
+                    *banks, slots) for i in range(0, x.shape[0], chunk)]
+    return jnp.concatenate(parts)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _on_gpu(), reason="needs JAX's GPU backend (Hopper)")
+@pytest.mark.parametrize("tiles", [{}, dict(tile_m=64)], ids=["default", "tile_m64"])
+@pytest.mark.parametrize("int4", [False, True], ids=["bf16", "int4"])
+def test_compiled_matches_reference_on_gpu(int4, tiles):
+    T, k, H, I, E, S = 1024, 8, 2048, 512, 64, 72
+    args, slots, gate_up, down = _inputs(7, T=T, k=k, H=H, I=I, E=E, S=S, p_valid=0.9)
+    if int4:
+        banks = _int4_banks(gate_up, down)
+        fn, ref_fn = pg.prefill_experts_int4, pg.reference_prefill_experts_int4
+    else:
+        banks = (jnp.asarray(gate_up, jnp.bfloat16), jnp.asarray(down, jnp.bfloat16))
+        fn, ref_fn = pg.prefill_experts, pg.reference_prefill_experts
+    out = fn(*args, *banks, slots, **tiles)
+    ref = _chunked_reference(jax.jit(ref_fn), args, banks, slots)
+    _check(out, ref, np.asarray(args[3]))
+    # An empty batch launches nothing and returns zeros.
+    none = fn(*args[:3], jnp.zeros_like(args[3]), *banks, slots, **tiles)
+    assert not np.any(np.asarray(none))
