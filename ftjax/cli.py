@@ -76,6 +76,9 @@ def add_expert_args(p: argparse.ArgumentParser) -> None:
                    help="GPU memory for the expert cache in GiB (default: the whole expert pool)")
     g.add_argument("--fixed-split", action="store_true",
                    help="lru-split: keep the calibrated fill fraction (no online refinement from step times)")
+    g.add_argument("--expert-kernel", choices=("jnp", "pallas"), default="jnp",
+                   help="device-side expert code: jnp (gather/ragged dots) or pallas (Mosaic GPU kernels, "
+                   "bf16 weights; Hopper)")
 
 
 def _sampling_params(args):
@@ -111,7 +114,7 @@ def _run_generation(model, args, prompt: str, echo_prompt: bool = False) -> None
     if not prompt:
         raise CLIError("the prompt is empty")
     gen = Generator(model, batch=1, max_len=args.max_len, policy=args.policy, vram_gib=args.vram_gib,
-                    online_split=not args.fixed_split)
+                    online_split=not args.fixed_split, expert_kernel=args.expert_kernel)
     text = _prompt_text(gen.tokenizer, args, prompt)
     ids = gen.encode_prompt(text)
     if len(ids) > gen.max_len:

@@ -1,7 +1,59 @@
 """Suite-wide settings.
 
 The tests compare fp32 numerics against references at 1e-4..1e-5; on GPUs JAX's default matmul
-precision may use TF32, so ask for full fp32 everywhere (a no-op on the CPU)."""
+precision may use TF32, so ask for full fp32 everywhere (a no-op on the CPU). Fixtures
+``mgpu_interpret`` / ``mgpu`` skip tests where this jax cannot interpret / lower Mosaic GPU kernels."""
+import functools
+
 import jax
+import jax.numpy as jnp
+import pytest
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+
+@functools.cache
+def mgpu_unavailable():
+    """None when jax.experimental.pallas.mosaic_gpu imports, else the reason."""
+    try:
+        from jax.experimental.pallas import mosaic_gpu  # noqa: F401
+    except Exception as e:  # noqa: BLE001
+        return f"no jax.experimental.pallas.mosaic_gpu: {e!r}"
+    return None
+
+
+@functools.cache
+def mgpu_interpret_unavailable():
+    """None when Mosaic GPU interpret mode runs a tiny kernel here, else the reason."""
+    if reason := mgpu_unavailable():
+        return reason
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    if not hasattr(plgpu, "InterpretGPUParams"):
+        return f"jax {jax.__version__} has no plgpu.InterpretGPUParams (Mosaic GPU interpret mode)"
+    try:
+        def body(x_ref, o_ref):
+            o_ref[...] = x_ref[...] + 1.0
+
+        out = pl.pallas_call(body, out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32),
+                             interpret=plgpu.InterpretGPUParams())(jnp.ones((8, 128), jnp.float32))
+        if not bool(jnp.all(out == 2.0)):
+            return "Mosaic GPU interpret mode gave a wrong result on a probe kernel"
+    except Exception as e:  # noqa: BLE001
+        return f"Mosaic GPU interpret mode failed on a probe kernel: {e!r}"
+    return None
+
+
+@pytest.fixture
+def mgpu_interpret():
+    """Skip the test where this jax cannot run Mosaic GPU kernels in interpret mode."""
+    if reason := mgpu_interpret_unavailable():
+        pytest.skip(reason)
+
+
+@pytest.fixture
+def mgpu():
+    """Skip the test where this jax has no Mosaic GPU (lowering for CUDA needs it)."""
+    if reason := mgpu_unavailable():
+        pytest.skip(reason)

@@ -52,6 +52,7 @@ class EngineConfig:
     vram_gib: GPU memory for the expert slot cache; None = room for the whole pool.
     online_split: under lru-split, refine the fill fraction from measured decode step times
         (``ftjax.experts.bandwidth.SplitController``); False keeps the calibration profile's.
+    expert_kernel: device-side expert code, "jnp" (default) or "pallas" (Mosaic GPU kernels, bf16).
     """
 
     max_slots: int = 4
@@ -62,11 +63,12 @@ class EngineConfig:
     policy: str | None = None
     vram_gib: float | None = None
     online_split: bool = True
+    expert_kernel: str = "jnp"
 
     def __post_init__(self):
         from ftjax.experts.runtime import OffloadConfig
 
-        OffloadConfig(self.policy, self.vram_gib)  # validates both
+        OffloadConfig(self.policy, self.vram_gib, kernel=self.expert_kernel)  # validates them
         _check_int("max_slots", self.max_slots, 1)
         if self.max_len is not None:
             _check_int("max_len", self.max_len, 2)

@@ -115,7 +115,8 @@ class Engine:
 
         return ModelAccelerator(model, self.config.max_slots, self.max_len, self.config.prefill_chunk,
                                 self.config.dtype, OffloadConfig(self.config.policy, self.config.vram_gib,
-                                                              online=self.config.online_split))
+                                                              online=self.config.online_split,
+                                                              kernel=self.config.expert_kernel))
 
     def _attach(self, accelerator) -> None:
         if accelerator.max_slots != self.config.max_slots:

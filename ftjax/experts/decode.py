@@ -26,6 +26,7 @@ import numpy as np
 
 from ftjax.experts.cache import CacheGeometry, init_cache_state, preload
 from ftjax.experts.interface import combine_routes, expert_mlp
+from ftjax.experts.kernels import KERNELS, check_kernel, decode_routes, prefill_layer
 from ftjax.experts.plan import plan_layer
 from ftjax.experts.policies import Policy, get_policy, min_slots
 from ftjax.experts.resident import _ragged_routes
@@ -50,7 +51,8 @@ class OffloadExperts:
     Hashable by identity (jitted steps take it as static). ``fill_cap`` bounds fills per layer call
     (None: the batch's unique experts). ``max_tokens`` sizes the CUDA CPU-branch staging (the largest
     T of any call: the prefill chunk). ``gather_max_routes``: decode-style gather GEMVs up to this
-    many routes, ragged dots beyond (default E).
+    many routes, ragged dots beyond (default E). ``kernel``: the device-side expert code, ``"jnp"``
+    or ``"pallas"`` (``ftjax.experts.kernels``; bf16 caches).
     """
 
     pool: HostPool
@@ -62,6 +64,7 @@ class OffloadExperts:
     platform: str = "cpu"
     max_tokens: int = 256
     gather_max_routes: int | None = None
+    kernel: str = "jnp"
     channel_base: int = -1
 
     def __post_init__(self):
@@ -76,6 +79,10 @@ class OffloadExperts:
         if not lo <= self.num_slots <= hi:
             raise ValueError(f"policy {self.policy.name!r} needs {lo} <= num_slots <= {hi}, got {self.num_slots}"
                              + (" (the expert pool does not fit the VRAM budget)" if self.policy.preload == "all" else ""))
+        if self.num_slots:
+            check_kernel(self.kernel, self.pool.hidden, self.pool.inter, cache_dtype(self.pool))
+        elif self.kernel not in KERNELS:
+            raise ValueError(f"expert kernel {self.kernel!r} unknown; valid: {KERNELS}")
         if self.fill_cap is not None and self.fill_cap < 1:
             raise ValueError(f"fill_cap must be >= 1 or None, got {self.fill_cap}")
         if self.platform == "cuda":
@@ -149,8 +156,7 @@ class OffloadExperts:
         if plan.fill_ids.shape[0]:
             state = self._fill(state, plan, token)
         if self.num_slots:
-            out = self._gpu_routes(state, layer, x, expert_ids, plan.route_slot)
-            y = combine_routes(out.reshape(T, k, -1), expert_ids, gate_weights, token_valid)
+            y = self._gpu_part(state, layer, x, expert_ids, gate_weights, token_valid, plan.route_slot)
         else:
             y = jnp.zeros_like(x)
 
@@ -185,8 +191,25 @@ class OffloadExperts:
             dn = dn.at[dst].set(rows_dn, mode="drop")
         return dict(state, gate_up=gu, down=dn)
 
+    def _gpu_part(self, state, layer, x, expert_ids, gate_weights, token_valid, route_slot):
+        """``y [T, H]``: the weighted sum over the routes with a cache slot (the others are the CPU's)."""
+        T, k = expert_ids.shape
+        E = self.num_experts
+        gu, dn = state["gate_up"], state["down"]
+        limit = E if self.gather_max_routes is None else self.gather_max_routes
+        if self.kernel == "pallas":
+            if T * k <= limit:
+                out = decode_routes(x, route_slot, gu, dn).astype(x.dtype)
+                return combine_routes(out.reshape(T, k, -1), expert_ids, gate_weights, token_valid)
+            route_valid = (route_slot >= 0).reshape(T, k) & token_valid[:, None]
+            slot_e = jnp.maximum(state["slot_of"][layer * E:(layer + 1) * E], 0)
+            y = prefill_layer(x, expert_ids, gate_weights, route_valid, gu, dn, slot_e)
+            return jnp.where(token_valid[:, None], y.astype(x.dtype), jnp.zeros((), x.dtype))
+        out = self._gpu_routes(state, layer, x, expert_ids, route_slot)
+        return combine_routes(out.reshape(T, k, -1), expert_ids, gate_weights, token_valid)
+
     def _gpu_routes(self, state, layer, x, expert_ids, route_slot):
-        """Per-route outputs ``[T*k, H]`` of the routes with a slot; zeros for the others."""
+        """Per-route outputs ``[T*k, H]`` of the routes with a slot; zeros for the others (jnp)."""
         T, k = expert_ids.shape
         E = self.num_experts
         gu, dn = state["gate_up"], state["down"]

@@ -20,6 +20,7 @@ import numpy as np
 from jax import lax
 
 from ftjax.experts.interface import combine_routes, expert_mlp
+from ftjax.experts.kernels import KERNELS, check_kernel, decode_routes, prefill_layer
 
 PATHS = ("auto", "gather", "ragged")
 
@@ -30,14 +31,17 @@ class ResidentExperts:
 
     ``path`` forces one execution path; ``"auto"`` gathers while ``T*k <= gather_max_routes``
     (default: the number of experts per layer, where gathering stops being cheaper than reading
-    every expert of the layer once).
+    every expert of the layer once). ``kernel``: ``"jnp"`` or ``"pallas"`` (``ftjax.experts.kernels``).
     """
 
     num_experts: int
     path: str = "auto"
     gather_max_routes: int | None = None
+    kernel: str = "jnp"
 
     def __post_init__(self):
+        if self.kernel not in KERNELS:
+            raise ValueError(f"ResidentExperts kernel {self.kernel!r} is not one of {KERNELS}")
         if self.path not in PATHS:
             raise ValueError(f"ResidentExperts path {self.path!r} is not one of {PATHS}")
         if self.num_experts < 1:
@@ -61,6 +65,15 @@ class ResidentExperts:
         T, k = expert_ids.shape
         E = self.num_experts
         gate_up, down = expert_state["gate_up"], expert_state["down"]
+        if self.kernel == "pallas":
+            check_kernel(self.kernel, x.shape[1], down.shape[-1], gate_up.dtype)
+            if self.choose_path(T * k) == "gather":
+                out = decode_routes(x, (layer * E + expert_ids).reshape(-1).astype(jnp.int32), gate_up, down)
+                return combine_routes(out.astype(x.dtype).reshape(T, k, -1), expert_ids, gate_weights,
+                                      token_valid), expert_state
+            y = prefill_layer(x, expert_ids, gate_weights, token_valid, gate_up, down,
+                              layer * E + jnp.arange(E, dtype=jnp.int32))
+            return jnp.where(token_valid[:, None], y.astype(x.dtype), jnp.zeros((), x.dtype)), expert_state
         if self.choose_path(T * k) == "gather":
             flat = (layer * E + expert_ids).reshape(-1)
             out = expert_mlp(jnp.repeat(x, k, axis=0), gate_up[flat], down[flat])

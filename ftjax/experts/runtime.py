@@ -24,15 +24,21 @@ log = logging.getLogger(__name__)
 class OffloadConfig:
     """policy: one of ``POLICIES`` or None (all resident, no cache); vram_gib: expert-cache budget
     (None: the whole pool); num_slots overrides the budget; fill_cap bounds fills per layer call;
-    online: refine the miss split from measured step times."""
+    online: refine the miss split from measured step times; kernel: the device-side expert code,
+    "jnp" or "pallas" (``ftjax.experts.kernels``)."""
 
     policy: str | None = None
     vram_gib: float | None = None
     num_slots: int | None = None
     fill_cap: int | None = None
     online: bool = True
+    kernel: str = "jnp"
 
     def __post_init__(self):
+        from ftjax.experts.kernels import KERNELS
+
+        if self.kernel not in KERNELS:
+            raise ValueError(f"kernel={self.kernel!r} unknown; valid: {KERNELS}")
         if self.policy is not None and self.policy not in POLICIES:
             raise ValueError(f"policy={self.policy!r} unknown; valid: {sorted(POLICIES)}")
         if self.vram_gib is not None and not self.vram_gib >= 0:
@@ -65,7 +71,8 @@ def build_backend(cfg, banks=None, config: OffloadConfig | None = None, *, pool=
     config = config or OffloadConfig()
     if not config.offloaded:
         state = ResidentExperts.init_state(banks, dtype=dtype)
-        return ResidentExperts(cfg.num_experts), state, {"policy": "resident-banks", "num_slots": None}
+        backend = ResidentExperts(cfg.num_experts, kernel=config.kernel)
+        return backend, state, {"policy": "resident-banks", "num_slots": None}
     policy = get_policy(config.policy or "lru-split")
     if pool is None:
         pool = HostPool.from_banks({k: np.asarray(banks[k]) for k in ("gate_up", "down")})
@@ -90,7 +97,7 @@ def build_backend(cfg, banks=None, config: OffloadConfig | None = None, *, pool=
         pool.pin_if_cuda()
     band = bw.load_bandwidth()
     backend = OffloadExperts(pool, L, E, S, policy, fill_cap=config.fill_cap, platform=platform,
-                             max_tokens=max_tokens)
+                             max_tokens=max_tokens, kernel=config.kernel)
     state = backend.init_state(fill_fraction=band.fill_fraction)
     info = {"policy": policy.name, "num_slots": S, "slot_bytes": slot_bytes, "platform": platform,
             "bandwidth": band, "cache_fraction": S / (L * E)}

@@ -97,6 +97,9 @@ def reference_prefill_experts(x, expert_ids, gate_weights, token_valid, gate_up,
     act = jax.nn.silu(gu[:, :inter]) * gu[:, inter:]
     y = jnp.einsum("rhi,ri->rh", down[slots].astype(jnp.float32), act, precision=hi)
     w = gate_weights.reshape(-1).astype(jnp.float32)
+    if token_valid.ndim == 2:  # per route: drop the routes left out
+        w = jnp.where(token_valid.reshape(-1), w, 0.0)
+        token_valid = token_valid.any(axis=1)
     y = (y * w[:, None]).reshape(num_tokens, top_k, -1).sum(axis=1)
     return jnp.where(token_valid[:, None], y, 0.0)
 
@@ -375,8 +378,9 @@ def _check_routing(x, expert_ids, gate_weights, token_valid, slot_of_expert):
     if gate_weights.shape != expert_ids.shape:
         raise ValueError(f"gate_weights {gate_weights.shape} must match expert_ids "
                          f"{expert_ids.shape}")
-    if token_valid.shape != (num_tokens,):
-        raise ValueError(f"token_valid must be [{num_tokens}], got {token_valid.shape}")
+    if token_valid.shape not in ((num_tokens,), expert_ids.shape):
+        raise ValueError(f"token_valid must be [{num_tokens}] (per token) or {list(expert_ids.shape)} "
+                         f"(per route), got {token_valid.shape}")
     if slot_of_expert.ndim != 1:
         raise ValueError(f"slot_of_expert must be [E], got {slot_of_expert.shape}")
 
@@ -424,7 +428,8 @@ def prefill_experts(x, expert_ids, gate_weights, token_valid, gate_up, down, slo
                     num_sms=None, interpret=False):
     """Mosaic GPU prefill expert MLP, bf16 weights; same contract as `reference_prefill_experts`.
 
-    x [T, H]; expert_ids [T, k] int32 in 0..E-1; gate_weights [T, k]; token_valid [T] bool;
+    x [T, H]; expert_ids [T, k] int32 in 0..E-1; gate_weights [T, k]; token_valid [T] bool (or
+    [T, k]: per route, e.g. the routes whose expert is in the cache);
     gate_up [S, 2I, H] and down [S, H, I] bf16; slot_of_expert [E] int32. Returns [T, H] fp32.
     Needs ``I % (2 * tile_n_gate_up) == 0``, ``H % (2 * tile_n_down) == 0`` and both divisible by
     ``tile_k`` (ValueError otherwise). ``num_sms`` CTAs (default: this GPU's SM count, else 132);

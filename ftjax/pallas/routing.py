@@ -63,11 +63,13 @@ def sort_routes(group_ids: jax.Array, valid: jax.Array, num_groups: int):
 
 def plan_routes(expert_ids: jax.Array, token_valid: jax.Array, num_experts: int,
                 tile: int) -> RoutePlan:
-    """Sort the routes of ``expert_ids [T, k]`` by expert into groups padded to ``tile`` rows."""
+    """Sort the routes of ``expert_ids [T, k]`` by expert into groups padded to ``tile`` rows.
+    ``token_valid`` is ``[T]`` (every route of a valid token) or ``[T, k]`` (per route)."""
     num_tokens, top_k = expert_ids.shape
     num_routes = num_tokens * top_k
     num_rows = padded_rows_bound(num_routes, num_experts, tile)
-    valid = jnp.repeat(token_valid.astype(bool), top_k)
+    valid = (token_valid.astype(bool).reshape(-1) if token_valid.ndim == 2
+             else jnp.repeat(token_valid.astype(bool), top_k))
     order, rank, sizes, starts = sort_routes(expert_ids.reshape(-1), valid, num_experts)
 
     padded_sizes = (sizes + tile - 1) // tile * tile

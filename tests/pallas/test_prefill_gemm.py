@@ -158,6 +158,20 @@ def test_prefill_bf16_matches_reference(case, mgpu_interpret):
     _check(out, ref, np.asarray(args[3]))
 
 
+def test_prefill_per_route_validity(mgpu_interpret):
+    """``token_valid [T, k]``: routes left out (e.g. their expert is not in the cache) add nothing."""
+    (x, ids, w, _), slots, gate_up, down = _inputs(5, T=21, k=3, H=128, I=128, E=6, S=7)
+    route_valid = jnp.asarray(np.random.default_rng(6).uniform(size=ids.shape) < 0.6)
+    gu, dn = jnp.asarray(gate_up, jnp.bfloat16), jnp.asarray(down, jnp.bfloat16)
+    out = pg.prefill_experts(x, ids, w, route_valid, gu, dn, slots, **SMALL)
+    ref = pg.reference_prefill_experts(x, ids, w, route_valid, gu, dn, slots)
+    # the reference with the left-out routes' weights zeroed agrees: nothing else changes
+    w0 = jnp.where(route_valid, w, 0.0)
+    ref0 = pg.reference_prefill_experts(x, ids, w0, route_valid.any(axis=1), gu, dn, slots)
+    np.testing.assert_allclose(np.asarray(ref), np.asarray(ref0), rtol=1e-6, atol=1e-6)
+    _check(out, ref, np.asarray(route_valid.any(axis=1)))
+
+
 def _int4_banks(gate_up, down):
     gp, gs = quant.quantize_int4(gate_up)
     dp, ds = quant.quantize_int4(down)
