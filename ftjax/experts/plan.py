@@ -81,6 +81,24 @@ def fill_capacity(num_routes: int, num_experts: int, num_slots: int, fill_cap: i
     return cap if fill_cap is None else min(cap, fill_cap)
 
 
+# The LRU clock (``step``, one tick per MoE layer call) is int32: 40 layers at 100 steps/s reach 2^31 in
+# six days. Layer 0 of a step rebases it once it passes REBASE_AT: every stamp moves back by REBASE_BY,
+# stamps older than that collapse to 0 (still "used once", still after the never-used -1), so the order
+# of the last REBASE_BY calls (~13,000 decode steps of 40 layers) is exact and nothing overflows.
+REBASE_AT = 1 << 30
+REBASE_BY = 1 << 29
+
+
+def rebase_clock(cache: dict) -> dict:
+    """``cache`` with the LRU clock moved back by REBASE_BY when it has passed REBASE_AT (else as is)."""
+    shift = jnp.where(cache["step"] >= REBASE_AT, REBASE_BY, 0).astype(jnp.int32)
+
+    def back(stamps):
+        return jnp.where(stamps >= 0, jnp.maximum(stamps - shift, 0), stamps)
+
+    return dict(cache, step=cache["step"] - shift, last_use=back(cache["last_use"]), recency=back(cache["recency"]))
+
+
 def plan_layer(cache: dict, layer: int, expert_ids: jax.Array, token_valid: jax.Array, *, num_experts: int,
                rule: str = "balance", fill_cap: int | None = None, update: bool = True) -> tuple[LayerPlan, dict]:
     """Plan one MoE layer call and return the updated cache maps (banks untouched: the caller fills).
@@ -93,6 +111,8 @@ def plan_layer(cache: dict, layer: int, expert_ids: jax.Array, token_valid: jax.
         raise ValueError(f"fill rule {rule!r} unknown; valid: {FILL_RULES}")
     T, k = expert_ids.shape
     E, R = num_experts, T * k
+    if layer == 0 and update:
+        cache = rebase_clock(cache)
     S, N = cache["owner_of"].shape[0], cache["slot_of"].shape[0]
     U = min(R, E)
     F = fill_capacity(R, E, S, fill_cap, rule) if update else 0

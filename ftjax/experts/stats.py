@@ -14,10 +14,16 @@ from ftjax.experts.cache import STAT_KEYS, snapshot_stats
 
 
 class ExpertStats:
+    """The device counters are int32 and wrap (a busy server passes 2^31 hits of a layer within a day);
+    the host accumulates int64 totals from the wrapped differences between consecutive snapshots
+    (fewer than 2^32 events apart). A ``calls`` counter going down means the state was re-initialised:
+    its counts restart from zero and add on."""
+
     def __init__(self):
         self._lock = threading.Lock()
         self._pending = None
-        self._latest: dict[str, np.ndarray] | None = None
+        self._raw: dict[str, np.ndarray] | None = None  # the last snapshot as read (uint32)
+        self._latest: dict[str, np.ndarray] | None = None  # int64 totals
         self.version = 0  # bumped each time a newer snapshot reaches the host
 
     def after_step(self, expert_state) -> None:
@@ -33,7 +39,14 @@ class ExpertStats:
 
     def _promote(self) -> None:
         if self._pending is not None and all(_ready(v) for v in self._pending.values()):
-            self._latest = {k: np.asarray(v) for k, v in self._pending.items()}
+            raw = {k: np.asarray(v).astype(np.uint32) for k, v in self._pending.items()}
+            reset = self._raw is None or bool(np.any(raw["calls"].astype(np.int64) < self._raw["calls"]))
+            if reset:
+                add = {k: v.astype(np.int64) for k, v in raw.items()}
+            else:
+                add = {k: (v - self._raw[k]).astype(np.int64) for k, v in raw.items()}  # wraps mod 2^32
+            self._latest = add if self._latest is None else {k: self._latest[k] + add[k] for k in add}
+            self._raw = raw
             self._pending = None
             self.version += 1
 

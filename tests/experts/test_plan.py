@@ -95,3 +95,39 @@ def test_random_routing_keeps_invariants(rule, S, T):
         assert len(np.unique(flat[cpu])) == m - nf
     st = {k: np.asarray(v) for k, v in cache["stats"].items()}
     assert st["calls"].sum() == 60
+
+
+def test_lru_clock_rebases_before_int32_overflow():
+    """A cache whose clock is about to pass REBASE_AT plans exactly like the same cache at a small clock,
+    and its stamps never approach 2^31."""
+    from ftjax.experts.plan import REBASE_AT
+
+    L, E, k, S, T = 2, 8, 2, 5, 2
+    geom = CacheGeometry(num_layers=L, num_experts=E, num_slots=S, hidden=4, inter=2)
+    rng = np.random.default_rng(3)
+    steps = [(np.stack([rng.choice(E, k, replace=False) for _ in range(T)]).astype(np.int32)) for _ in range(40)]
+
+    @jax.jit
+    def step(cache, ids):
+        plans = []
+        for layer in range(L):
+            p, cache = plan_layer(cache, layer, ids, jnp.ones((T,), bool), num_experts=E)
+            plans.append(p)
+        return plans, cache
+
+    small = init_cache_state(geom, jnp.float32, fill_fraction=0.5)
+    for ids in steps[:10]:
+        _, small = step(small, jnp.asarray(ids))
+    offset = REBASE_AT - 3 - int(small["step"])  # the rebase happens a few steps into the replay
+    big = dict(small, step=small["step"] + offset,
+               last_use=jnp.where(small["last_use"] >= 0, small["last_use"] + offset, -1),
+               recency=jnp.where(small["recency"] >= 0, small["recency"] + offset, -1))
+    for ids in steps[10:]:
+        p_small, small = step(small, jnp.asarray(ids))
+        p_big, big = step(big, jnp.asarray(ids))
+        for a, b in zip(p_small, p_big):
+            for name in ("route_slot", "fill_ids", "fill_slots", "n_fill", "cpu_routes", "n_cpu_routes"):
+                np.testing.assert_array_equal(np.asarray(getattr(a, name)), np.asarray(getattr(b, name)), name)
+        np.testing.assert_array_equal(np.asarray(small["slot_of"]), np.asarray(big["slot_of"]))
+    assert REBASE_AT // 2 < int(big["step"]) < REBASE_AT  # rebased once, still counting
+    assert int(np.asarray(big["last_use"]).max()) < REBASE_AT
