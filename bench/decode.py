@@ -87,6 +87,7 @@ class Run:
         self.state = get_family(cfg).init_state(cfg, batch, max_len, jnp.bfloat16)
         self.tokens = tokens if routing == "text" else np.zeros((max_len, batch), np.int32)
         self.i = 0
+        self.hook = None  # called after every step (the online split refinement)
 
     @property
     def cache(self):
@@ -105,11 +106,33 @@ class Run:
         _, self.state, self.expert_state = self.decode(self.params, self.expert_state, self.state, tok,
                                                        jnp.ones((self.batch,), jnp.int32))
         self.i += 1
+        if self.hook is not None:
+            self.hook()
 
     def stats(self):
         return {k: np.asarray(v).astype(np.int64) for k, v in self.cache["stats"].items() if k != "hist"}
 
-    def timed(self, warmup: int, steps: int) -> dict:
+    def timed(self, warmup: int, steps: int, online: bw.Bandwidth | None = None) -> dict:
+        """tok/s and cache figures of ``steps`` steps after ``warmup``; ``online``: refine the fill
+        fraction every step from measured step times, as the engine does (``SplitController``)."""
+        if online is not None:
+            from ftjax.experts.stats import ExpertStats
+
+            ctl, reader = bw.SplitController(bw.OnlineSplitTuner(online)), ExpertStats()
+            self.set_fraction(ctl.fraction)
+
+            def refine():
+                reader.after_step(self.cache)
+                f = ctl.after_decode(*reader.misses())
+                if f is not None:
+                    self.set_fraction(f)
+
+            self.hook = refine
+            try:
+                out = self.timed(warmup, steps)
+            finally:
+                self.hook = None
+            return dict(out, fill_fraction=ctl.fraction, online_updates=ctl.updates)
         for _ in range(warmup):
             self.step()
         if self.backend.policy.name == "static":
@@ -190,7 +213,7 @@ def main(argv=None) -> int:
     params = make_params(cfg)
     # Every step of the longest run (lru-split: timing, worker variants, sweep, profile) must fit the
     # KV length: past it, text routing would come from an overflowing context.
-    max_len = (args.warmup + args.steps + 8 + len(args.worker_variants) * (args.warmup // 2 + args.steps)
+    max_len = (2 * (args.warmup + args.steps) + 8 + len(args.worker_variants) * (args.warmup // 2 + args.steps)
                + (0 if args.no_sweep else len(SWEEP) * (8 + args.steps)) + (4 if args.profile else 0))
     results = {"b_dram_gbps": b_dram, "bandwidth": band.to_dict(), "expert_bytes": expert_bytes, "rows": []}
     print(f"B_DRAM {b_dram:.1f} GB/s | in use: B_P {band.b_pcie_gbps:.1f} GB/s, B_H {band.b_host_gbps:.1f} GB/s "
@@ -214,6 +237,7 @@ def main(argv=None) -> int:
                     rows[pol] = run.timed(args.warmup, args.steps)
                     profile(run, args.profile, f"{routing}-b{B}-{pol}-{round(100 * frac)}")
                     if pol == "lru-split":
+                        rows["split online"] = run.timed(args.warmup, args.steps, online=band)
                         for variant in args.worker_variants:  # same executable, other worker pool
                             n, spin = (int(v) for v in variant.split(":"))
                             configure_workers(n_workers=n, spin_us=spin)
@@ -248,6 +272,9 @@ def print_row(row):
         print(f"{pol:10} {r['tok_s']:8.1f} {r['tok_s'] / row['roofline_tok_s']:6.2f} {100 * r['miss_rate']:6.1f} "
               f"{r['fills_per_layer']:8.2f} {r['cpu_per_layer']:6.2f}")
     p = row["policies"]
+    if "split online" in p:
+        print(f"split online: fraction {p['split online']['fill_fraction']:.3f} after "
+              f"{p['split online']['online_updates']} updates")
     if "lru-split" in p and "lru-fill" in p:
         print(f"lru-split / lru-fill = {p['lru-split']['tok_s'] / p['lru-fill']['tok_s']:.2f}")
     if "sweep" in p.get("lru-split", {}):

@@ -8,7 +8,9 @@ TFLOP/s) and a device-to-device copy (2 GiB, bytes read + written; GB/s).
   ``lax.ragged_dot`` baseline (bf16). Routing: uniform random top-k over E experts per token.
 - decode (``ftjax.pallas.decode_gemv``): 1-8 tokens x top-k routes into a cache of S slots, the
   weight bytes actually read (``decode_bytes_read``) per second and the ratio to the copy ceiling;
-  beside it the jnp gather path the offloaded backend used before (gather the routed slots, einsum).
+  beside it the jnp gather path (gather the routed slots, einsum). Timed as ``--decode-calls`` calls
+  on different slot lists inside one jitted scan (a per-call host sync would add ~50-100 us to
+  kernels of tens of us).
 
 GPU machine (Hopper). Writes bench/out/kernels.json.
     python bench/kernels.py                               # everything
@@ -73,6 +75,18 @@ def _decode_inputs(key, T, k, H, I, S, int4):
     return x, slots, tokens, banks
 
 
+def time_per_call_us(fn, x, slot_sets, tokens, n, banks, iters):
+    """Device time of one call: ``fn`` over ``len(slot_sets)`` different slot lists back to back inside
+    one jitted scan (fresh experts each call, so no L2 reuse; no per-call dispatch or host sync)."""
+    @jax.jit
+    def many(x, slot_sets, tokens, n, *banks):
+        def body(acc, slots):
+            return acc + fn(x, slots, tokens, n, *banks)[0, 0], None
+        return jax.lax.scan(body, jnp.float32(0), slot_sets)[0]
+
+    return 1e3 * _time_ms(many, x, slot_sets, tokens, n, *banks, iters=iters) / slot_sets.shape[0]
+
+
 def gather_decode(x, slots, tokens, n_valid, gate_up, down):
     """Baseline: the jnp gather path (gather the routed slots' weights, batched GEMVs)."""
     y = expert_mlp(x[tokens], gate_up[slots], down[slots]).astype(jnp.float32)
@@ -95,9 +109,11 @@ def bench_decode(args, copy_gbps, rows):
                 x, slots, tokens, banks = _decode_inputs(jax.random.key(T), T, args.top_k, H, I, S, int4)
                 R = slots.shape[0]
                 n = jnp.int32(R)
+                slot_sets = jnp.stack([jax.random.choice(jax.random.key(100 + i), S, (R,), replace=False)
+                                       for i in range(args.decode_calls)]).astype(jnp.int32)
                 f = dg.decode_experts_int4 if int4 else dg.decode_experts
                 fn = jax.jit(lambda *a, _f=f: _f(*a, **kw))
-                us = 1e3 * _time_ms(fn, x, slots, tokens, n, *banks, iters=args.iters)
+                us = time_per_call_us(fn, x, slot_sets, tokens, n, banks, args.iters)
                 nbytes = dg.decode_bytes_read(R, H, I, int4=int4)
                 got = fn(x, slots, tokens, n, *banks)
                 ref_fn = dg.reference_decode_experts_int4 if int4 else dg.reference_decode_experts
@@ -107,8 +123,7 @@ def bench_decode(args, copy_gbps, rows):
                            gbps=nbytes / us / 1e3, ratio=nbytes / us / 1e3 / copy_gbps, rel_err=err,
                            copy_ceiling_gbps=copy_gbps)
                 if not int4:
-                    row["gather_us"] = 1e3 * _time_ms(jax.jit(gather_decode), x, slots, tokens, n, *banks,
-                                                      iters=args.iters)
+                    row["gather_us"] = time_per_call_us(gather_decode, x, slot_sets, tokens, n, banks, args.iters)
                 rows.append(row)
                 print(f"{H:>5} {I:>5} {T:>3} {dtype:>5} {us:>8.1f} {row['gbps']:>7.0f} {row['ratio']:>6.2f} "
                       f"{row.get('gather_us', float('nan')):>10.1f} {err:>8.1e}", flush=True)
@@ -163,13 +178,15 @@ def main():
     ap.add_argument("--only", choices=["prefill", "decode"], help="one section only")
     ap.add_argument("--decode-tokens", type=int, nargs="+", default=[1, 2, 4, 8])
     ap.add_argument("--slots-decode", type=int, default=2000, help="decode cache slots (capped at ~40 GiB)")
+    ap.add_argument("--decode-calls", type=int, default=64,
+                    help="decode calls per timed scan, each on a different slot list")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "out" / "kernels.json")
     args = ap.parse_args()
 
     kw = dict(tile_m=args.tile_m, stages=args.stages)
     if args.smoke:
         args.tokens, args.shapes, args.experts, args.slots, args.iters = [40], ["256x256"], 8, 8, 1
-        args.decode_tokens, args.slots_decode = [1], 16
+        args.decode_tokens, args.slots_decode, args.decode_calls = [1], 16, 2
         kw = dict(tile_m=64, tile_n_gate_up=64, tile_n_down=64, stages=2, num_sms=2,
                   interpret=True)
     ceiling = 1.0 if args.smoke else dense_ceiling_tflops()
