@@ -76,7 +76,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-GROUP = 32  # int4 inputs per scale (ftjax.host.quant.GROUP)
+from ftjax.pallas.int4 import GROUP, dequantize_int4
 NUM_SMS = 132  # H100 / H200
 SMEM_BYTES = 227 * 1024  # per block on sm_90
 _SMEM_OVERHEAD = 4096  # Mosaic GPU alignment padding and barriers (measured ~2.9 KiB)
@@ -100,14 +100,6 @@ def reference_decode_experts(x, slots, tokens, n_valid, gate_up, down):
     y = jnp.einsum("rhi,ri->rh", w_d, act, precision=hi)
     valid = jnp.arange(slots.shape[0]) < n_valid
     return jnp.where(valid[:, None], y, 0.0)
-
-
-def dequantize_int4(packed, scales):
-    """``packed uint8 [..., rows, cols/2]``, ``scales [..., rows, cols/32]`` -> fp32
-    ``[..., rows, cols]`` (jnp twin of `ftjax.host.quant.dequantize_int4`)."""
-    q = jnp.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(*packed.shape[:-1], -1)
-    s = jnp.repeat(scales.astype(jnp.float32), GROUP, axis=-1)
-    return (q.astype(jnp.float32) - 8.0) * s
 
 
 def reference_decode_experts_int4(x, slots, tokens, n_valid, gate_up_packed, gate_up_scales,

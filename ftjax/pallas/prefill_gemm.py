@@ -72,8 +72,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from ftjax.pallas import routing
-
-QUANT_GROUP = 32
+from ftjax.pallas.int4 import GROUP as QUANT_GROUP
+from ftjax.pallas.int4 import dequantize_int4
 _SCALE_BLOCK = 8  # scale columns per TMA copy: 8 bf16 = the 16-byte TMA minimum = 256 inputs
 _SMEM_LIMIT_BYTES = 232448  # H100/H200 per-block shared memory (227 KiB)
 _WG_ROWS = 64  # WGMMA M granularity per warpgroup
@@ -102,15 +102,6 @@ def reference_prefill_experts(x, expert_ids, gate_weights, token_valid, gate_up,
         token_valid = token_valid.any(axis=1)
     y = (y * w[:, None]).reshape(num_tokens, top_k, -1).sum(axis=1)
     return jnp.where(token_valid[:, None], y, 0.0)
-
-
-def dequantize_int4(packed, scales):
-    """jnp twin of `ftjax.host.quant.dequantize_int4`: ``[.., rows, cols/2]`` uint8 -> fp32."""
-    lo = (packed & 0x0F).astype(jnp.float32)
-    hi = (packed >> 4).astype(jnp.float32)
-    q = jnp.stack([lo, hi], axis=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
-    s = jnp.repeat(scales.astype(jnp.float32), QUANT_GROUP, axis=-1)
-    return (q - 8.0) * s
 
 
 def reference_prefill_experts_int4(x, expert_ids, gate_weights, token_valid, gate_up_packed,
