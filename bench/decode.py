@@ -34,7 +34,7 @@ from ftjax.config import parse_hf_config
 from ftjax.experts import bandwidth as bw
 from ftjax.experts.decode import OffloadExperts
 from ftjax.experts.traces import ReplayRouting, synthetic_trace
-from ftjax.host import calibrate, configure_workers, measure, worker_info
+from ftjax.host import GPU_SPIN_US, calibrate, configure_workers, measure, worker_info
 from ftjax.models import get_family, make_step_fns
 from ftjax.models.params import param_shapes, unflatten
 
@@ -243,7 +243,7 @@ def main(argv=None) -> int:
                             configure_workers(n_workers=n, spin_us=spin)
                             rows[f"split w{n}s{spin}"] = run.timed(args.warmup // 2, args.steps)
                         if args.worker_variants:
-                            configure_workers()
+                            configure_workers(spin_us=GPU_SPIN_US)
                     if pol == "lru-split" and not args.no_sweep:
                         sweep = {}
                         for f in SWEEP:

@@ -155,7 +155,7 @@ NB_MODULE(_host, m) {
   m.def("configure_workers", [](int n_workers, int spin_us, bool pin) {
     if (spin_us < 0) throw std::invalid_argument("spin_us must be >= 0, got " + std::to_string(spin_us));
     configure_global_workers(WorkerConfig{n_workers, spin_us, pin});
-  }, "n_workers"_a = -1, "spin_us"_a = 2000, "pin"_a = true);
+  }, "n_workers"_a = -1, "spin_us"_a = 100, "pin"_a = true);
   m.def("worker_info", &worker_info);
   m.def("stream_read_seconds", &stream_read_seconds, "buf"_a, "reps"_a = 3);
 

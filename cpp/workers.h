@@ -1,8 +1,10 @@
 // Persistent worker pool: one thread per physical core minus two (the caller coordinates and
 // works too; one core stays free for the JAX dispatch thread: on the H200 host, 15 workers + the
 // coordinator + dispatch on 16 cores gave millisecond stalls whenever a pinned worker was
-// descheduled), each pinned; wake-up spins (2 ms: longer than the gap between the MoE layers of a
-// decode step) then sleeps, so the calls of a decode step cost a cache-line handoff, not a futex.
+// descheduled), each pinned; wake-up spins briefly then sleeps. Beside a GPU the Python side
+// raises the spin to 2 ms (longer than the gap between the MoE layers of a decode step), so the
+// calls of a step cost a cache-line handoff, not a futex; on a CPU-only host a long spin would
+// take the cores from XLA's own threads between expert calls.
 #pragma once
 #include <atomic>
 #include <condition_variable>
@@ -17,7 +19,7 @@ namespace ftjax {
 
 struct WorkerConfig {
   int n_workers = -1;   // threads besides the caller; -1 = physical cores - 2 (at least 0)
-  int spin_us = 2000;   // busy-wait this long for new work before sleeping
+  int spin_us = 100;    // busy-wait this long for new work before sleeping
   bool pin = true;      // pin worker i to the first logical CPU of physical core i + 1
 };
 

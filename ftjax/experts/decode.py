@@ -31,6 +31,7 @@ from ftjax.experts.plan import plan_layer
 from ftjax.experts.policies import Policy, get_policy, min_slots
 from ftjax.experts.resident import _ragged_routes
 from ftjax.host import quant
+from ftjax.host import tune_workers_for_gpu
 from ftjax.host.ffi import cpu_experts
 from ftjax.host.pool import HostPool
 
@@ -92,6 +93,8 @@ class OffloadExperts:
                 raise ValueError("the CUDA path reads the pool zero-copy: pin it first (HostPool.pin_if_cuda)")
             base = next(_channels) * 1024
             object.__setattr__(self, "channel_base", base)
+            if self.cpu_branch:
+                tune_workers_for_gpu()
             for layer in range(L if self.cpu_branch else 0):
                 cuda.create_channel(base + layer, self.pool, self.max_tokens,
                                     self.max_tokens * max(1, E))

@@ -7,7 +7,8 @@ from ftjax.host.ffi import cpu_experts, register_targets
 from ftjax.host.pool import HostPool
 
 __all__ = ["HostPool", "cpu_experts", "register_targets", "cpu_features", "cpu_brand", "available_tiers",
-           "active_tier", "set_tier", "configure_workers", "worker_info", "cuda_built", "cuda_device_count"]
+           "active_tier", "set_tier", "configure_workers", "tune_workers_for_gpu", "worker_info", "cuda_built",
+           "cuda_device_count"]
 
 
 def cpu_features() -> dict[str, bool]:
@@ -33,9 +34,24 @@ def set_tier(name: str) -> None:
     _host.set_tier(name)
 
 
-def configure_workers(n_workers: int = -1, spin_us: int = 2000, pin: bool = True) -> None:
-    """Replace the worker pool: ``n_workers`` threads besides the caller (-1 = physical cores - 2)."""
+GPU_SPIN_US = 2000  # beside a GPU: longer than the gap between the MoE layers of a decode step
+_configured_by_user = False
+
+
+def configure_workers(n_workers: int = -1, spin_us: int = 100, pin: bool = True) -> None:
+    """Replace the worker pool: ``n_workers`` threads besides the caller (-1 = physical cores - 2),
+    spinning ``spin_us`` for new work before sleeping. After this call the runtime leaves it alone."""
+    global _configured_by_user
     _host.configure_workers(n_workers, spin_us, pin)
+    _configured_by_user = True
+
+
+def tune_workers_for_gpu() -> None:
+    """Spin the default worker pool for ``GPU_SPIN_US`` (the CUDA CPU branch calls this): between the
+    layers of a decode step sleeping workers cost a futex wake each, and on the H200 host the old
+    100 us spin lost 1.6x decode speed (bench/RESULTS.md). A pool the user configured is kept."""
+    if not _configured_by_user and _host.worker_info()["spin_us"] < GPU_SPIN_US:
+        _host.configure_workers(-1, GPU_SPIN_US, True)
 
 
 def worker_info() -> dict:

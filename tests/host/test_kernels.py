@@ -127,10 +127,12 @@ def test_set_tier_rejects_unknown():
     assert TIERS[0] == "scalar"
 
 
-def test_worker_pool_sizes_agree():
+def test_worker_pool_sizes_agree(monkeypatch):
     """Results do not depend on the number of worker threads (work split by output rows)."""
+    import ftjax.host
     from ftjax.host import configure_workers, worker_info
 
+    monkeypatch.setattr(ftjax.host, "_configured_by_user", False)  # restored after the test
     rng = np.random.default_rng(7)
     pool, _ = make_pool(rng, "bf16", 6, 64, 64)
     x = rng.standard_normal((4, 64)).astype(np.float32)
@@ -143,3 +145,18 @@ def test_worker_pool_sizes_agree():
             np.testing.assert_allclose(run(pool, x, tok, eid, w, 16), base, rtol=1e-6, atol=1e-6)
     finally:
         configure_workers()
+
+
+def test_gpu_spin_only_for_a_pool_the_user_left_alone(monkeypatch):
+    import ftjax.host as host
+
+    monkeypatch.setattr(host, "_configured_by_user", False)
+    try:
+        host._host.configure_workers(-1, 100, True)  # the defaults, as at start-up
+        host.tune_workers_for_gpu()
+        assert host.worker_info()["spin_us"] == host.GPU_SPIN_US
+        host.configure_workers(n_workers=1, spin_us=50)
+        host.tune_workers_for_gpu()
+        assert host.worker_info()["spin_us"] == 50 and host.worker_info()["n_workers"] == 1
+    finally:
+        host._host.configure_workers(-1, 100, True)
