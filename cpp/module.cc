@@ -157,6 +157,12 @@ NB_MODULE(_host, m) {
     configure_global_workers(WorkerConfig{n_workers, spin_us, pin});
   }, "n_workers"_a = -1, "spin_us"_a = 100, "pin"_a = true);
   m.def("worker_info", &worker_info);
+  m.def("worker_self_test", [](int rounds, int64_t max_items, uint64_t seed, bool big) {
+    if (rounds < 0 || max_items < 1) throw std::invalid_argument("need rounds >= 0 and max_items >= 1");
+    nb::gil_scoped_release release;
+    return worker_self_test(global_workers(), rounds, max_items, seed, big);
+  }, "rounds"_a, "max_items"_a, "seed"_a = 0, "big"_a = false,
+        "Test hook: random parallel_for rounds; returns the number of anomalies (0 = correct).");
   m.def("stream_read_seconds", &stream_read_seconds, "buf"_a, "reps"_a = 3);
 
   m.def("cuda_built", &cuda_built);

@@ -67,21 +67,55 @@ WorkerPool::~WorkerPool() {
   for (auto& t : threads_) t.join();
 }
 
+namespace {
+constexpr int kFieldBits = 24;
+constexpr uint64_t kFieldMask = (1ull << kFieldBits) - 1;
+constexpr int64_t kMaxRoundItems = static_cast<int64_t>(kFieldMask);
+uint64_t pack_ticket(uint64_t round, uint64_t n, uint64_t next) {
+  return ((round & 0xffff) << (2 * kFieldBits)) | (n << kFieldBits) | next;
+}
+uint64_t ticket_n(uint64_t t) { return (t >> kFieldBits) & kFieldMask; }
+uint64_t ticket_next(uint64_t t) { return t & kFieldMask; }
+}  // namespace
+
 void WorkerPool::run_items(int thread) {
   for (;;) {
-    const int64_t i = next_item_.fetch_add(1, std::memory_order_relaxed);
-    if (i >= n_items_) return;
+    uint64_t t = ticket_.load(std::memory_order_acquire);
+    do {
+      if (ticket_next(t) >= ticket_n(t)) return;
+    } while (!ticket_.compare_exchange_weak(t, t + 1, std::memory_order_acq_rel, std::memory_order_acquire));
+    const int64_t item = static_cast<int64_t>(ticket_next(t));
     try {
-      (*fn_)(i, thread);
+      (*fn_.load(std::memory_order_relaxed))(item, thread);  // ordered by the acquire CAS above
     } catch (const std::exception& e) {
-      std::lock_guard<std::mutex> lock(err_mu_);
-      if (!failed_) error_ = e.what();
-      failed_ = true;
-      next_item_.store(n_items_);  // stop handing out work
+      {
+        std::lock_guard<std::mutex> lock(err_mu_);
+        if (!failed_) error_ = e.what();
+        failed_ = true;
+      }
+      close_round();
     } catch (...) {
-      std::lock_guard<std::mutex> lock(err_mu_);
-      if (!failed_) error_ = "unknown exception in a worker";
-      failed_ = true;
+      {
+        std::lock_guard<std::mutex> lock(err_mu_);
+        if (!failed_) error_ = "unknown exception in a worker";
+        failed_ = true;
+      }
+      close_round();
+    }
+    items_done_.fetch_add(1, std::memory_order_acq_rel);
+  }
+}
+
+void WorkerPool::close_round() {
+  // Stop handing out items; the ones never handed out count as done.
+  uint64_t t = ticket_.load(std::memory_order_acquire);
+  for (;;) {
+    const uint64_t n = ticket_n(t), next = ticket_next(t);
+    if (next >= n) return;
+    if (ticket_.compare_exchange_weak(t, (t & ~kFieldMask) | n, std::memory_order_acq_rel,
+                                      std::memory_order_acquire)) {
+      items_done_.fetch_add(static_cast<int64_t>(n - next), std::memory_order_acq_rel);
+      return;
     }
   }
 }
@@ -111,7 +145,6 @@ void WorkerPool::worker_main(int index) {
     seen = gen;
     if (stop_.load()) return;
     run_items(index + 1);
-    workers_done_.fetch_add(1, std::memory_order_acq_rel);
   }
 }
 
@@ -120,27 +153,74 @@ void WorkerPool::parallel_for(int64_t n_items, const std::function<void(int64_t,
   std::lock_guard<std::mutex> call_lock(call_mu_);
   failed_ = false;
   error_.clear();
-  if (threads_.empty() || n_items == 1) {
-    fn_ = &fn;
-    n_items_ = n_items;
-    next_item_.store(0);
-    run_items(0);
-  } else {
-    fn_ = &fn;
-    n_items_ = n_items;
-    next_item_.store(0, std::memory_order_relaxed);
-    workers_done_.store(0, std::memory_order_relaxed);
-    generation_.fetch_add(1, std::memory_order_acq_rel);  // publishes fn_, n_items_
+  if (n_items <= kMaxRoundItems) {
+    run_round(n_items, fn);
+  } else {  // more items than a ticket holds: rounds of at most kMaxRoundItems
+    for (int64_t base = 0; base < n_items && !failed_; base += kMaxRoundItems) {
+      const std::function<void(int64_t, int)> shifted = [&](int64_t i, int t) { fn(base + i, t); };
+      run_round(std::min(kMaxRoundItems, n_items - base), shifted);
+    }
+  }
+  if (failed_) throw std::runtime_error(error_);
+}
+
+void WorkerPool::run_round(int64_t n_items, const std::function<void(int64_t, int)>& fn) {
+  fn_.store(&fn, std::memory_order_relaxed);
+  items_done_.store(0, std::memory_order_relaxed);
+  ++round_;
+  ticket_.store(pack_ticket(round_, static_cast<uint64_t>(n_items), 0), std::memory_order_release);
+  if (!threads_.empty() && n_items > 1) {
+    generation_.fetch_add(1, std::memory_order_acq_rel);  // wake the workers
     if (sleepers_.load() > 0) {
       { std::lock_guard<std::mutex> lock(sleep_mu_); }
       wake_cv_.notify_all();
     }
-    run_items(0);
-    const int n_workers = static_cast<int>(threads_.size());
-    while (workers_done_.load(std::memory_order_acquire) < n_workers) FTJAX_PAUSE();
   }
-  fn_ = nullptr;
-  if (failed_) throw std::runtime_error(error_);
+  run_items(0);
+  while (items_done_.load(std::memory_order_acquire) < n_items) FTJAX_PAUSE();
+  fn_.store(nullptr, std::memory_order_relaxed);
+}
+
+int64_t worker_self_test(WorkerPool& pool, int rounds, int64_t max_items, uint64_t seed, bool big) {
+  int64_t anomalies = 0;
+  uint64_t state = seed * 6364136223846793005ull + 1442695040888963407ull;
+  auto next = [&] { state = state * 6364136223846793005ull + 1442695040888963407ull; return state >> 33; };
+  std::vector<std::atomic<int>> hits(static_cast<size_t>(std::max<int64_t>(max_items, 1)));
+  const int n_threads = pool.n_threads();
+  std::atomic<int64_t> bad_thread{0};
+  auto check_round = [&](int64_t n) {
+    for (int64_t i = 0; i < n; ++i) hits[i].store(0, std::memory_order_relaxed);
+    pool.parallel_for(n, [&](int64_t i, int t) {
+      if (t < 0 || t >= n_threads) bad_thread.fetch_add(1);
+      if (i % 5 == 4) {  // uneven items; a caller returning before its items finish sees a 0 below
+        const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(20);
+        while (std::chrono::steady_clock::now() < until) {
+        }
+      }
+      hits[i].fetch_add(1, std::memory_order_relaxed);
+    });
+    for (int64_t i = 0; i < n; ++i) anomalies += hits[i].load() != 1;
+  };
+  for (int r = 0; r < rounds; ++r) check_round(static_cast<int64_t>(next() % (max_items + 1)));
+  if (big) {  // more items than one ticket holds: split into rounds, each item once
+    const int64_t n = (int64_t{1} << 24) + 5;
+    std::vector<uint8_t> once(static_cast<size_t>(n), 0);
+    std::atomic<int64_t> dup{0};
+    pool.parallel_for(n, [&](int64_t i, int) { if (once[i]++) dup.fetch_add(1); });
+    for (int64_t i = 0; i < n; ++i) anomalies += once[i] != 1;
+    anomalies += dup.load();
+  }
+  bool threw = false;
+  try {
+    pool.parallel_for(std::max<int64_t>(max_items, 2), [&](int64_t i, int) {
+      if (i == 1) throw std::runtime_error("planted");
+    });
+  } catch (const std::runtime_error& e) {
+    threw = std::string(e.what()) == "planted";
+  }
+  anomalies += !threw;
+  check_round(std::max<int64_t>(max_items, 1));  // the pool still works after a failure
+  return anomalies + bad_thread.load();
 }
 
 namespace {

@@ -43,18 +43,24 @@ class WorkerPool {
 
  private:
   void worker_main(int index);
+  void run_round(int64_t n_items, const std::function<void(int64_t, int)>& fn);
   void run_items(int thread);
+  void close_round();
 
   WorkerConfig cfg_;
   std::vector<int> cpus_;
   std::vector<std::thread> threads_;
   std::mutex call_mu_;  // serialises parallel_for callers
 
-  // The current job: published by bumping generation_.
-  const std::function<void(int64_t, int)>* fn_ = nullptr;
-  int64_t n_items_ = 0;
-  std::atomic<int64_t> next_item_{0};
-  std::atomic<int> workers_done_{0};
+  // The current round of items. ticket_ packs (round 16 bits | n_items 24 | next item 24); a thread
+  // claims an item by advancing it with a CAS, so a claim always names an item of the round that
+  // fn_ belongs to, and a worker that wakes late (asleep, or descheduled by another thread on its
+  // core) finds the items taken and nobody waits for it: the caller waits for items, not workers.
+  // generation_ only wakes the workers.
+  std::atomic<const std::function<void(int64_t, int)>*> fn_{nullptr};
+  std::atomic<uint64_t> ticket_{0};
+  std::atomic<int64_t> items_done_{0};
+  uint64_t round_ = 0;
   std::atomic<uint64_t> generation_{0};
   std::atomic<bool> stop_{false};
   std::mutex err_mu_;
@@ -65,6 +71,12 @@ class WorkerPool {
   std::condition_variable wake_cv_;
   std::atomic<int> sleepers_{0};
 };
+
+// Test hook: `rounds` parallel_for calls of random sizes up to `max_items` (one with more items than
+// a ticket holds when `big`), each checking every item ran exactly once on a valid thread index, then
+// a call whose item throws (must surface as an exception) and a clean call after it. Returns the
+// number of anomalies (0 = correct).
+int64_t worker_self_test(WorkerPool& pool, int rounds, int64_t max_items, uint64_t seed, bool big);
 
 // The process-wide pool used by the FFI handlers, created on first use with the default config.
 WorkerPool& global_workers();

@@ -147,6 +147,19 @@ def test_worker_pool_sizes_agree(monkeypatch):
         configure_workers()
 
 
+@pytest.mark.parametrize("n_workers, spin_us", [(0, 100), (1, 100), (3, 20), (5, 0)])
+def test_worker_pool_runs_each_item_once(n_workers, spin_us):
+    """Random rounds (more workers than cores in the last two: workers get descheduled mid-round),
+    a round larger than one ticket, an item that throws, and a clean round after it."""
+    from ftjax import _host
+
+    try:
+        _host.configure_workers(n_workers, spin_us, True)
+        assert _host.worker_self_test(200, 257, seed=n_workers, big=n_workers == 3) == 0
+    finally:
+        _host.configure_workers(-1, 100, True)
+
+
 def test_gpu_spin_only_for_a_pool_the_user_left_alone(monkeypatch):
     import ftjax.host as host
 
