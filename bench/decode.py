@@ -73,10 +73,12 @@ def text_tokens(n: int, batch: int, tokenizer_dir=TOKENIZER) -> np.ndarray:
 class Run:
     """One backend at one batch size: a decode step function and its states."""
 
-    def __init__(self, cfg, params, pool, policy, slots, batch, routing, trace, max_len, fill_fraction, tokens=None):
+    def __init__(self, cfg, params, pool, policy, slots, batch, routing, trace, max_len, fill_fraction, tokens=None,
+                 fused_handshake=False):
         L, E, k = cfg.num_layers, cfg.num_experts, cfg.num_experts_per_tok
         self.cfg, self.params, self.batch, self.routing, self.trace = cfg, params, batch, routing, trace
-        self.backend = OffloadExperts(pool, L, E, slots, policy, platform="cuda", max_tokens=max(batch, 16))
+        self.backend = OffloadExperts(pool, L, E, slots, policy, platform="cuda", max_tokens=max(batch, 16),
+                                      fused_handshake=fused_handshake)
         inner = self.backend.init_state(fill_fraction=fill_fraction)
         if routing == "trace":
             wrapped = ReplayRouting(self.backend)
@@ -182,6 +184,8 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=96)
     ap.add_argument("--layers", type=int, default=40, help="fewer layers for a quick check")
     ap.add_argument("--no-sweep", action="store_true")
+    ap.add_argument("--fused-handshake", action="store_true",
+                    help="one-kernel CPU-branch submit/collect (opt-in until measured)")
     ap.add_argument("--tokenizer", default=str(TOKENIZER), help="the real Qwen3 tokenizer (routing text)")
     ap.add_argument("--worker-variants", nargs="*", default=[], metavar="N:SPIN_US",
                     help="also run lru-split with the CPU worker pool reconfigured (N workers, -1 = default; "
@@ -224,7 +228,8 @@ def main(argv=None) -> int:
         for B in args.batches:
             trace = synthetic_trace(max_len, L, E, cfg.num_experts_per_tok, batch=B, seed=B) if routing == "trace" else None
             tokens = text_tokens(max_len, B, args.tokenizer) if routing == "text" else None
-            res = Run(cfg, params, pool, "resident", L * E, B, routing, trace, max_len, band.fill_fraction, tokens)
+            res = Run(cfg, params, pool, "resident", L * E, B, routing, trace, max_len, band.fill_fraction, tokens,
+                      fused_handshake=args.fused_handshake)
             t_gpu = res.timed(args.warmup // 4, args.steps)
             profile(res, args.profile, f"{routing}-b{B}-resident")
             del res
@@ -233,7 +238,7 @@ def main(argv=None) -> int:
                 rows = {}
                 for pol in args.policies:
                     run = Run(cfg, params, pool, pol, 0 if pol == "cpu" else S, B, routing, trace, max_len,
-                              band.fill_fraction, tokens)
+                              band.fill_fraction, tokens, fused_handshake=args.fused_handshake)
                     rows[pol] = run.timed(args.warmup, args.steps)
                     profile(run, args.profile, f"{routing}-b{B}-{pol}-{round(100 * frac)}")
                     if pol == "lru-split":

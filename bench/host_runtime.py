@@ -73,8 +73,8 @@ def gpu_handshake_part(layers: int = 40, reps: int = 50) -> list[dict]:
     pool = HostPool(8, 2048, 512, "bf16")
     pool.pin()
     out = []
-    for cb in (True, False):
-        base = 1000 + 100 * cb
+    for cb, fused in ((True, False), (False, False), (True, True)):
+        base = 1000 + 100 * cb + 200 * fused
         for layer in range(layers):
             cuda.create_channel(base + layer, pool, max_tokens=8, max_tasks=64)
 
@@ -82,8 +82,9 @@ def gpu_handshake_part(layers: int = 40, reps: int = 50) -> list[dict]:
         def step(x):
             z = np.zeros(64, np.int32)
             for layer in range(layers):
-                tok = cuda.cpu_experts_submit(x, z, z, np.zeros(64, np.float32), 0, base + layer, cmd_buffer=cb)
-                y, _ = cuda.cpu_experts_collect(tok, 8, 2048, base + layer, cmd_buffer=cb)
+                tok = cuda.cpu_experts_submit(x, z, z, np.zeros(64, np.float32), 0, base + layer, cmd_buffer=cb,
+                                              fused=fused)
+                y, _ = cuda.cpu_experts_collect(tok, 8, 2048, base + layer, cmd_buffer=cb, fused=fused)
                 x = x + y  # chain the layers
             return x
 
@@ -94,7 +95,7 @@ def gpu_handshake_part(layers: int = 40, reps: int = 50) -> list[dict]:
             x = step(x)
         x.block_until_ready()
         per_layer = (time.perf_counter() - t0) / reps / layers
-        out.append({"cmd_buffer": cb, "layers": layers, "us_per_layer": per_layer * 1e6})
+        out.append({"cmd_buffer": cb, "fused": fused, "layers": layers, "us_per_layer": per_layer * 1e6})
     return out
 
 
@@ -128,7 +129,8 @@ def main(argv=None) -> int:
         res["handshake"] = gpu_handshake_part()
         print("\nCPU-branch round trip, empty task list, 40 layers chained in one jit")
         for r in res["handshake"]:
-            print(f"  command-buffer trait {str(r['cmd_buffer']):5}: {r['us_per_layer']:.1f} us per layer")
+            print(f"  command-buffer trait {str(r['cmd_buffer']):5}, fused kernels {str(r['fused']):5}: "
+                  f"{r['us_per_layer']:.1f} us per layer")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
     return 0

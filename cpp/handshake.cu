@@ -9,6 +9,9 @@
 //   and status != 0 if the CPU branch failed or made no progress in time: never a hang.
 // Everything per step (sequence numbers, counts) is written by the GPU, so the calls replay
 // correctly when XLA captures them in a command buffer.
+// fused=1 (opt-in, for calls up to kFusedMaxBytes): submit is one kernel that stores x and the first
+//   n_valid tasks straight into the mapped staging and publishes (no memcpy nodes), and collect is
+//   one kernel that waits and copies y back: 2 graph nodes per layer instead of up to 7.
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -135,18 +138,6 @@ Coordinator& coordinator() {
   return *c;
 }
 
-__global__ void ring_kernel(HandshakeCtrl* ctrl, const int32_t* n_valid, int32_t n_tokens, int32_t x_bf16,
-                            int32_t capacity, int32_t* token) {
-  const uint32_t seq = ctrl->submit_seq + 1;
-  ctrl->n_valid = *n_valid;
-  ctrl->n_tokens = n_tokens;
-  ctrl->x_bf16 = x_bf16;
-  ctrl->task_capacity = capacity;
-  __threadfence_system();  // the request fields (and the staged copies before us) precede the seq
-  ctrl->submit_seq = seq;
-  __threadfence_system();
-  *token = static_cast<int32_t>(seq);
-}
 
 __global__ void wait_kernel(const HandshakeCtrl* ctrl, const int32_t* token, uint64_t timeout_ns, int32_t* status) {
   const uint32_t seq = static_cast<uint32_t>(*token);
@@ -165,6 +156,79 @@ __global__ void wait_kernel(const HandshakeCtrl* ctrl, const int32_t* token, uin
   *status = st;
 }
 
+constexpr int64_t kFusedMaxBytes = 128 << 10;  // larger calls (prefill chunks) take the memcpy path
+constexpr int kFusedThreads = 512;
+
+__device__ void publish(HandshakeCtrl* ctrl, const int32_t* n_valid, int32_t n_tokens, int32_t x_bf16,
+                        int32_t capacity, int32_t* token) {
+  const uint32_t seq = ctrl->submit_seq + 1;
+  ctrl->n_valid = *n_valid;
+  ctrl->n_tokens = n_tokens;
+  ctrl->x_bf16 = x_bf16;
+  ctrl->task_capacity = capacity;
+  __threadfence_system();  // the request fields (and the staged data) precede the seq
+  ctrl->submit_seq = seq;
+  __threadfence_system();
+  *token = static_cast<int32_t>(seq);
+}
+
+__global__ void ring_kernel(HandshakeCtrl* ctrl, const int32_t* n_valid, int32_t n_tokens, int32_t x_bf16,
+                            int32_t capacity, int32_t* token) {
+  publish(ctrl, n_valid, n_tokens, x_bf16, capacity, token);
+}
+
+// One block: x and the first n_valid tasks into the mapped staging (zero-copy stores over PCIe), then
+// every thread's system fence, the block barrier, and the publication by thread 0.
+__global__ void submit_fused_kernel(HandshakeCtrl* ctrl, uint8_t* stage, int64_t x_off, int64_t tok_off,
+                                    int64_t eid_off, int64_t w_off, const uint8_t* __restrict__ x, int64_t x_bytes,
+                                    const int32_t* __restrict__ tok, const int32_t* __restrict__ eid,
+                                    const float* __restrict__ w, const int32_t* n_valid, int32_t n_tokens,
+                                    int32_t x_bf16, int32_t capacity, int32_t* token) {
+  const int64_t n16 = x_bytes / 16;  // x_bytes and both ends are 16-byte aligned (checked by the host)
+  const int4* xs = reinterpret_cast<const int4*>(x);
+  int4* xd = reinterpret_cast<int4*>(stage + x_off);
+  for (int64_t i = threadIdx.x; i < n16; i += blockDim.x) xd[i] = xs[i];
+  const int32_t n = min(max(*n_valid, 0), capacity);
+  int32_t* td = reinterpret_cast<int32_t*>(stage + tok_off);
+  int32_t* ed = reinterpret_cast<int32_t*>(stage + eid_off);
+  float* wd = reinterpret_cast<float*>(stage + w_off);
+  for (int32_t i = threadIdx.x; i < n; i += blockDim.x) {
+    td[i] = tok[i];
+    ed[i] = eid[i];
+    wd[i] = w[i];
+  }
+  __threadfence_system();
+  __syncthreads();
+  if (threadIdx.x == 0) publish(ctrl, n_valid, n_tokens, x_bf16, capacity, token);
+}
+
+// One block: thread 0 waits (watchdog as wait_kernel), then every thread copies y back from the
+// staging with uncached loads (or NaN when the CPU branch failed or timed out).
+__global__ void collect_fused_kernel(const HandshakeCtrl* ctrl, const int32_t* token, uint64_t timeout_ns,
+                                     const float* y_stage, float* __restrict__ y, int64_t n, int32_t* status) {
+  __shared__ int32_t st;
+  if (threadIdx.x == 0) {
+    const uint32_t seq = static_cast<uint32_t>(*token);
+    uint64_t start, now;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+    st = kTimeout;
+    for (;;) {
+      if (static_cast<int32_t>(ctrl->done_seq - seq) >= 0) {
+        st = ctrl->status;
+        break;
+      }
+      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+      if (now - start > timeout_ns) break;
+      __nanosleep(100);
+    }
+    __threadfence_system();  // y was written before done_seq: read it only after seeing done_seq
+    *status = st;
+  }
+  __syncthreads();
+  const bool ok = st == kOk;
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) y[i] = ok ? __ldcv(y_stage + i) : NAN;
+}
+
 __global__ void copy_out_kernel(const float* __restrict__ y_stage, float* __restrict__ y, int64_t n,
                                 const int32_t* status) {
   const bool ok = *status == kOk;
@@ -174,7 +238,7 @@ __global__ void copy_out_kernel(const float* __restrict__ y_stage, float* __rest
 
 ffi::Error SubmitImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> tok, ffi::Buffer<ffi::S32> eid,
                       ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::S32> n_valid, ffi::Result<ffi::Buffer<ffi::S32>> token,
-                      int64_t channel) {
+                      int64_t channel, int64_t fused) {
   Channel* ch = coordinator().get(channel);
   if (!ch) return ffi::Error::InvalidArgument("cpu_experts_submit: channel " + std::to_string(channel) +
                                               " was not created (ftjax.host.cuda.create_channel)");
@@ -189,6 +253,19 @@ ffi::Error SubmitImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S3
       static_cast<int64_t>(w.element_count()) != cap)
     return ffi::Error::InvalidArgument("cpu_experts_submit: task arrays must have one length <= " +
                                        std::to_string(ch->max_tasks));
+  const auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  if (fused && static_cast<int64_t>(x.size_bytes()) <= kFusedMaxBytes && x.size_bytes() % 16 == 0 &&
+      aligned(x.untyped_data())) {
+    submit_fused_kernel<<<1, kFusedThreads, 0, stream>>>(
+        ch->ctrl_dev, ch->stage_dev, static_cast<int64_t>(ch->x_off), static_cast<int64_t>(ch->tok_off),
+        static_cast<int64_t>(ch->eid_off), static_cast<int64_t>(ch->w_off),
+        static_cast<const uint8_t*>(x.untyped_data()), static_cast<int64_t>(x.size_bytes()), tok.typed_data(),
+        eid.typed_data(), w.typed_data(), n_valid.typed_data(), static_cast<int32_t>(xd[0]), bf16 ? 1 : 0,
+        static_cast<int32_t>(cap), token->typed_data());
+    const cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess) return ffi::Error::Internal(std::string("cpu_experts_submit: ") + cudaGetErrorString(err));
+    return ffi::Error::Success();
+  }
   cudaMemcpyAsync(ch->stage + ch->x_off, x.untyped_data(), x.size_bytes(), cudaMemcpyDeviceToHost, stream);
   if (cap) {
     cudaMemcpyAsync(ch->stage + ch->tok_off, tok.typed_data(), cap * 4, cudaMemcpyDeviceToHost, stream);
@@ -203,7 +280,7 @@ ffi::Error SubmitImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S3
 }
 
 ffi::Error CollectImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> token, ffi::Result<ffi::Buffer<ffi::F32>> y,
-                       ffi::Result<ffi::Buffer<ffi::S32>> status, int64_t channel, int64_t timeout_ms) {
+                       ffi::Result<ffi::Buffer<ffi::S32>> status, int64_t channel, int64_t timeout_ms, int64_t fused) {
   Channel* ch = coordinator().get(channel);
   if (!ch) return ffi::Error::InvalidArgument("cpu_experts_collect: channel " + std::to_string(channel) +
                                               " was not created");
@@ -211,6 +288,15 @@ ffi::Error CollectImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> token, ffi::Re
   if (yd.size() != 2 || yd[1] != ch->hidden || yd[0] > ch->max_tokens)
     return ffi::Error::InvalidArgument("cpu_experts_collect: y must be [T <= max_tokens, hidden]");
   if (timeout_ms <= 0) return ffi::Error::InvalidArgument("cpu_experts_collect: timeout_ms must be > 0");
+  if (fused && static_cast<int64_t>(y->size_bytes()) <= kFusedMaxBytes) {
+    collect_fused_kernel<<<1, kFusedThreads, 0, stream>>>(
+        ch->ctrl_dev, token.typed_data(), static_cast<uint64_t>(timeout_ms) * 1000000ull,
+        reinterpret_cast<const float*>(ch->stage_dev + ch->y_off), y->typed_data(),
+        static_cast<int64_t>(y->element_count()), status->typed_data());
+    const cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess) return ffi::Error::Internal(std::string("cpu_experts_collect: ") + cudaGetErrorString(err));
+    return ffi::Error::Success();
+  }
   wait_kernel<<<1, 1, 0, stream>>>(ch->ctrl_dev, token.typed_data(), static_cast<uint64_t>(timeout_ms) * 1000000ull,
                                    status->typed_data());
   const int64_t n = static_cast<int64_t>(y->element_count());
@@ -232,7 +318,8 @@ ffi::Error CollectImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> token, ffi::Re
       .Arg<ffi::Buffer<ffi::F32>>()                                                                 \
       .Arg<ffi::Buffer<ffi::S32>>()                                                                 \
       .Ret<ffi::Buffer<ffi::S32>>()                                                                 \
-      .Attr<int64_t>("channel")
+      .Attr<int64_t>("channel")                                                                     \
+      .Attr<int64_t>("fused")
 #define FTJAX_COLLECT_BINDING                                                                       \
   ffi::Ffi::Bind()                                                                                  \
       .Ctx<ffi::PlatformStream<cudaStream_t>>()                                                     \
@@ -240,7 +327,8 @@ ffi::Error CollectImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> token, ffi::Re
       .Ret<ffi::Buffer<ffi::F32>>()                                                                 \
       .Ret<ffi::Buffer<ffi::S32>>()                                                                 \
       .Attr<int64_t>("channel")                                                                     \
-      .Attr<int64_t>("timeout_ms")
+      .Attr<int64_t>("timeout_ms")                                                                  \
+      .Attr<int64_t>("fused")
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FtjaxCpuSubmit, SubmitImpl, FTJAX_SUBMIT_BINDING, {ffi::Traits::kCmdBufferCompatible});

@@ -53,7 +53,8 @@ class OffloadExperts:
     (None: the batch's unique experts). ``max_tokens`` sizes the CUDA CPU-branch staging (the largest
     T of any call: the prefill chunk). ``gather_max_routes``: decode-style gather GEMVs up to this
     many routes, ragged dots beyond (default E). ``kernel``: the device-side expert code, ``"jnp"``
-    or ``"pallas"`` (``ftjax.experts.kernels``; bf16 caches).
+    or ``"pallas"`` (``ftjax.experts.kernels``; bf16 caches). ``fused_handshake``: the one-kernel CPU-branch
+    submit and collect (CUDA; opt-in until measured on the GPU).
     """
 
     pool: HostPool
@@ -66,6 +67,7 @@ class OffloadExperts:
     max_tokens: int = 256
     gather_max_routes: int | None = None
     kernel: str = "jnp"
+    fused_handshake: bool = False
     channel_base: int = -1
 
     def __post_init__(self):
@@ -152,7 +154,8 @@ class OffloadExperts:
 
             if T > self.max_tokens:
                 raise ValueError(f"{T} tokens in one call, the CPU-branch staging holds {self.max_tokens}")
-            token = cuda.cpu_experts_submit(*cpu_args, channel=self.channel_base + layer)
+            token = cuda.cpu_experts_submit(*cpu_args, channel=self.channel_base + layer,
+                                            fused=self.fused_handshake)
         else:
             y_cpu = cpu_experts(*cpu_args, self.pool)
 
@@ -164,7 +167,8 @@ class OffloadExperts:
             y = jnp.zeros_like(x)
 
         if token is not None:
-            y_cpu, _status, y = cuda.cpu_experts_collect(token, T, x.shape[1], self.channel_base + layer, after=y)
+            y_cpu, _status, y = cuda.cpu_experts_collect(token, T, x.shape[1], self.channel_base + layer, after=y,
+                                                         fused=self.fused_handshake)
         y = (y.astype(jnp.float32) + y_cpu).astype(x.dtype)
         return jnp.where(token_valid[:, None], y, jnp.zeros_like(y)), state
 

@@ -67,24 +67,28 @@ def expert_fill(ids, slots, n_valid, gate_up_cache, down_cache, pool, *, cmd_buf
                 jnp.asarray(n_valid, jnp.int32).reshape(()), gate_up_cache, down_cache, pool=np.uint64(pool.id))
 
 
-def cpu_experts_submit(x, token_idx, expert_ids, weights, n_valid, channel: int, *, cmd_buffer: bool = True):
+def cpu_experts_submit(x, token_idx, expert_ids, weights, n_valid, channel: int, *, cmd_buffer: bool = True,
+                       fused: bool = False):
+    """``fused``: one kernel stages x and the valid tasks into the mapped staging and publishes
+    (calls up to 128 KiB of x; larger ones take the memcpy path). Opt-in until measured."""
     register_targets()
     call = jax.ffi.ffi_call("ftjax_cpu_experts_submit" + _suffix(cmd_buffer),
                             jax.ShapeDtypeStruct((1,), jnp.int32))
     return call(x, jnp.asarray(token_idx, jnp.int32), jnp.asarray(expert_ids, jnp.int32),
                 jnp.asarray(weights, jnp.float32), jnp.asarray(n_valid, jnp.int32).reshape(()),
-                channel=np.int64(channel))
+                channel=np.int64(channel), fused=np.int64(bool(fused)))
 
 
 def cpu_experts_collect(token, n_tokens: int, hidden: int, channel: int, *, after=None, timeout_ms: int = 10_000,
-                        cmd_buffer: bool = True):
+                        cmd_buffer: bool = True, fused: bool = False):
+    """``fused``: one kernel waits and copies y back (y up to 128 KiB)."""
     register_targets()
     if after is not None:  # schedule the wait behind the GPU work that overlaps the CPU branch
         token, after = jax.lax.optimization_barrier((token, after))
     call = jax.ffi.ffi_call("ftjax_cpu_experts_collect" + _suffix(cmd_buffer),
                             (jax.ShapeDtypeStruct((n_tokens, hidden), jnp.float32),
                              jax.ShapeDtypeStruct((), jnp.int32)))
-    y, status = call(token, channel=np.int64(channel), timeout_ms=np.int64(timeout_ms))
+    y, status = call(token, channel=np.int64(channel), timeout_ms=np.int64(timeout_ms), fused=np.int64(bool(fused)))
     return (y, status) if after is None else (y, status, after)
 
 

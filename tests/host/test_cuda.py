@@ -61,17 +61,18 @@ def test_fill_rejects_wrong_cache_size(pool):
                          jnp.zeros((4, 128, 128), jnp.bfloat16), pool)[0].block_until_ready()
 
 
-@pytest.mark.parametrize("cmd_buffer", [True, False])
-def test_submit_collect_overlaps_gpu_work_and_matches(pool, cmd_buffer):
-    channel = 100 + int(cmd_buffer)
+@pytest.mark.parametrize("cmd_buffer, fused", [(True, False), (False, False), (True, True)])
+def test_submit_collect_overlaps_gpu_work_and_matches(pool, cmd_buffer, fused):
+    channel = 100 + int(cmd_buffer) + 2 * int(fused)
     cuda.create_channel(channel, pool, max_tokens=8, max_tasks=32)
 
     @jax.jit
     def step(x, tok, eid, w, n, m):
-        token = cuda.cpu_experts_submit(x, tok, eid, w, n, channel, cmd_buffer=cmd_buffer)
+        token = cuda.cpu_experts_submit(x, tok, eid, w, n, channel, cmd_buffer=cmd_buffer, fused=fused)
         for _ in range(4):  # GPU work that runs while the CPU computes
             m = jnp.tanh(m @ m)
-        y, status, m = cuda.cpu_experts_collect(token, x.shape[0], 128, channel, after=m, cmd_buffer=cmd_buffer)
+        y, status, m = cuda.cpu_experts_collect(token, x.shape[0], 128, channel, after=m, cmd_buffer=cmd_buffer,
+                                                fused=fused)
         return y, status, m
 
     rng = np.random.default_rng(1)
@@ -89,14 +90,16 @@ def test_submit_collect_overlaps_gpu_work_and_matches(pool, cmd_buffer):
         np.testing.assert_allclose(np.asarray(y), want, rtol=1e-4, atol=1e-4)
 
 
-def test_cpu_failure_and_watchdog_become_status_not_hang(pool):
-    cuda.create_channel(200, pool, max_tokens=2, max_tasks=4)
+@pytest.mark.parametrize("fused", [False, True])
+def test_cpu_failure_and_watchdog_become_status_not_hang(pool, fused):
+    channel = 200 + int(fused)
+    cuda.create_channel(channel, pool, max_tokens=2, max_tasks=4)
     x = jnp.ones((2, 128), jnp.float32)
     bad = np.array([0, 1, 99, 0], np.int32)  # expert 99 is outside the pool
-    tok = cuda.cpu_experts_submit(x, np.zeros(4, np.int32), bad, np.ones(4, np.float32), 4, 200)
-    y, status = cuda.cpu_experts_collect(tok, 2, 128, 200)
+    tok = cuda.cpu_experts_submit(x, np.zeros(4, np.int32), bad, np.ones(4, np.float32), 4, channel, fused=fused)
+    y, status = cuda.cpu_experts_collect(tok, 2, 128, channel, fused=fused)
     assert int(status) == 2 and np.isnan(np.asarray(y)).all()
-    assert "expert id 99" in cuda.channel_error(200)
+    assert "expert id 99" in cuda.channel_error(channel)
     # A sequence number the CPU never serves: the GPU wait gives up after timeout_ms.
-    y, status = cuda.cpu_experts_collect(jnp.asarray([10**6], jnp.int32), 2, 128, 200, timeout_ms=50)
+    y, status = cuda.cpu_experts_collect(jnp.asarray([10**6], jnp.int32), 2, 128, channel, timeout_ms=50, fused=fused)
     assert int(status) == 1 and np.isnan(np.asarray(y)).all()
