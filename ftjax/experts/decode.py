@@ -30,8 +30,7 @@ from ftjax.experts.kernels import KERNELS, check_kernel, decode_routes, prefill_
 from ftjax.experts.plan import plan_layer
 from ftjax.experts.policies import Policy, get_policy, min_slots
 from ftjax.experts.resident import _ragged_routes
-from ftjax.host import quant
-from ftjax.host import tune_workers_for_gpu
+from ftjax.host import quant, tune_workers_for_gpu
 from ftjax.host.ffi import cpu_experts
 from ftjax.host.pool import HostPool
 
