@@ -99,6 +99,10 @@ double stream_read_seconds(nb::ndarray<const uint8_t, nb::ndim<1>, nb::c_contig,
 }  // namespace ftjax
 
 NB_MODULE(_host, m) {
+  // Pools, channels and the coordinator live until the process ends (JAX holds the FFI capsules and
+  // executables referring to them), so nanobind's exit-time leak report would only print noise on
+  // every run of the CLI.
+  nb::set_leak_warnings(false);
   using namespace ftjax;
   m.doc() = "ftjax native host runtime";
   m.def("cpu_features", [] {

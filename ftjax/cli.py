@@ -139,6 +139,20 @@ def _run_generation(model, args, prompt: str, echo_prompt: bool = False) -> None
     print(f"[prompt tokens: {result.prompt_tokens} | generated tokens: {len(result.token_ids)} "
           f"({result.finish_reason}) | TTFT: {result.ttft_s * 1000:.0f} ms | "
           f"decode: {result.decode_tok_s:.1f} tokens/s]", file=sys.stderr)
+    _print_expert_stats(gen.engine.stats())
+
+
+def _print_expert_stats(stats: dict) -> None:
+    """The offloaded runtime's counters and the miss split in use (nothing when every expert is resident)."""
+    ex, band = stats.get("experts", {}), stats.get("bandwidth") or {}
+    if ex.get("num_slots") is None:
+        return
+    line = (f"[experts {ex['backend']}: {ex['num_slots']} slots | miss rate {ex['miss_rate']:.1%} | "
+            f"fills {ex['fills']} | CPU experts {ex['cpu_experts']}")
+    if band.get("b_pcie_gbps"):
+        line += (f" | B_P {band['b_pcie_gbps']:.1f} GB/s, B_H {band['b_host_gbps']:.1f} GB/s "
+                 f"({band['source']}), fill fraction {band['fill_fraction']:.3f}")
+    print(line + "]", file=sys.stderr)
 
 
 # --------------------------------------------------------------------------------------- commands

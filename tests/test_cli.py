@@ -78,6 +78,15 @@ def test_generate_greedy(store):
     assert streamed.returncode == 0, streamed.stderr
 
 
+def test_generate_offloaded_prints_the_split(store):
+    proc = ftjax("generate", "--model", str(store), "--temperature", "0", "--max-tokens", "6", "--policy", "lru-split",
+                 "--vram-gib", "0.0001", "The lighthouse")
+    assert proc.returncode == 0, proc.stderr
+    line = proc.stderr.strip().splitlines()[-1]
+    assert re.search(r"\[experts lru-split: \d+ slots \| miss rate [\d.]+% \| fills \d+ \| CPU experts \d+ \| "
+                     r"B_P [\d.]+ GB/s, B_H [\d.]+ GB/s \((online|profile|default)\), fill fraction [\d.]+\]", line), line
+
+
 @pytest.mark.parametrize("args, needles", [
     (["info", "--model", "/nonexistent/store"], ["/nonexistent/store", "does not exist"]),
     (["generate", "--model", "/nonexistent/store", "hi"], ["does not exist"]),
