@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# One device call that rebuilds, runs the GPU tests and the benchmarks, logs under $OUT (or ./bench/out).
+# Each step has its own time limit so one slow step cannot eat the call; the last lines are a summary.
+#   bash bench/gpu_session.sh [tests] [host] [kernels] [decode] [decode-more]   (default: tests host kernels)
+# The step limits are 240 / 120 / 200 / 420 / 540 s: pick steps whose limits fit one 10-minute call,
+# e.g. `tests host kernels` in one call and `decode` in the next.
+# Text routing needs the Qwen3 tokenizer inside the repo: copy ../shared/data/qwen3-tokenizer to
+# .carry/qwen3-tokenizer (git-ignored) and carry `.carry`.
+set -uo pipefail
+OUT=${OUT:-bench/out}
+mkdir -p "$OUT"
+steps=("$@")
+[ ${#steps[@]} -eq 0 ] && steps=(tests host kernels)
+export PYTHONUNBUFFERED=1
+summary=()
+run() {  # name, limit_s, command...
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  summary+=("$name: rc=$rc in $((SECONDS - t0))s")
+  grep -v "^W\|^I0\|redzone\|autotun\|external/xla" "$OUT/$name.log" | tail -25
+}
+python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
+tok=.carry/qwen3-tokenizer
+for s in "${steps[@]}"; do
+  case $s in
+    tests) run gpu_tests 240 python3 -m pytest -q -m gpu tests/host tests/experts tests/pallas ;;
+    host) run host_runtime 120 python3 bench/host_runtime.py --no-cpu --out "$OUT/host_runtime.json" ;;
+    kernels) run kernels 200 python3 bench/kernels.py --tokens 1024 8192 --iters 5 --out "$OUT/kernels.json" ;;
+    decode) run decode 420 python3 bench/decode.py --layers 40 --batches 1 --routing trace \
+              --fractions 0.37 0.11 --policies lru-split lru-fill --steps 24 --warmup 24 --out "$OUT/decode.json" ;;
+    decode-more) run decode_more 540 python3 bench/decode.py --layers 40 --batches 4 1 --routing text trace \
+              --tokenizer "$tok" --fractions 0.11 --policies lru-split lru-fill static --no-sweep \
+              --steps 24 --warmup 24 --out "$OUT/decode_more.json" ;;
+    *) echo "unknown step $s"; exit 2 ;;
+  esac
+done
+printf '%s\n' "${summary[@]}"
