@@ -27,7 +27,42 @@ void tile(const MatrixRef& w, int64_t r, const ActRef& a, int j0, float* out) {
   const float* x[N];
   for (int j = 0; j < N; ++j) x[j] = a.f32 + (j0 + j) * a.stride;
   int64_t k = 0;  // first column left for the scalar tail
-  if (w.format == WeightFormat::kInt4) {
+  if (w.format == WeightFormat::kInt4 && a.bf16 != nullptr) {
+    // bf16 activations: a group's 16 packed bytes widen to 16 dwords whose two nibbles become the
+    // word indices (lo, hi) of a 16-entry bf16 table of q - 8 (exact in bf16), so each dword holds
+    // the bf16 pair (w[2j], w[2j+1]) that VDPBF16PS multiplies with the pair (x[2j], x[2j+1]); the
+    // group's fp32 partial sums are then scaled once per token.
+    alignas(64) static const uint16_t kTable[32] = {
+        0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0xC040, 0xC000, 0xBF80,  // -8 .. -1
+        0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0,  //  0 .. 7
+        0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0xC040, 0xC000, 0xBF80,
+        0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0};
+    const __m512i table = _mm512_load_si512(kTable), low4 = _mm512_set1_epi32(0x0F);
+    const uint8_t* row[R];
+    const uint16_t* sc[R];
+    const uint16_t* xh[N];
+    for (int i = 0; i < R; ++i) {
+      row[i] = w.data + (r + i) * (K / 2);
+      sc[i] = w.scales + (r + i) * (K / 32);
+    }
+    for (int j = 0; j < N; ++j) xh[j] = a.bf16 + (j0 + j) * a.stride;
+    for (int64_t g = 0; g < K / 32; ++g) {
+      __m512bh xv[N];
+#pragma GCC unroll 16
+      for (int j = 0; j < N; ++j) xv[j] = (__m512bh)_mm512_loadu_si512(xh[j] + 32 * g);
+#pragma GCC unroll 16
+      for (int i = 0; i < R; ++i) {
+        const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row[i] + 16 * g)));
+        const __m512i idx = _mm512_or_si512(_mm512_and_si512(v, low4), _mm512_slli_epi32(_mm512_srli_epi32(v, 4), 16));
+        const __m512bh wv = (__m512bh)_mm512_permutexvar_epi16(idx, table);
+        const __m512 s = _mm512_set1_ps(bf16_to_f32(sc[i][g]));
+#pragma GCC unroll 16
+        for (int j = 0; j < N; ++j)
+          acc[i][j] = _mm512_fmadd_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), wv, xv[j]), s, acc[i][j]);
+      }
+    }
+    k = K;
+  } else if (w.format == WeightFormat::kInt4) {
     const __m128i low4 = _mm_set1_epi8(0x0F), eight = _mm_set1_epi8(8);
     const uint8_t* row[R];
     const uint16_t* sc[R];
