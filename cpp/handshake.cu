@@ -139,21 +139,22 @@ Coordinator& coordinator() {
 }
 
 
-__global__ void wait_kernel(const HandshakeCtrl* ctrl, const int32_t* token, uint64_t timeout_ns, int32_t* status) {
+// Poll done_seq until it reaches the token's sequence number (the CPU's status) or timeout_ns passes
+// (kTimeout): the watchdog that turns a stuck CPU branch into a status, never a hang.
+__device__ int32_t wait_done(const HandshakeCtrl* ctrl, const int32_t* token, uint64_t timeout_ns) {
   const uint32_t seq = static_cast<uint32_t>(*token);
   uint64_t start, now;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
-  int32_t st = kTimeout;
   for (;;) {
-    if (static_cast<int32_t>(ctrl->done_seq - seq) >= 0) {
-      st = ctrl->status;
-      break;
-    }
+    if (static_cast<int32_t>(ctrl->done_seq - seq) >= 0) return ctrl->status;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
-    if (now - start > timeout_ns) break;
-    __nanosleep(200);
+    if (now - start > timeout_ns) return kTimeout;
+    __nanosleep(100);
   }
-  *status = st;
+}
+
+__global__ void wait_kernel(const HandshakeCtrl* ctrl, const int32_t* token, uint64_t timeout_ns, int32_t* status) {
+  *status = wait_done(ctrl, token, timeout_ns);
 }
 
 constexpr int64_t kFusedMaxBytes = 128 << 10;  // larger calls (prefill chunks) take the memcpy path
@@ -202,25 +203,13 @@ __global__ void submit_fused_kernel(HandshakeCtrl* ctrl, uint8_t* stage, int64_t
   if (threadIdx.x == 0) publish(ctrl, n_valid, n_tokens, x_bf16, capacity, token);
 }
 
-// One block: thread 0 waits (watchdog as wait_kernel), then every thread copies y back from the
+// One block: thread 0 waits (wait_done), then every thread copies y back from the
 // staging with uncached loads (or NaN when the CPU branch failed or timed out).
 __global__ void collect_fused_kernel(const HandshakeCtrl* ctrl, const int32_t* token, uint64_t timeout_ns,
                                      const float* y_stage, float* __restrict__ y, int64_t n, int32_t* status) {
   __shared__ int32_t st;
   if (threadIdx.x == 0) {
-    const uint32_t seq = static_cast<uint32_t>(*token);
-    uint64_t start, now;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
-    st = kTimeout;
-    for (;;) {
-      if (static_cast<int32_t>(ctrl->done_seq - seq) >= 0) {
-        st = ctrl->status;
-        break;
-      }
-      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
-      if (now - start > timeout_ns) break;
-      __nanosleep(100);
-    }
+    st = wait_done(ctrl, token, timeout_ns);
     __threadfence_system();  // y was written before done_seq: read it only after seeing done_seq
     *status = st;
   }
