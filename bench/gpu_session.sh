@@ -27,7 +27,7 @@ for s in "${steps[@]}"; do
   case $s in
     tests) run gpu_tests 240 python3 -m pytest -q -m gpu tests/host tests/experts tests/pallas ;;
     host) run host_runtime 120 python3 bench/host_runtime.py --no-cpu --out "$OUT/host_runtime.json" ;;
-    kernels) run kernels 200 python3 bench/kernels.py --tokens 1024 8192 --iters 5 --out "$OUT/kernels.json" ;;
+    kernels) run kernels 200 python3 bench/kernels.py --tokens 1024 8192 --ragged --iters 5 --out "$OUT/kernels.json" ;;
     decode) run decode 420 python3 bench/decode.py --layers 40 --batches 1 --routing trace \
               --fractions 0.37 0.11 --policies lru-split lru-fill --steps 24 --warmup 24 --out "$OUT/decode.json" ;;
     decode-more) run decode_more 540 python3 bench/decode.py --layers 40 --batches 4 1 --routing text trace \
