@@ -5,6 +5,7 @@
 #include <algorithm>
 
 #include "kernels.h"
+#include "kernels_tiling.h"
 
 namespace ftjax {
 namespace {
@@ -91,25 +92,17 @@ void tile(const MatrixRef& w, int64_t r, const ActRef& a, int j0, float* out) {
   }
 }
 
-template <int R>
-void tile_n(int n, const MatrixRef& w, int64_t r, const ActRef& a, int j0, float* out) {
-  switch (n) {
-    case 1: return tile<R, 1>(w, r, a, j0, out);
-    case 2: return tile<R, 2>(w, r, a, j0, out);
-    case 3: return tile<R, 3>(w, r, a, j0, out);
-    default: return tile<R, 4>(w, r, a, j0, out);
+struct Avx2Tile {
+  template <int R, int N>
+  static void run(const MatrixRef& w, int64_t r, const ActRef& a, int j0, float* out) {
+    tile<R, N>(w, r, a, j0, out);
   }
-}
+};
 }  // namespace
 
 void dot_rows_avx2(const MatrixRef& w, int64_t r0, int64_t r1, const ActRef& a, float* out) {
-  constexpr int kRows = 4, kVecs = 3;  // 12 accumulators + 3 activations + 1 weight of 16 ymm
-  for (int j0 = 0; j0 < a.n; j0 += kVecs) {
-    const int n = std::min(kVecs, a.n - j0);
-    int64_t r = r0;
-    for (; r + kRows <= r1; r += kRows) tile_n<kRows>(n, w, r, a, j0, out + (r - r0) * a.n);
-    for (; r < r1; ++r) tile_n<1>(n, w, r, a, j0, out + (r - r0) * a.n);
-  }
+  // 12 accumulators + 3 activations + 1 weight of 16 ymm
+  dot_rows_tiled<Avx2Tile, 4, 3>(w, r0, r1, a, out);
 }
 
 }  // namespace ftjax

@@ -26,7 +26,7 @@ import numpy as np
 
 from ftjax.experts.cache import CacheGeometry, init_cache_state, preload
 from ftjax.experts.interface import combine_routes, expert_mlp
-from ftjax.experts.kernels import KERNELS, check_kernel, decode_routes, prefill_layer
+from ftjax.experts.kernels import check_kernel, decode_routes, prefill_layer
 from ftjax.experts.plan import plan_layer
 from ftjax.experts.policies import Policy, get_policy, min_slots
 from ftjax.experts.resident import _ragged_routes
@@ -81,10 +81,7 @@ class OffloadExperts:
         if not lo <= self.num_slots <= hi:
             raise ValueError(f"policy {self.policy.name!r} needs {lo} <= num_slots <= {hi}, got {self.num_slots}"
                              + (" (the expert pool does not fit the VRAM budget)" if self.policy.preload == "all" else ""))
-        if self.num_slots:
-            check_kernel(self.kernel, self.pool.hidden, self.pool.inter, cache_dtype(self.pool))
-        elif self.kernel not in KERNELS:
-            raise ValueError(f"expert kernel {self.kernel!r} unknown; valid: {KERNELS}")
+        check_kernel(self.kernel, self.pool.hidden, self.pool.inter, cache_dtype(self.pool) if self.num_slots else None)
         if self.fill_cap is not None and self.fill_cap < 1:
             raise ValueError(f"fill_cap must be >= 1 or None, got {self.fill_cap}")
         if self.platform == "cuda":

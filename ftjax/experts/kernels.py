@@ -21,11 +21,12 @@ import jax.numpy as jnp
 KERNELS = ("jnp", "pallas")
 
 
-def check_kernel(kernel: str, hidden: int, inter: int, dtype) -> None:
-    """ValueError naming the problem when ``kernel`` cannot run these banks."""
+def check_kernel(kernel: str, hidden: int = 0, inter: int = 0, dtype=None) -> None:
+    """ValueError naming the problem when ``kernel`` is unknown or (with ``dtype``) cannot run banks of
+    that dtype and size."""
     if kernel not in KERNELS:
         raise ValueError(f"expert kernel {kernel!r} unknown; valid: {KERNELS}")
-    if kernel == "pallas":
+    if kernel == "pallas" and dtype is not None:
         if jnp.dtype(dtype) != jnp.bfloat16:
             raise ValueError(f"expert kernel 'pallas' needs bf16 expert banks, these are {jnp.dtype(dtype).name} "
                              "(use kernel='jnp', or a bf16 store / --dtype bf16)")

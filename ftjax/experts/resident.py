@@ -20,7 +20,7 @@ import numpy as np
 from jax import lax
 
 from ftjax.experts.interface import combine_routes, expert_mlp
-from ftjax.experts.kernels import KERNELS, check_kernel, decode_routes, prefill_layer
+from ftjax.experts.kernels import check_kernel, decode_routes, prefill_layer
 
 PATHS = ("auto", "gather", "ragged")
 
@@ -40,8 +40,7 @@ class ResidentExperts:
     kernel: str = "jnp"
 
     def __post_init__(self):
-        if self.kernel not in KERNELS:
-            raise ValueError(f"ResidentExperts kernel {self.kernel!r} is not one of {KERNELS}")
+        check_kernel(self.kernel)
         if self.path not in PATHS:
             raise ValueError(f"ResidentExperts path {self.path!r} is not one of {PATHS}")
         if self.num_experts < 1:

@@ -35,10 +35,9 @@ class OffloadConfig:
     kernel: str = "jnp"
 
     def __post_init__(self):
-        from ftjax.experts.kernels import KERNELS
+        from ftjax.experts.kernels import check_kernel
 
-        if self.kernel not in KERNELS:
-            raise ValueError(f"kernel={self.kernel!r} unknown; valid: {KERNELS}")
+        check_kernel(self.kernel)
         if self.policy is not None and self.policy not in POLICIES:
             raise ValueError(f"policy={self.policy!r} unknown; valid: {sorted(POLICIES)}")
         if self.vram_gib is not None and not self.vram_gib >= 0:
