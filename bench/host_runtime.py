@@ -7,8 +7,8 @@ calls (1 or 8 tokens x top-8 routes, each token's experts drawn from a fresh win
 a pool larger than the caches, i.e. synthetic routing with no reuse across calls: the DRAM-bound
 case); the ceiling is a STREAM-like read with the same worker threads, in the same run.
 GPU (when built with CUDA and a GPU is present): the fill kernel on scattered ids vs pinned
-cudaMemcpy H2D; the empty CPU-branch round trip per layer inside one jitted step, with and without
-the command-buffer trait. Prints a table; writes bench/out/host_runtime.json.
+cudaMemcpy H2D; the CPU branch per layer inside one jitted step (empty task list: skipped on the
+GPU; one tiny task: the round trip), with and without the command-buffer trait and fused kernels. Prints a table; writes bench/out/host_runtime.json.
 """
 from __future__ import annotations
 
@@ -64,39 +64,45 @@ def gpu_fill_part() -> list[dict]:
     return rows
 
 
-def gpu_handshake_part(layers: int = 40, reps: int = 50) -> list[dict]:
+def gpu_handshake_part(layers: int = 40, reps: int = 50, tokens: int = 1) -> list[dict]:
+    """Per-layer cost of the CPU branch inside one jitted step of ``layers`` chained submit/collect
+    pairs (x [tokens, 2048] f32): with an empty task list (skipped on the GPU: no request reaches the
+    CPU) and with one task on a tiny expert (H 2048, I 16: ~0.2 MiB, so the figure is the round trip,
+    not the expert's compute)."""
     import jax
     import jax.numpy as jnp
 
     from ftjax.host import HostPool, cuda, tune_workers_for_gpu
 
-    pool = HostPool(8, 2048, 512, "bf16")
+    pool = HostPool(8, 2048, 16, "bf16")
     pool.pin()
     tune_workers_for_gpu()  # as OffloadExperts does on the GPU
     out = []
-    for cb, fused in ((True, False), (False, False), (True, True)):
-        base = 1000 + 100 * cb + 200 * fused
+    for i, (cb, fused, n_valid) in enumerate((c, f, n) for n in (0, 1) for c, f in
+                                              ((True, False), (False, False), (True, True))):
+        base = 1000 + 100 * i
         for layer in range(layers):
-            cuda.create_channel(base + layer, pool, max_tokens=8, max_tasks=64)
+            cuda.create_channel(base + layer, pool, max_tokens=tokens, max_tasks=8)
 
         @jax.jit
         def step(x):
-            z = np.zeros(64, np.int32)
+            tok, w = np.zeros(8, np.int32), np.ones(8, np.float32)
             for layer in range(layers):
-                tok = cuda.cpu_experts_submit(x, z, z, np.zeros(64, np.float32), 0, base + layer, cmd_buffer=cb,
-                                              fused=fused)
-                y, _ = cuda.cpu_experts_collect(tok, 8, 2048, base + layer, cmd_buffer=cb, fused=fused)
+                eid = np.full(8, layer % 8, np.int32)
+                t = cuda.cpu_experts_submit(x, tok, eid, w, n_valid, base + layer, cmd_buffer=cb, fused=fused)
+                y, _ = cuda.cpu_experts_collect(t, tokens, 2048, base + layer, cmd_buffer=cb, fused=fused)
                 x = x + y  # chain the layers
             return x
 
-        x = jnp.ones((8, 2048), jnp.float32)
+        x = jnp.full((tokens, 2048), 0.01, jnp.float32)
         step(x).block_until_ready()
         t0 = time.perf_counter()
         for _ in range(reps):
             x = step(x)
         x.block_until_ready()
         per_layer = (time.perf_counter() - t0) / reps / layers
-        out.append({"cmd_buffer": cb, "fused": fused, "layers": layers, "us_per_layer": per_layer * 1e6})
+        out.append({"cmd_buffer": cb, "fused": fused, "tasks": n_valid, "tokens": tokens, "layers": layers,
+                    "us_per_layer": per_layer * 1e6})
     return out
 
 
@@ -130,10 +136,11 @@ def main(argv=None) -> int:
             print(f"{r['expert_mib']:10.2f} {r['rows']:5d} {r['fill_gbps']:10.1f} {r['memcpy_gbps']:8.1f} "
                   f"{r['ratio']:6.2f}")
         res["handshake"] = gpu_handshake_part()
-        print("\nCPU-branch round trip, empty task list, 40 layers chained in one jit")
+        print("\nCPU branch per layer, 40 layers chained in one jit, x [1, 2048] f32 "
+              "(0 tasks: skipped on the GPU; 1 task: tiny expert, the round trip)")
         for r in res["handshake"]:
-            print(f"  command-buffer trait {str(r['cmd_buffer']):5}, fused kernels {str(r['fused']):5}: "
-                  f"{r['us_per_layer']:.1f} us per layer")
+            print(f"  {r['tasks']} task{'s' if r['tasks'] != 1 else ' '}, command-buffer trait {str(r['cmd_buffer']):5}, "
+                  f"fused kernels {str(r['fused']):5}: {r['us_per_layer']:6.1f} us per layer")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
     return 0

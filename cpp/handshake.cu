@@ -12,6 +12,10 @@
 // fused=1 (opt-in, for calls up to kFusedMaxBytes): submit is one kernel that stores x and the first
 //   n_valid tasks straight into the mapped staging and publishes (no memcpy nodes), and collect is
 //   one kernel that waits and copies y back: 2 graph nodes per layer instead of up to 7.
+// An empty task list (n_valid <= 0, decided on the GPU) is never published: the submit token is
+// kSkipped (0; real sequence numbers skip 0 when they wrap) and collect writes zeros without
+// waiting, so layers whose misses were all filled pay no round trip to the CPU.
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -87,9 +91,9 @@ class Coordinator {
       status = kCpuError;
     }
     c.status = status;
+    ch.jobs.fetch_add(1);  // before done_seq: a caller that saw y also sees the count
     std::atomic_thread_fence(std::memory_order_release);  // y and status before done_seq
     c.done_seq = seq;
-    ch.jobs.fetch_add(1);
   }
 
   void run() {
@@ -139,10 +143,16 @@ Coordinator& coordinator() {
 }
 
 
+constexpr int64_t kFusedMaxBytes = 128 << 10;  // larger calls (prefill chunks) take the memcpy path
+constexpr int kFusedThreads = 512;
+constexpr int kCollectThreads = 256;  // fused collect: up to 16 blocks, one float4 per thread each
+constexpr uint32_t kSkipped = 0;      // submit token of an empty task list
+
 // Poll done_seq until it reaches the token's sequence number (the CPU's status) or timeout_ns passes
 // (kTimeout): the watchdog that turns a stuck CPU branch into a status, never a hang.
 __device__ int32_t wait_done(const HandshakeCtrl* ctrl, const int32_t* token, uint64_t timeout_ns) {
   const uint32_t seq = static_cast<uint32_t>(*token);
+  if (seq == kSkipped) return kOk;
   uint64_t start, now;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
   for (;;) {
@@ -157,12 +167,15 @@ __global__ void wait_kernel(const HandshakeCtrl* ctrl, const int32_t* token, uin
   *status = wait_done(ctrl, token, timeout_ns);
 }
 
-constexpr int64_t kFusedMaxBytes = 128 << 10;  // larger calls (prefill chunks) take the memcpy path
-constexpr int kFusedThreads = 512;
 
 __device__ void publish(HandshakeCtrl* ctrl, const int32_t* n_valid, int32_t n_tokens, int32_t x_bf16,
                         int32_t capacity, int32_t* token) {
-  const uint32_t seq = ctrl->submit_seq + 1;
+  if (*n_valid <= 0) {  // nothing for the CPU: no request, collect returns zeros at once
+    *token = kSkipped;
+    return;
+  }
+  uint32_t seq = ctrl->submit_seq + 1;
+  if (seq == kSkipped) seq = 1;
   ctrl->n_valid = *n_valid;
   ctrl->n_tokens = n_tokens;
   ctrl->x_bf16 = x_bf16;
@@ -185,6 +198,10 @@ __global__ void submit_fused_kernel(HandshakeCtrl* ctrl, uint8_t* stage, int64_t
                                     const int32_t* __restrict__ tok, const int32_t* __restrict__ eid,
                                     const float* __restrict__ w, const int32_t* n_valid, int32_t n_tokens,
                                     int32_t x_bf16, int32_t capacity, int32_t* token) {
+  if (*n_valid <= 0) {  // uniform across the block: stage nothing
+    if (threadIdx.x == 0) *token = kSkipped;
+    return;
+  }
   const int64_t n16 = x_bytes / 16;  // x_bytes and both ends are 16-byte aligned (checked by the host)
   const int4* xs = reinterpret_cast<const int4*>(x);
   int4* xd = reinterpret_cast<int4*>(stage + x_off);
@@ -203,26 +220,36 @@ __global__ void submit_fused_kernel(HandshakeCtrl* ctrl, uint8_t* stage, int64_t
   if (threadIdx.x == 0) publish(ctrl, n_valid, n_tokens, x_bf16, capacity, token);
 }
 
-// One block: thread 0 waits (wait_done), then every thread copies y back from the
-// staging with uncached loads (or NaN when the CPU branch failed or timed out).
+// Every block's thread 0 waits (wait_done: one poll per block), then the block copies its share of y
+// back from the staging with 16-byte uncached loads, all in flight at once: a PCIe read costs ~1-2 us of
+// latency, so one block of 4-byte loads in a loop (the first version) spent ~50 us on 64 KiB.
+// y (skipped call: zeros; failed or timed-out CPU branch: NaN). n4 float4 chunks, then a scalar tail.
 __global__ void collect_fused_kernel(const HandshakeCtrl* ctrl, const int32_t* token, uint64_t timeout_ns,
-                                     const float* y_stage, float* __restrict__ y, int64_t n, int32_t* status) {
+                                     const float* y_stage, float* __restrict__ y, int64_t n, bool vec,
+                                     int32_t* status) {
   __shared__ int32_t st;
   if (threadIdx.x == 0) {
     st = wait_done(ctrl, token, timeout_ns);
     __threadfence_system();  // y was written before done_seq: read it only after seeing done_seq
-    *status = st;
+    if (blockIdx.x == 0) *status = st;
   }
   __syncthreads();
-  const bool ok = st == kOk;
-  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) y[i] = ok ? __ldcv(y_stage + i) : NAN;
+  const bool skipped = static_cast<uint32_t>(*token) == kSkipped, ok = st == kOk;
+  const float fill = skipped ? 0.f : NAN;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t n4 = vec ? n / 4 : 0;
+  for (int64_t i = first; i < n4; i += stride)
+    reinterpret_cast<float4*>(y)[i] = ok && !skipped ? __ldcv(reinterpret_cast<const float4*>(y_stage) + i)
+                                                     : make_float4(fill, fill, fill, fill);
+  for (int64_t i = 4 * n4 + first; i < n; i += stride) y[i] = ok && !skipped ? __ldcv(y_stage + i) : fill;
 }
 
 __global__ void copy_out_kernel(const float* __restrict__ y_stage, float* __restrict__ y, int64_t n,
-                                const int32_t* status) {
-  const bool ok = *status == kOk;
+                                const int32_t* token, const int32_t* status) {
+  const bool skipped = static_cast<uint32_t>(*token) == kSkipped, ok = *status == kOk;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n; i += gridDim.x * blockDim.x)
-    y[i] = ok ? y_stage[i] : NAN;
+    y[i] = skipped ? 0.f : ok ? y_stage[i] : NAN;
 }
 
 ffi::Error SubmitImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> tok, ffi::Buffer<ffi::S32> eid,
@@ -278,10 +305,12 @@ ffi::Error CollectImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> token, ffi::Re
     return ffi::Error::InvalidArgument("cpu_experts_collect: y must be [T <= max_tokens, hidden]");
   if (timeout_ms <= 0) return ffi::Error::InvalidArgument("cpu_experts_collect: timeout_ms must be > 0");
   if (fused && static_cast<int64_t>(y->size_bytes()) <= kFusedMaxBytes) {
-    collect_fused_kernel<<<1, kFusedThreads, 0, stream>>>(
+    const int64_t n = static_cast<int64_t>(y->element_count());
+    const bool vec = reinterpret_cast<uintptr_t>(y->untyped_data()) % 16 == 0;  // the staging is 256-aligned
+    const int blocks = static_cast<int>(std::clamp<int64_t>((n / 4 + kCollectThreads - 1) / kCollectThreads, 1, 16));
+    collect_fused_kernel<<<blocks, kCollectThreads, 0, stream>>>(
         ch->ctrl_dev, token.typed_data(), static_cast<uint64_t>(timeout_ms) * 1000000ull,
-        reinterpret_cast<const float*>(ch->stage_dev + ch->y_off), y->typed_data(),
-        static_cast<int64_t>(y->element_count()), status->typed_data());
+        reinterpret_cast<const float*>(ch->stage_dev + ch->y_off), y->typed_data(), n, vec, status->typed_data());
     const cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return ffi::Error::Internal(std::string("cpu_experts_collect: ") + cudaGetErrorString(err));
     return ffi::Error::Success();
@@ -292,7 +321,7 @@ ffi::Error CollectImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> token, ffi::Re
   const int blocks = static_cast<int>(std::min<int64_t>(132, (n + 255) / 256));
   if (n)
     copy_out_kernel<<<blocks, 256, 0, stream>>>(reinterpret_cast<const float*>(ch->stage_dev + ch->y_off),
-                                                y->typed_data(), n, status->typed_data());
+                                                y->typed_data(), n, token.typed_data(), status->typed_data());
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return ffi::Error::Internal(std::string("cpu_experts_collect: ") + cudaGetErrorString(err));
   return ffi::Error::Success();

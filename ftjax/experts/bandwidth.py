@@ -7,8 +7,10 @@ numbers the paper's f = B_P / B_H (the CPU loses the fill's share of DRAM bandwi
 
 The reference reads a static profile and misfires under contention (FreeToken #151, #436). The
 :class:`OnlineSplitTuner` therefore probes f up and down in windows of decode steps and moves it
-towards the side with the lower step time per missed expert; the reported B_P is the one that f implies
-with B_H held at the profile's value.
+towards the side with the lower mean step time; the reported B_P is the one that f implies with B_H
+held at the profile's value. The objective is time per step, not per missed expert: misses served on
+the CPU are not cached, so a CPU-heavy split raises the miss count, and a per-miss cost would reward
+exactly that (measured on the H200 at a 37% cache: the q* split ran at 0.71x of the best fixed one).
 """
 from __future__ import annotations
 
@@ -67,33 +69,37 @@ def load_bandwidth() -> Bandwidth:
 class OnlineSplitTuner:
     """Hill climbing on the logit of f from measured decode step times.
 
-    Alternate windows (of decode steps totalling ``window`` unique misses) at ``f * exp(+delta)`` and ``f * exp(-delta)`` (in logit
-    space); after each pair move f by ``step`` towards the window with the lower mean step time per
-    unique miss. Windows with no misses carry no information and are skipped.
+    Alternate windows of ``window`` decode steps at ``f * exp(+delta)`` and ``f * exp(-delta)`` (in
+    logit space); after each pair move f by ``step`` towards the window with the lower mean step time.
+    A pair in which either window saw no misses carries no information (f changes nothing then) and
+    leaves f where it is.
     """
 
     def __init__(self, bandwidth: Bandwidth, window: int = 16, delta: float = 0.25, step: float = 0.15):
         self.bandwidth, self.window, self.delta, self.step = bandwidth, window, delta, step
         self._logit = _logit(bandwidth.fill_fraction)
-        self._side, self._acc, self._cost = +1, [0.0, 0], {}
+        self._side, self._acc, self._cost = +1, [0.0, 0, 0], {}
 
     @property
     def trial_fraction(self) -> float:
         return _sigmoid(self._logit + self._side * self.delta)
 
-    def record(self, step_seconds: float, misses: int) -> float:
-        """Feed one decode step; returns the fraction to use for the next step."""
-        if misses > 0:
-            self._acc[0] += step_seconds
-            self._acc[1] += misses
+    def record(self, seconds: float, steps: int, misses: int) -> float:
+        """Feed ``steps`` decode steps that took ``seconds`` and missed ``misses`` experts in all;
+        returns the fraction to use for the next step."""
+        self._acc[0] += seconds
+        self._acc[1] += steps
+        self._acc[2] += misses
         if self._acc[1] >= self.window:
-            self._cost[self._side] = self._acc[0] / self._acc[1]
-            self._acc = [0.0, 0]
+            secs, n, m = self._acc
+            self._cost[self._side] = secs / n if m > 0 else None
+            self._acc = [0.0, 0, 0]
             if len(self._cost) == 2:
-                better = +1 if self._cost[+1] < self._cost[-1] else -1
-                self._logit += better * self.step
+                up, down = self._cost[+1], self._cost[-1]
+                if up is not None and down is not None:
+                    self._logit += (+1 if up < down else -1) * self.step
+                    self.bandwidth = self.bandwidth.with_fraction(_sigmoid(self._logit))
                 self._cost = {}
-                self.bandwidth = self.bandwidth.with_fraction(_sigmoid(self._logit))
             self._side = -self._side
         return self.trial_fraction
 
@@ -124,7 +130,7 @@ class SplitController:
 
         self.tuner, self._clock = tuner, clock or time.perf_counter
         self._last_t: float | None = None
-        self._seconds = 0.0
+        self._seconds, self._steps = 0.0, 0
         self._misses: int | None = None
         self._snapshot = 0
         self.fraction = tuner.trial_fraction
@@ -143,16 +149,17 @@ class SplitController:
         now = self._clock()
         if self._last_t is not None:
             self._seconds += now - self._last_t
+            self._steps += 1
         self._last_t = now
         if misses_total is None or snapshot == self._snapshot:
             return None
         self._snapshot = snapshot
         if self._misses is None or misses_total < self._misses:  # first reading (or counters reset)
-            self._misses, self._seconds = misses_total, 0.0
+            self._misses, self._seconds, self._steps = misses_total, 0.0, 0
             return None
         new, self._misses = misses_total - self._misses, misses_total
-        f = self.tuner.record(self._seconds, new)
-        self._seconds = 0.0
+        f = self.tuner.record(self._seconds, self._steps, new) if self._steps else self.tuner.trial_fraction
+        self._seconds, self._steps = 0.0, 0
         self.updates += 1
         if f == self.fraction:
             return None

@@ -66,8 +66,23 @@ def test_bandwidth_from_profile_and_online_tuner():
     f0 = b0 = tuner.bandwidth.fill_fraction
     f = tuner.trial_fraction
     for _ in range(200):
-        f = tuner.record(1.0 - 0.5 * f, misses=4)
+        f = tuner.record(1.0 - 0.5 * f, 1, misses=4)
     assert tuner.bandwidth.fill_fraction > f0 and tuner.bandwidth.b_pcie_gbps > 10.0 * b0 / f0 - 1e-9
+
+
+def test_online_tuner_minimises_step_time_not_time_per_miss():
+    # CPU-served misses are not cached: a lower f means more misses per step AND slower steps, so
+    # the time per miss falls as f falls. The tuner must follow the step time (f up).
+    tuner = OnlineSplitTuner(Bandwidth(10.0, 10.0, True, "profile"), window=4)
+    f0, f = tuner.bandwidth.fill_fraction, tuner.trial_fraction
+    for _ in range(400):
+        f = tuner.record(1.0 - 0.3 * f, 1, misses=round(10 - 8 * f))
+    assert tuner.bandwidth.fill_fraction > f0 + 0.2
+    # Windows without misses say nothing about f: it stays.
+    idle = OnlineSplitTuner(Bandwidth(10.0, 10.0, True, "profile"), window=2)
+    for _ in range(50):
+        idle.record(0.01, 1, misses=0)
+    assert idle.bandwidth.fill_fraction == pytest.approx(0.5)
 
 
 def test_split_controller_pairs_time_with_new_snapshots():
@@ -78,7 +93,7 @@ def test_split_controller_pairs_time_with_new_snapshots():
     assert ctl.after_decode(None, 0) is None  # no snapshot on the host yet
     assert ctl.after_decode(10, 1) is None  # first reading sets the baseline
     assert ctl.after_decode(10, 1) is None  # same snapshot: time accumulates, nothing recorded
-    f = ctl.after_decode(13, 2)  # 3 new misses over 2 s: window full, the tuner tries the other side
+    f = ctl.after_decode(13, 2)  # 2 steps, 3 new misses: window full, the tuner tries the other side
     assert ctl.updates == 1 and f is not None and f != f0 and f == tuner.trial_fraction
     ctl.on_prefill()  # the next interval is not a decode step
     assert ctl.after_decode(13, 2) is None and ctl.to_dict()["trial_fill_fraction"] == f

@@ -78,14 +78,17 @@ def test_submit_collect_overlaps_gpu_work_and_matches(pool, cmd_buffer, fused):
     rng = np.random.default_rng(1)
     ref_banks = {b: pool.bank(b).astype(np.float32) for b in ("gate_up", "down")}
     m = jnp.asarray(rng.standard_normal((512, 512)) * 0.01, jnp.float32)
-    for it in range(4):  # fresh inputs each step: a replay must not reuse stale staging
+    # Fresh inputs each step (a replay must not reuse stale staging); n = 0 is skipped on the GPU:
+    # zeros, and the CPU never sees a request.
+    for n in (0, 32, 13, 0, 1, 27):
         x = rng.standard_normal((6, 128)).astype(np.float32)
         tok = rng.integers(0, 6, 32).astype(np.int32)
         eid = rng.integers(0, 32, 32).astype(np.int32)
         w = rng.random(32).astype(np.float32)
-        n = int(rng.integers(0, 33))
+        jobs = _host.channel_jobs(channel)
         y, status, m = step(x, tok, eid, w, jnp.int32(n), m)
         assert int(status) == 0, cuda.channel_error(channel)
+        assert _host.channel_jobs(channel) == jobs + (n > 0)
         want = experts_reference(x, tok, eid, w, n, ref_banks["gate_up"], ref_banks["down"])
         np.testing.assert_allclose(np.asarray(y), want, rtol=1e-4, atol=1e-4)
 
