@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # One device call that rebuilds, runs the GPU tests and the benchmarks, logs under $OUT (or ./bench/out).
 # Each step has its own time limit so one slow step cannot eat the call; the last lines are a summary.
-#   bash bench/gpu_session.sh [tests] [host] [kernels] [decode] [decode-more]   (default: tests host kernels)
-# The step limits are 240 / 120 / 200 / 420 / 540 s: pick steps whose limits fit one 10-minute call,
-# e.g. `tests host kernels` in one call and `decode` in the next.
+#   bash bench/gpu_session.sh [tests] [host] [cpu] [kernels] [tune] [decode] [decode-more]
+#   (default: tests host kernels)
+# Step limits (s): tests 240, host 120, cpu 180, kernels 240, tune 300, decode 480, decode-more 540:
+# pick steps that fit one 10-minute call, e.g. `tests host cpu kernels`, then `tune`, then `decode`.
+# cpu = the CPU kernel tests and table on every ISA tier of the GPU host (AMX is there, not on the dev box).
 # Text routing needs the Qwen3 tokenizer inside the repo: copy ../shared/data/qwen3-tokenizer to
 # .carry/qwen3-tokenizer (git-ignored) and carry `.carry`.
 set -uo pipefail
@@ -27,9 +29,16 @@ for s in "${steps[@]}"; do
   case $s in
     tests) run gpu_tests 240 python3 -m pytest -q -m gpu tests/host tests/experts tests/pallas ;;
     host) run host_runtime 120 python3 bench/host_runtime.py --no-cpu --out "$OUT/host_runtime.json" ;;
-    kernels) run kernels 200 python3 bench/kernels.py --tokens 1024 8192 --ragged --iters 5 --out "$OUT/kernels.json" ;;
-    decode) run decode 420 python3 bench/decode.py --layers 40 --batches 1 --routing trace \
-              --fractions 0.37 0.11 --policies lru-split lru-fill --steps 24 --warmup 24 --out "$OUT/decode.json" ;;
+    cpu) run cpu_tests 60 python3 -m pytest -q tests/host/test_kernels.py
+         run cpu_kernels 120 python3 bench/host_runtime.py --all-tiers --no-gpu --calls 10 --out "$OUT/cpu_kernels.json" ;;
+    kernels) run kernels 240 python3 bench/kernels.py --tokens 1024 8192 --ragged --iters 5 --out "$OUT/kernels.json" ;;
+    tune) run tune_decode 150 python3 bench/kernels.py --only decode --shapes 2048x512 --decode-tokens 1 8 \
+            --tune-decode --iters 3 --out "$OUT/tune_decode.json"
+          run tune_prefill 150 python3 bench/kernels.py --only prefill --shapes 2048x512 --dtypes bf16 --tokens 8192 \
+            --tune-prefill 2048x512 --iters 3 --out "$OUT/tune_prefill.json" ;;
+    decode) run decode 480 python3 bench/decode.py --layers 40 --batches 1 4 --routing trace \
+              --fractions 0.37 0.11 --policies lru-split lru-fill --no-sweep --steps 24 --warmup 24 \
+              --out "$OUT/decode.json" ;;
     decode-more) run decode_more 540 python3 bench/decode.py --layers 40 --batches 4 1 --routing text trace \
               --tokenizer "$tok" --fractions 0.11 --policies lru-split lru-fill static --no-sweep \
               --steps 24 --warmup 24 --out "$OUT/decode_more.json" ;;

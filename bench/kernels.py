@@ -58,6 +58,28 @@ def copy_ceiling_gbps(nbytes=2 << 30, iters=10):
     return 2 * nbytes / ms / 1e6
 
 
+def _rand_bank(key, shape, kind):
+    """A random bank [S, ...] generated one slot at a time (lax.map), so the generator's f32 / u32
+    temporaries are one slot, not the whole bank (XLA asked 128 GiB for a 40 GiB bank in one go).
+    kind: "normal" (bf16, std 0.02), "u8" (uniform bytes) or "scale" (bf16 in [0, 0.02))."""
+    def one(k):
+        if kind == "normal":
+            return (jax.random.normal(k, shape[1:], jnp.float32) * 0.02).astype(jnp.bfloat16)
+        if kind == "scale":
+            return (jax.random.uniform(k, shape[1:]) * 0.02).astype(jnp.bfloat16)
+        words = jax.random.bits(k, (*shape[1:-1], shape[-1] // 4), jnp.uint32)
+        return jax.lax.bitcast_convert_type(words, jnp.uint8).reshape(shape[1:])
+    return jax.jit(lambda keys: jax.lax.map(one, keys, batch_size=8))(jax.random.split(key, shape[0]))
+
+
+def read_ceiling_gbps(nbytes=2 << 30, iters=10):
+    """Device read alone (a sum over 2 GiB): what a kernel that only reads weights can approach;
+    HBM reads alone run faster than a copy's mixed reads and writes."""
+    src = jax.random.bits(jax.random.key(2), (nbytes // 4,), jnp.uint32)
+    ms = _time_ms(jax.jit(lambda a: jnp.sum(a, dtype=jnp.uint32)), src, iters=iters)
+    return nbytes / ms / 1e6
+
+
 def _decode_inputs(key, T, k, H, I, S, int4):
     ks = jax.random.split(key, 5)
     x = jax.random.normal(ks[0], (T, H), jnp.bfloat16)
@@ -65,13 +87,10 @@ def _decode_inputs(key, T, k, H, I, S, int4):
     slots = jax.random.choice(ks[1], S, (R,), replace=False).astype(jnp.int32)
     tokens = jnp.repeat(jnp.arange(T, dtype=jnp.int32), k)
     if int4:
-        banks = (jax.random.bits(ks[2], (S, 2 * I, H // 2), jnp.uint8),
-                 (jax.random.uniform(ks[3], (S, 2 * I, H // 32)) * 0.02).astype(jnp.bfloat16),
-                 jax.random.bits(ks[4], (S, H, I // 2), jnp.uint8),
-                 (jax.random.uniform(ks[3], (S, H, I // 32)) * 0.02).astype(jnp.bfloat16))
+        banks = (_rand_bank(ks[2], (S, 2 * I, H // 2), "u8"), _rand_bank(ks[3], (S, 2 * I, H // 32), "scale"),
+                 _rand_bank(ks[4], (S, H, I // 2), "u8"), _rand_bank(ks[3], (S, H, I // 32), "scale"))
     else:
-        banks = (jax.random.normal(ks[2], (S, 2 * I, H), jnp.bfloat16) * 0.02,
-                 jax.random.normal(ks[4], (S, H, I), jnp.bfloat16) * 0.02)
+        banks = (_rand_bank(ks[2], (S, 2 * I, H), "normal"), _rand_bank(ks[4], (S, H, I), "normal"))
     return x, slots, tokens, banks
 
 
@@ -93,10 +112,15 @@ def gather_decode(x, slots, tokens, n_valid, gate_up, down):
     return jnp.where((jnp.arange(slots.shape[0]) < n_valid)[:, None], y, 0.0)
 
 
-def bench_decode(args, copy_gbps, rows):
-    print(f"\ndecode grouped GEMV: cache {args.slots_decode} slots, top-{args.top_k}; "
-          f"copy ceiling {copy_gbps:.0f} GB/s")
-    print(f"{'H':>5} {'I':>5} {'T':>3} {'dtype':>5} {'us':>8} {'GB/s':>7} {'/copy':>6} {'gather us':>10} {'err':>8}")
+DECODE_SWEEP = dict(block_i=(32, 64), block_k=(128, 256, 512), num_stages=(2, 3, 4))
+DECODE_SWEEP_INT4 = dict(block_i=(32, 64), block_k=(256, 512, 1024), num_stages=(2, 3, 4))
+
+
+def bench_decode(args, copy_gbps, read_gbps, rows):
+    print(f"\ndecode grouped GEMV: cache {args.slots_decode} slots, top-{args.top_k}; copy ceiling "
+          f"{copy_gbps:.0f} GB/s (read + write), read ceiling {read_gbps:.0f} GB/s")
+    print(f"{'H':>5} {'I':>5} {'T':>3} {'dtype':>5} {'us':>8} {'GB/s':>7} {'/copy':>6} {'/read':>6} "
+          f"{'gather us':>10} {'err':>8}  best of sweep")
     kw = dict(interpret=True) if args.smoke else {}
     for shape in args.shapes:
         H, I = map(int, shape.split("x"))
@@ -105,29 +129,76 @@ def bench_decode(args, copy_gbps, rows):
             S = args.slots_decode
             if not args.smoke:  # keep the cache under ~40 GiB
                 S = min(S, int(40 * 2**30 // (3 * H * I * (0.53 if int4 else 2))))
+            f = dg.decode_experts_int4 if int4 else dg.decode_experts
             for T in args.decode_tokens:
                 x, slots, tokens, banks = _decode_inputs(jax.random.key(T), T, args.top_k, H, I, S, int4)
                 R = slots.shape[0]
                 n = jnp.int32(R)
                 slot_sets = jnp.stack([jax.random.choice(jax.random.key(100 + i), S, (R,), replace=False)
                                        for i in range(args.decode_calls)]).astype(jnp.int32)
-                f = dg.decode_experts_int4 if int4 else dg.decode_experts
-                fn = jax.jit(lambda *a, _f=f: _f(*a, **kw))
-                us = time_per_call_us(fn, x, slot_sets, tokens, n, banks, args.iters)
                 nbytes = dg.decode_bytes_read(R, H, I, int4=int4)
+
+                def timed(**cfg):
+                    fn = jax.jit(lambda *a: f(*a, **kw, **cfg))
+                    return fn, time_per_call_us(fn, x, slot_sets, tokens, n, banks, args.iters)
+
+                fn, us = timed()
                 got = fn(x, slots, tokens, n, *banks)
                 ref_fn = dg.reference_decode_experts_int4 if int4 else dg.reference_decode_experts
                 ref = jax.jit(ref_fn)(x, slots, tokens, n, *banks)
                 err = float(jnp.linalg.norm(got - ref) / jnp.linalg.norm(ref))
-                row = dict(kind="decode", H=H, I=I, T=T, routes=R, slots=S, dtype=dtype, us=us,
-                           gbps=nbytes / us / 1e3, ratio=nbytes / us / 1e3 / copy_gbps, rel_err=err,
-                           copy_ceiling_gbps=copy_gbps)
+                gbps = nbytes / us / 1e3
+                row = dict(kind="decode", H=H, I=I, T=T, routes=R, slots=S, dtype=dtype, us=us, gbps=gbps,
+                           ratio=gbps / copy_gbps, read_ratio=gbps / read_gbps, rel_err=err,
+                           copy_ceiling_gbps=copy_gbps, read_ceiling_gbps=read_gbps)
                 if not int4:
                     row["gather_us"] = time_per_call_us(gather_decode, x, slot_sets, tokens, n, banks, args.iters)
+                best = ""
+                if args.tune_decode and shape in args.tune_shapes and T in args.tune_tokens:
+                    sweep = DECODE_SWEEP_INT4 if int4 else DECODE_SWEEP
+                    row["sweep"] = []
+                    for bi in sweep["block_i"]:
+                        for bk in sweep["block_k"]:
+                            for ns in sweep["num_stages"]:
+                                cfg = dict(block_i=bi, block_k=bk, num_stages=ns)
+                                try:
+                                    row["sweep"].append(dict(cfg, us=timed(**cfg)[1]))
+                                except ValueError as e:  # tiles that do not fit this shape / SMEM
+                                    row["sweep"].append(dict(cfg, error=str(e)[:120]))
+                    ok = [r for r in row["sweep"] if "us" in r]
+                    if ok:
+                        b = min(ok, key=lambda r: r["us"])
+                        best = (f"  {b['us']:.1f} us = {nbytes / b['us'] / 1e3 / copy_gbps:.2f} of copy "
+                                f"(bi {b['block_i']}, bk {b['block_k']}, stages {b['num_stages']})")
                 rows.append(row)
-                print(f"{H:>5} {I:>5} {T:>3} {dtype:>5} {us:>8.1f} {row['gbps']:>7.0f} {row['ratio']:>6.2f} "
-                      f"{row.get('gather_us', float('nan')):>10.1f} {err:>8.1e}", flush=True)
+                print(f"{H:>5} {I:>5} {T:>3} {dtype:>5} {us:>8.1f} {gbps:>7.0f} {row['ratio']:>6.2f} "
+                      f"{row['read_ratio']:>6.2f} {row.get('gather_us', float('nan')):>10.1f} {err:>8.1e}" + best,
+                      flush=True)
                 del banks
+
+
+def bench_prefill_tiles(args, ceiling, rows):
+    """Tile sweep of the prefill kernel at one shape and token count (bf16): which tiles to default to."""
+    H, I = map(int, args.tune_prefill.split("x"))
+    T = max(args.tokens)
+    route, banks, slots = _inputs(jax.random.key(T), T, args.top_k, H, I, args.experts, args.slots, False)
+    flops = pg.prefill_flops(T, args.top_k, H, I)
+    print(f"\nprefill tile sweep: H {H}, I {I}, {T} tokens, bf16 (matmul ceiling {ceiling:.0f} TFLOP/s)")
+    for tm in (64, 128):
+        for tng in (64, 128):
+            for tnd in (64, 128):
+                for st in (3, 4, 5):
+                    cfg = dict(tile_m=tm, tile_n_gate_up=tng, tile_n_down=tnd, stages=st)
+                    try:
+                        fn = jax.jit(lambda *a, _c=cfg: pg.prefill_experts(*a, **_c))
+                        ms = _time_ms(fn, *route, *banks, slots, iters=args.iters)
+                    except (ValueError, jax.errors.JaxRuntimeError) as e:
+                        rows.append(dict(kind="prefill_tile", H=H, I=I, T=T, **cfg, error=str(e)[:160]))
+                        continue
+                    tf = flops / ms / 1e9
+                    rows.append(dict(kind="prefill_tile", H=H, I=I, T=T, **cfg, ms=ms, tflops=tf, ratio=tf / ceiling))
+                    print(f"  tile_m {tm:>3} tile_n gate_up {tng:>3} down {tnd:>3} stages {st}: {ms:7.3f} ms "
+                          f"{tf:7.1f} TFLOP/s {tf / ceiling:5.2f}", flush=True)
 
 
 def _inputs(key, T, k, H, I, E, S, int4):
@@ -138,13 +209,10 @@ def _inputs(key, T, k, H, I, E, S, int4):
     valid = jnp.ones((T,), bool)
     slots = jax.random.permutation(ks[3], S)[:E].astype(jnp.int32)
     if int4:
-        banks = (jax.random.bits(ks[4], (S, 2 * I, H // 2), jnp.uint8),
-                 jnp.full((S, 2 * I, H // 32), 0.01, jnp.bfloat16),
-                 jax.random.bits(ks[5], (S, H, I // 2), jnp.uint8),
-                 jnp.full((S, H, I // 32), 0.01, jnp.bfloat16))
+        banks = (_rand_bank(ks[4], (S, 2 * I, H // 2), "u8"), jnp.full((S, 2 * I, H // 32), 0.01, jnp.bfloat16),
+                 _rand_bank(ks[5], (S, H, I // 2), "u8"), jnp.full((S, H, I // 32), 0.01, jnp.bfloat16))
     else:
-        banks = (jax.random.normal(ks[4], (S, 2 * I, H), jnp.bfloat16) * 0.02,
-                 jax.random.normal(ks[5], (S, H, I), jnp.bfloat16) * 0.02)
+        banks = (_rand_bank(ks[4], (S, 2 * I, H), "normal"), _rand_bank(ks[5], (S, H, I), "normal"))
     return (x, ids, w, valid), banks, slots
 
 
@@ -180,6 +248,10 @@ def main():
     ap.add_argument("--slots-decode", type=int, default=2000, help="decode cache slots (capped at ~40 GiB)")
     ap.add_argument("--decode-calls", type=int, default=64,
                     help="decode calls per timed scan, each on a different slot list")
+    ap.add_argument("--tune-decode", action="store_true", help="also sweep the decode kernel's block sizes")
+    ap.add_argument("--tune-shapes", nargs="+", default=["2048x512"], help="shapes the decode sweep covers")
+    ap.add_argument("--tune-tokens", type=int, nargs="+", default=[1, 8], help="token counts the sweep covers")
+    ap.add_argument("--tune-prefill", metavar="HxI", help="sweep the prefill tiles at this shape, max(--tokens)")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "out" / "kernels.json")
     args = ap.parse_args()
 
@@ -191,10 +263,14 @@ def main():
                   interpret=True)
     ceiling = 1.0 if args.smoke else dense_ceiling_tflops()
     copy_gbps = 1.0 if args.smoke else copy_ceiling_gbps()
-    print(f"ceilings: dense bf16 matmul {ceiling:.0f} TFLOP/s, device copy {copy_gbps:.0f} GB/s")
+    read_gbps = 1.0 if args.smoke else read_ceiling_gbps()
+    print(f"ceilings: dense bf16 matmul {ceiling:.0f} TFLOP/s, device copy {copy_gbps:.0f} GB/s, "
+          f"device read {read_gbps:.0f} GB/s")
     rows = []
     if args.only != "prefill":
-        bench_decode(args, copy_gbps, rows)
+        bench_decode(args, copy_gbps, read_gbps, rows)
+    if args.tune_prefill and args.only != "decode":
+        bench_prefill_tiles(args, ceiling, rows)
     if args.only == "decode":
         args.shapes = []
     else:
@@ -233,7 +309,7 @@ def main():
                       f"{row['ratio']:>6.2f} {row['gbps']:>7.0f}" + ragged, flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(dict(device=str(jax.devices()[0]), matmul_tflops=ceiling,
-                                        copy_gbps=copy_gbps, rows=rows), indent=1))
+                                        copy_gbps=copy_gbps, read_gbps=read_gbps, rows=rows), indent=1))
     print(f"wrote {args.out}")
 
 
