@@ -3,16 +3,19 @@
     python bench/host_runtime.py [--window-gib 2] [--calls 20] [--no-gpu]
 
 CPU: effective GB/s = unique expert weight bytes read per call / median call time, decode-shaped
-calls (1 or 8 tokens x top-8 routes, each token's experts drawn from a fresh window walking through
-a pool larger than the caches, i.e. synthetic routing with no reuse across calls: the DRAM-bound
-case); the ceiling is a STREAM-like read with the same worker threads, in the same run.
+calls (1 or 8 tokens x top-8 routes, and 1-token calls of 1 or 2 experts: a layer's CPU share when
+most misses are filled), each token's experts drawn from a fresh window walking through a pool
+larger than the caches, i.e. synthetic routing with no reuse across calls: the DRAM-bound case; the
+ceiling is a STREAM-like read with the same worker threads, in the same run.
 GPU (when built with CUDA and a GPU is present): the fill kernel on scattered ids vs pinned
 cudaMemcpy H2D; the CPU branch per layer inside one jitted step (empty task list: skipped on the
-GPU; one tiny task: the round trip), with and without the command-buffer trait and fused kernels. Prints a table; writes bench/out/host_runtime.json.
+GPU; one tiny task: the round trip), with and without the command-buffer trait and fused kernels.
+Prints a table; writes bench/out/host_runtime.json.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -37,9 +40,11 @@ def cpu_part(window_gib: float, calls: int, tiers: list[str]) -> list[dict]:
             pool = measure.make_pool(shape, fmt, window)
             for tier in tiers:
                 _host.set_tier(tier)
-                for tokens in (1, 8):
-                    r = measure.cpu_kernel_gbps(pool, shape, tokens, calls=calls)
-                    rows.append({"shape": name, "format": fmt, "tier": tier, "tokens": tokens, **r,
+                # (tokens, routes per token): decode calls of 1 and 8 tokens x top-8, and the 1-2 expert
+                # calls a CPU branch gets per layer when most misses are filled
+                for tokens, k in ((1, shape.top_k), (8, shape.top_k), (1, 1), (1, 2)):
+                    r = measure.cpu_kernel_gbps(pool, dataclasses.replace(shape, top_k=k), tokens, calls=calls)
+                    rows.append({"shape": name, "format": fmt, "tier": tier, "tokens": tokens, "top_k": k, **r,
                                  "stream_gbps": stream, "ratio": r["gbps"] / stream})
             pool.close()
             del pool
@@ -123,10 +128,10 @@ def main(argv=None) -> int:
     if res["kernel"]:
         print(f"CPU: {res['cpu']}, {res['workers']['n_threads']} threads; STREAM read "
               f"{res['kernel'][0]['stream_gbps']:.1f} GB/s ({args.window_gib} GiB, same threads)")
-        print(f"{'shape':22} {'fmt':5} {'tier':11} {'tok':>3} {'ms':>7} {'GB/s':>7} {'/STREAM':>8}")
+        print(f"{'shape':22} {'fmt':5} {'tier':11} {'tok':>3} {'k':>2} {'ms':>7} {'GB/s':>7} {'/STREAM':>8}")
     for r in res["kernel"]:
-        print(f"{r['shape']:22} {r['format']:5} {r['tier']:11} {r['tokens']:>3} {r['ms']:7.2f} {r['gbps']:7.1f} "
-              f"{r['ratio']:8.2f}")
+        print(f"{r['shape']:22} {r['format']:5} {r['tier']:11} {r['tokens']:>3} {r['top_k']:>2} {r['ms']:7.3f} "
+              f"{r['gbps']:7.1f} {r['ratio']:8.2f}")
     if not args.no_gpu and _host.cuda_built() and _host.cuda_device_count() > 0:
         res["gpu"] = _host.cuda_device_name(0)
         res["fill"] = gpu_fill_part()
