@@ -83,6 +83,37 @@ def test_odd_sizes(tier, fmt):
 
 
 @pytest.mark.parametrize("tier", TIERS)
+@pytest.mark.parametrize("hidden,inter", [(80, 48), (45, 50)])
+def test_odd_sizes_bf16_activations(tier, hidden, inter):
+    """Widths that are not a multiple of 32 (the AMX tier's k-step; 45: an odd last pair) and row
+    counts that are not a multiple of 16 (45 rows of down, 50 of gate)."""
+    set_tier(tier)
+    rng = np.random.default_rng(hidden)
+    pool, ref = make_pool(rng, "bf16", 5, hidden, inter)
+    x = rng.standard_normal((5, hidden)).astype(BF16)
+    tok, eid, w = tasks(rng, 5, 11, 5)
+    y = run(pool, x, tok, eid, w, 11)
+    want = experts_reference(x.astype(np.float32), tok, eid, w, 11, ref["gate_up"], ref["down"], bf16_act=True)
+    assert rel_err(y, want) < 2e-2
+
+
+@pytest.mark.parametrize("tier", TIERS)
+@pytest.mark.parametrize("hidden,inter", [(64, 32), (80, 48)])
+def test_more_tokens_than_a_tile_bf16_activations(tier, hidden, inter):
+    """20 tokens on one expert: more than one 16-token group of the AMX tier, then 3 on another."""
+    set_tier(tier)
+    rng = np.random.default_rng(8)
+    pool, ref = make_pool(rng, "bf16", 3, hidden, inter)
+    x = rng.standard_normal((20, hidden)).astype(BF16)
+    tok = np.concatenate([np.arange(20), [4, 9, 9]]).astype(np.int32)
+    eid = np.array([1] * 20 + [2] * 3, np.int32)
+    w = rng.random(23).astype(np.float32)
+    y = run(pool, x, tok, eid, w, 23)
+    want = experts_reference(x.astype(np.float32), tok, eid, w, 23, ref["gate_up"], ref["down"], bf16_act=True)
+    assert rel_err(y, want) < 2e-2
+
+
+@pytest.mark.parametrize("tier", TIERS)
 def test_many_tokens_one_expert_and_repeated_task(tier):
     set_tier(tier)
     rng = np.random.default_rng(4)
