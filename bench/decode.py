@@ -74,7 +74,7 @@ class Run:
     """One backend at one batch size: a decode step function and its states."""
 
     def __init__(self, cfg, params, pool, policy, slots, batch, routing, trace, max_len, fill_fraction, tokens=None,
-                 fused_handshake=False):
+                 fused_handshake=True):
         L, E, k = cfg.num_layers, cfg.num_experts, cfg.num_experts_per_tok
         self.cfg, self.params, self.batch, self.routing, self.trace = cfg, params, batch, routing, trace
         self.backend = OffloadExperts(pool, L, E, slots, policy, platform="cuda", max_tokens=max(batch, 16),
@@ -184,8 +184,8 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=96)
     ap.add_argument("--layers", type=int, default=40, help="fewer layers for a quick check")
     ap.add_argument("--no-sweep", action="store_true")
-    ap.add_argument("--fused-handshake", action="store_true",
-                    help="one-kernel CPU-branch submit/collect (opt-in until measured)")
+    ap.add_argument("--unfused-handshake", dest="fused_handshake", action="store_false",
+                    help="CPU-branch submit/collect through memcpy nodes (the fused kernels are the default)")
     ap.add_argument("--tokenizer", default=str(TOKENIZER), help="the real Qwen3 tokenizer (routing text)")
     ap.add_argument("--worker-variants", nargs="*", default=[], metavar="N:SPIN_US",
                     help="also run lru-split with the CPU worker pool reconfigured (N workers, -1 = default; "

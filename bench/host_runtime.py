@@ -101,13 +101,18 @@ def gpu_handshake_part(layers: int = 40, reps: int = 50, tokens: int = 1) -> lis
 
         x = jnp.full((tokens, 2048), 0.01, jnp.float32)
         step(x).block_until_ready()
+        jobs0 = sum(_host.channel_jobs(base + i) for i in range(layers))
+        serve0 = sum(_host.channel_serve_seconds(base + i) for i in range(layers))
         t0 = time.perf_counter()
         for _ in range(reps):
             x = step(x)
         x.block_until_ready()
         per_layer = (time.perf_counter() - t0) / reps / layers
+        jobs = sum(_host.channel_jobs(base + i) for i in range(layers)) - jobs0
+        serve = sum(_host.channel_serve_seconds(base + i) for i in range(layers)) - serve0
         out.append({"cmd_buffer": cb, "fused": fused, "tasks": n_valid, "tokens": tokens, "layers": layers,
-                    "us_per_layer": per_layer * 1e6})
+                    "us_per_layer": per_layer * 1e6, "cpu_jobs": jobs,
+                    "cpu_serve_us_per_job": serve / jobs * 1e6 if jobs else 0.0})
     return out
 
 
@@ -145,7 +150,8 @@ def main(argv=None) -> int:
               "(0 tasks: skipped on the GPU; 1 task: tiny expert, the round trip)")
         for r in res["handshake"]:
             print(f"  {r['tasks']} task{'s' if r['tasks'] != 1 else ' '}, command-buffer trait {str(r['cmd_buffer']):5}, "
-                  f"fused kernels {str(r['fused']):5}: {r['us_per_layer']:6.1f} us per layer")
+                  f"fused kernels {str(r['fused']):5}: {r['us_per_layer']:6.1f} us per layer; CPU side "
+                  f"{r['cpu_serve_us_per_job']:5.1f} us per job ({r['cpu_jobs']} jobs)")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
     return 0

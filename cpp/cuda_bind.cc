@@ -122,6 +122,7 @@ void bind_cuda(nb::module_& m) {
   m.def("create_channel", &create_channel, "channel"_a, "pool_id"_a, "max_tokens"_a, "max_tasks"_a);
   m.def("channel_error", &channel_error, "channel"_a);
   m.def("channel_jobs", &channel_jobs, "channel"_a);
+  m.def("channel_serve_seconds", &channel_serve_seconds, "channel"_a);
   m.def("fill_seconds", &fill_seconds, "pool_id"_a, "ids"_a, "slots"_a, "n_slots"_a, "reps"_a = 10);
   m.def("memcpy_h2d_seconds", &memcpy_h2d_seconds, "nbytes"_a, "reps"_a = 10);
 }

@@ -21,5 +21,6 @@ void launch_fill(cudaStream_t stream, const ExpertPool& pool, const int32_t* ids
 void create_channel(int64_t channel, uint64_t pool_id, int64_t max_tokens, int64_t max_tasks);
 std::string channel_error(int64_t channel);  // last CPU-side error message ("" if none)
 uint64_t channel_jobs(int64_t channel);      // jobs the coordinator completed on this channel
+double channel_serve_seconds(int64_t channel);  // their CPU time, request seen -> done published
 
 }  // namespace ftjax

@@ -45,7 +45,7 @@ struct Channel {
   uint8_t* stage_dev = nullptr;
   size_t x_off, tok_off, eid_off, w_off, y_off, bytes;
   uint32_t handled = 0;
-  std::atomic<uint64_t> jobs{0};
+  std::atomic<uint64_t> jobs{0}, serve_ns{0};  // completed jobs, their time in serve()
   std::mutex err_mu;
   std::string error;
 };
@@ -71,6 +71,7 @@ class Coordinator {
 
  private:
   void serve(Channel& ch, uint32_t seq) {
+    const auto t0 = std::chrono::steady_clock::now();
     HandshakeCtrl& c = *ch.ctrl;
     int32_t status = kOk;
     try {
@@ -91,6 +92,8 @@ class Coordinator {
       status = kCpuError;
     }
     c.status = status;
+    ch.serve_ns.fetch_add(std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0)
+                              .count());
     ch.jobs.fetch_add(1);  // before done_seq: a caller that saw y also sees the count
     std::atomic_thread_fence(std::memory_order_release);  // y and status before done_seq
     c.done_seq = seq;
@@ -404,6 +407,12 @@ uint64_t channel_jobs(int64_t channel) {
   Channel* ch = coordinator().get(channel);
   if (!ch) throw std::invalid_argument("channel " + std::to_string(channel) + " was not created");
   return ch->jobs.load();
+}
+
+double channel_serve_seconds(int64_t channel) {
+  Channel* ch = coordinator().get(channel);
+  if (!ch) throw std::invalid_argument("channel " + std::to_string(channel) + " was not created");
+  return ch->serve_ns.load() * 1e-9;
 }
 
 }  // namespace ftjax

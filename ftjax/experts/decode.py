@@ -53,7 +53,8 @@ class OffloadExperts:
     T of any call: the prefill chunk). ``gather_max_routes``: decode-style gather GEMVs up to this
     many routes, ragged dots beyond (default E). ``kernel``: the device-side expert code, ``"jnp"``
     or ``"pallas"`` (``ftjax.experts.kernels``; bf16 caches). ``fused_handshake``: the one-kernel CPU-branch
-    submit and collect (CUDA; opt-in until measured on the GPU).
+    submit and collect (CUDA; default: on the H200 it cost 9.8 us per skipped layer and 58.5 us per
+    one-task round trip, against 22.6 and 63.9 us for the memcpy-node path).
     """
 
     pool: HostPool
@@ -66,7 +67,7 @@ class OffloadExperts:
     max_tokens: int = 256
     gather_max_routes: int | None = None
     kernel: str = "jnp"
-    fused_handshake: bool = False
+    fused_handshake: bool = True
     channel_base: int = -1
 
     def __post_init__(self):

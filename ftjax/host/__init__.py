@@ -21,7 +21,8 @@ def cpu_brand() -> str:
 
 
 def available_tiers() -> list[str]:
-    """CPU kernel tiers compiled in and supported here, best last ("scalar", "avx2", "avx512bf16", "amx")."""
+    """CPU kernel tiers compiled in and supported here, in order ("scalar", "avx2", "avx512bf16", "amx").
+    "auto" takes the last but amx (no faster on DRAM-bound decode calls: bench/RESULTS.md)."""
     return list(_host.available_tiers())
 
 

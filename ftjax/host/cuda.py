@@ -68,9 +68,10 @@ def expert_fill(ids, slots, n_valid, gate_up_cache, down_cache, pool, *, cmd_buf
 
 
 def cpu_experts_submit(x, token_idx, expert_ids, weights, n_valid, channel: int, *, cmd_buffer: bool = True,
-                       fused: bool = False):
+                       fused: bool = True):
     """``fused``: one kernel stages x and the valid tasks into the mapped staging and publishes
-    (calls up to 128 KiB of x; larger ones take the memcpy path). Opt-in until measured."""
+    (calls up to 128 KiB of x; larger ones take the memcpy path); False: memcpy nodes and a 1-thread
+    kernel (slower on the H200: bench/RESULTS.md)."""
     register_targets()
     call = jax.ffi.ffi_call("ftjax_cpu_experts_submit" + _suffix(cmd_buffer),
                             jax.ShapeDtypeStruct((1,), jnp.int32))
@@ -80,7 +81,7 @@ def cpu_experts_submit(x, token_idx, expert_ids, weights, n_valid, channel: int,
 
 
 def cpu_experts_collect(token, n_tokens: int, hidden: int, channel: int, *, after=None, timeout_ms: int = 10_000,
-                        cmd_buffer: bool = True, fused: bool = False):
+                        cmd_buffer: bool = True, fused: bool = True):
     """``fused``: one kernel waits and copies y back (y up to 128 KiB)."""
     register_targets()
     if after is not None:  # schedule the wait behind the GPU work that overlaps the CPU branch
