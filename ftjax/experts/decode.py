@@ -131,12 +131,12 @@ class OffloadExperts:
         return {b: _DequantBank(self.pool, b) for b in ("gate_up", "down")}
 
     # ----------------------------------------------------------------------------------- the step
-    def __call__(self, state, layer: int, x, expert_ids, gate_weights, token_valid):
+    def __call__(self, state, layer: int, x, expert_ids, gate_weights, token_valid, *, decode: bool = False):
         T, k = expert_ids.shape
         E = self.num_experts
         if not 0 <= layer < self.num_layers:
             raise ValueError(f"layer {layer} outside the pool's {self.num_layers} layers")
-        rule = self.policy.rule(T)
+        rule = self.policy.rule(decode)
         plan, state = plan_layer(state, layer, expert_ids, token_valid, num_experts=E, rule=rule,
                                  fill_cap=self.fill_cap, update=self.policy.update)
 

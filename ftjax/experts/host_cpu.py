@@ -34,7 +34,7 @@ class HostCPUExperts:
     def init_state(*_args, **_kwargs) -> dict:
         return {}
 
-    def __call__(self, expert_state, layer: int, x, expert_ids, gate_weights, token_valid):
+    def __call__(self, expert_state, layer: int, x, expert_ids, gate_weights, token_valid, *, decode: bool = False):
         T, k = expert_ids.shape
         if not 0 <= layer < self.pool.n_experts // self.num_experts:
             raise ValueError(f"layer {layer} outside the pool's {self.pool.n_experts // self.num_experts} layers")

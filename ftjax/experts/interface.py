@@ -19,12 +19,15 @@ class ExpertBackend(Protocol):
     """``y[t] = sum_j gate_weights[t, j] * expert(layer, expert_ids[t, j])(x[t])``; zeros where not valid.
 
     ``x [T, H]``, ``expert_ids [T, k]`` i32 (per-layer ids ``0..E-1``), ``gate_weights [T, k]`` in the
-    model dtype, ``token_valid [T]`` bool. ``layer`` is a Python int (static). Returns ``(y [T, H] in
-    x.dtype, expert_state)``. Backends are hashable: the jitted step functions take them as static.
+    model dtype, ``token_valid [T]`` bool. ``layer`` is a Python int (static). ``decode`` (static): the
+    call is a decode step, one new token per sequence (T = batch), as opposed to a prefill chunk; the
+    offloaded backend plans decode and prefill differently. Returns ``(y [T, H] in x.dtype,
+    expert_state)``. Backends are hashable: the jitted step functions take them as static.
     """
 
     def __call__(self, expert_state: ExpertState, layer: int, x: jax.Array, expert_ids: jax.Array,
-                 gate_weights: jax.Array, token_valid: jax.Array) -> tuple[jax.Array, ExpertState]: ...
+                 gate_weights: jax.Array, token_valid: jax.Array, *,
+                 decode: bool = False) -> tuple[jax.Array, ExpertState]: ...
 
 
 def expert_mlp(x: jax.Array, gate_up: jax.Array, down: jax.Array) -> jax.Array:

@@ -32,8 +32,9 @@ class Policy:
             if rule not in FILL_RULES:
                 raise ValueError(f"policy {self.name!r}: fill rule {rule!r} unknown; valid: {FILL_RULES}")
 
-    def rule(self, num_tokens: int) -> str:
-        return self.prefill_rule if num_tokens > 1 else self.decode_rule
+    def rule(self, decode: bool) -> str:
+        """The fill rule of a decode step (any batch) or of a prefill chunk."""
+        return self.decode_rule if decode else self.prefill_rule
 
 
 POLICIES: dict[str, Policy] = {

@@ -60,7 +60,7 @@ class ResidentExperts:
         limit = self.num_experts if self.gather_max_routes is None else self.gather_max_routes
         return "gather" if n_routes <= limit else "ragged"
 
-    def __call__(self, expert_state, layer: int, x, expert_ids, gate_weights, token_valid):
+    def __call__(self, expert_state, layer: int, x, expert_ids, gate_weights, token_valid, *, decode: bool = False):
         T, k = expert_ids.shape
         E = self.num_experts
         gate_up, down = expert_state["gate_up"], expert_state["down"]

@@ -132,10 +132,10 @@ class ReplayRouting:
         return {"inner": inner_state, "replay": {"ids": jnp.zeros((num_layers, tokens, top_k), jnp.int32),
                                                  "weights": jnp.zeros((num_layers, tokens, top_k), jnp.float32)}}
 
-    def __call__(self, state, layer, x, expert_ids, gate_weights, token_valid):
+    def __call__(self, state, layer, x, expert_ids, gate_weights, token_valid, *, decode: bool = False):
         ids = state["replay"]["ids"][layer]
         w = state["replay"]["weights"][layer].astype(gate_weights.dtype)
-        y, inner = self.inner(state["inner"], layer, x, ids, w, token_valid)
+        y, inner = self.inner(state["inner"], layer, x, ids, w, token_valid, decode=decode)
         return y, {"inner": inner, "replay": state["replay"]}
 
 
@@ -149,12 +149,12 @@ class TraceRecorder:
     num_experts: int
     calls: list = dataclasses.field(default_factory=list)
 
-    def __call__(self, state, layer, x, expert_ids, gate_weights, token_valid):
+    def __call__(self, state, layer, x, expert_ids, gate_weights, token_valid, *, decode: bool = False):
         def rec(ids, w, v):
             self.calls.append((layer, np.asarray(ids), np.asarray(w, np.float32), np.asarray(v)))
 
         jax.debug.callback(rec, expert_ids, gate_weights.astype(jnp.float32), token_valid, ordered=True)
-        return self.inner(state, layer, x, expert_ids, gate_weights, token_valid)
+        return self.inner(state, layer, x, expert_ids, gate_weights, token_valid, decode=decode)
 
     def to_trace(self, num_layers: int, source: str = "recorded") -> RoutingTrace:
         """The recorded decode calls (one token per row) as a trace; prefill calls are skipped."""

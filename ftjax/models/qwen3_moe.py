@@ -65,7 +65,7 @@ def moe_block(p: dict, h: jax.Array, layer: int, ctx: dict, expert_state, cfg: M
     B, T, H = h.shape
     x = h.reshape(B * T, H)
     ids, weights = L.route(x, p["router"], cfg.num_experts_per_tok, cfg.norm_topk_prob)
-    y, expert_state = backend(expert_state, layer, x, ids, weights, ctx["valid"].reshape(-1))
+    y, expert_state = backend(expert_state, layer, x, ids, weights, ctx["valid"].reshape(-1), decode=T == 1)
     if "shared_expert_gate" in p:
         y = y + L.shared_expert(x, p)
     return y.reshape(B, T, H), expert_state
