@@ -184,6 +184,7 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=96)
     ap.add_argument("--layers", type=int, default=40, help="fewer layers for a quick check")
     ap.add_argument("--no-sweep", action="store_true")
+    ap.add_argument("--no-online", action="store_true", help="skip the 'split online' row (online split tuner)")
     ap.add_argument("--unfused-handshake", dest="fused_handshake", action="store_false",
                     help="CPU-branch submit/collect through memcpy nodes (the fused kernels are the default)")
     ap.add_argument("--tokenizer", default=str(TOKENIZER), help="the real Qwen3 tokenizer (routing text)")
@@ -242,7 +243,8 @@ def main(argv=None) -> int:
                     rows[pol] = run.timed(args.warmup, args.steps)
                     profile(run, args.profile, f"{routing}-b{B}-{pol}-{round(100 * frac)}")
                     if pol == "lru-split":
-                        rows["split online"] = run.timed(args.warmup, args.steps, online=band)
+                        if not args.no_online:
+                            rows["split online"] = run.timed(args.warmup, args.steps, online=band)
                         for variant in args.worker_variants:  # same executable, other worker pool
                             n, spin = (int(v) for v in variant.split(":"))
                             configure_workers(n_workers=n, spin_us=spin)

@@ -81,12 +81,16 @@ uint64_t ticket_next(uint64_t t) { return t & kFieldMask; }
 void WorkerPool::run_items(int thread) {
   for (;;) {
     uint64_t t = ticket_.load(std::memory_order_acquire);
+    uint64_t take;
     do {
       if (ticket_next(t) >= ticket_n(t)) return;
-    } while (!ticket_.compare_exchange_weak(t, t + 1, std::memory_order_acq_rel, std::memory_order_acquire));
-    const int64_t item = static_cast<int64_t>(ticket_next(t));
+      // chunk_ was stored before the ticket of its round; a stale t fails the CAS below
+      take = std::min<uint64_t>(chunk_.load(std::memory_order_relaxed), ticket_n(t) - ticket_next(t));
+    } while (!ticket_.compare_exchange_weak(t, t + take, std::memory_order_acq_rel, std::memory_order_acquire));
+    const int64_t first = static_cast<int64_t>(ticket_next(t));
     try {
-      (*fn_.load(std::memory_order_relaxed))(item, thread);  // ordered by the acquire CAS above
+      const auto& fn = *fn_.load(std::memory_order_relaxed);  // ordered by the acquire CAS above
+      for (int64_t item = first; item < first + static_cast<int64_t>(take); ++item) fn(item, thread);
     } catch (const std::exception& e) {
       {
         std::lock_guard<std::mutex> lock(err_mu_);
@@ -102,7 +106,7 @@ void WorkerPool::run_items(int thread) {
       }
       close_round();
     }
-    items_done_.fetch_add(1, std::memory_order_acq_rel);
+    items_done_.fetch_add(static_cast<int64_t>(take), std::memory_order_acq_rel);
   }
 }
 
@@ -166,6 +170,7 @@ void WorkerPool::parallel_for(int64_t n_items, const std::function<void(int64_t,
 
 void WorkerPool::run_round(int64_t n_items, const std::function<void(int64_t, int)>& fn) {
   fn_.store(&fn, std::memory_order_relaxed);
+  chunk_.store(std::max<int64_t>(1, n_items / (2 * n_threads())), std::memory_order_relaxed);
   items_done_.store(0, std::memory_order_relaxed);
   ++round_;
   ticket_.store(pack_ticket(round_, static_cast<uint64_t>(n_items), 0), std::memory_order_release);

@@ -53,15 +53,18 @@ class WorkerPool {
   std::mutex call_mu_;  // serialises parallel_for callers
 
   // The current round of items. ticket_ packs (round 16 bits | n_items 24 | next item 24); a thread
-  // claims an item by advancing it with a CAS, so a claim always names an item of the round that
-  // fn_ belongs to, and a worker that wakes late (asleep, or descheduled by another thread on its
+  // claims a chunk of items by advancing it with a CAS, so a claim always names items of the round
+  // that fn_ belongs to, and a worker that wakes late (asleep, or descheduled by another thread on its
   // core) finds the items taken and nobody waits for it: the caller waits for items, not workers.
-  // generation_ only wakes the workers.
+  // Chunks (about n_items / (2 n_threads)) and one cache line per hot atomic: with one item per
+  // claim and ticket_, items_done_ and generation_ on one line, 15 threads spent ~30 us per call
+  // handing 128 small items around on the H200 host. generation_ only wakes the workers.
   std::atomic<const std::function<void(int64_t, int)>*> fn_{nullptr};
-  std::atomic<uint64_t> ticket_{0};
-  std::atomic<int64_t> items_done_{0};
+  std::atomic<int64_t> chunk_{1};
+  alignas(64) std::atomic<uint64_t> ticket_{0};
+  alignas(64) std::atomic<int64_t> items_done_{0};
+  alignas(64) std::atomic<uint64_t> generation_{0};
   uint64_t round_ = 0;
-  std::atomic<uint64_t> generation_{0};
   std::atomic<bool> stop_{false};
   std::mutex err_mu_;
   std::string error_;
