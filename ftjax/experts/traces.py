@@ -141,7 +141,7 @@ class ReplayRouting:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class TraceRecorder:
-    """Wraps a backend; every layer call appends ``(layer, ids, weights, valid)`` to ``calls`` on the host.
+    """Wraps a backend; every layer call appends ``(layer, ids, weights, valid, decode)`` to ``calls`` on the host.
 
     ``to_trace(num_layers)`` groups consecutive decode calls into steps."""
 
@@ -151,14 +151,16 @@ class TraceRecorder:
 
     def __call__(self, state, layer, x, expert_ids, gate_weights, token_valid, *, decode: bool = False):
         def rec(ids, w, v):
-            self.calls.append((layer, np.asarray(ids), np.asarray(w, np.float32), np.asarray(v)))
+            self.calls.append((layer, np.asarray(ids), np.asarray(w, np.float32), np.asarray(v), decode))
 
         jax.debug.callback(rec, expert_ids, gate_weights.astype(jnp.float32), token_valid, ordered=True)
         return self.inner(state, layer, x, expert_ids, gate_weights, token_valid, decode=decode)
 
     def to_trace(self, num_layers: int, source: str = "recorded") -> RoutingTrace:
         """The recorded decode calls (one token per row) as a trace; prefill calls are skipped."""
-        dec = [c for c in self.calls if c[1].shape[0] == self.calls[-1][1].shape[0]]
+        dec = [c for c in self.calls if c[4]]
+        if not dec:
+            raise ValueError("no decode calls were recorded (only prefill): nothing to make a trace of")
         steps = len(dec) // num_layers
         dec = dec[len(dec) - steps * num_layers:]
         ids = np.stack([c[1] for c in dec]).reshape(steps, num_layers, *dec[0][1].shape)
