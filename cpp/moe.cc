@@ -12,6 +12,15 @@ namespace ftjax {
 namespace {
 constexpr int64_t kRowsPhase1 = 16;  // gate rows (and as many up rows) per work item
 constexpr int64_t kRowsPhase2 = 16;  // output rows of down per work item
+constexpr int64_t kMinItemsPerThread = 4;  // below it, items of half the rows (load balance)
+
+// Rows per item: kRows, halved while a phase would have fewer than kMinItemsPerThread items per
+// thread (one Qwen3.6 expert, I = 512, is 32 gate/up items for 15 threads: the last of 3 rounds ran
+// 2 items while 13 threads waited), never below the SIMD tiers' 4-row micro-tile.
+int64_t rows_per_item(int64_t rows, int64_t groups, int64_t k_rows, int threads) {
+  while (k_rows > 4 && groups * ((rows + k_rows - 1) / k_rows) < kMinItemsPerThread * threads) k_rows /= 2;
+  return k_rows;
+}
 
 inline float silu(float v) { return v / (1.f + std::exp(-v)); }
 
@@ -67,15 +76,16 @@ void run_experts(WorkerPool& workers, const ExpertCall& c, Tier tier) {
   const DotRowsFn dot = dot_rows_for(tier);
 
   // Phase 1: act[r, i] = silu(gate_e[i] . x_r) * (up_e[i] . x_r), items = (group, block of i).
-  const int64_t blocks1 = (I + kRowsPhase1 - 1) / kRowsPhase1;
+  const int64_t rows1 = rows_per_item(I, groups, kRowsPhase1, workers.n_threads());
+  const int64_t blocks1 = (I + rows1 - 1) / rows1;
   workers.parallel_for(groups * blocks1, [&](int64_t item, int) {
-    const int64_t g = item / blocks1, i0 = (item % blocks1) * kRowsPhase1, i1 = std::min(I, i0 + kRowsPhase1);
+    const int64_t g = item / blocks1, i0 = (item % blocks1) * rows1, i1 = std::min(I, i0 + rows1);
     const int64_t r0 = start[g], nr = start[g + 1] - r0;
     const MatrixRef w = matrix_of(pool.gate_up(), c.expert_ids[order[r0]]);
     const ActRef a{&xg[r0 * H], c.x_bf16 ? &xg_h[r0 * H] : nullptr, H, static_cast<int>(nr)};
-    std::vector<float>& buf = scratch(2 * kRowsPhase1 * nr);
+    std::vector<float>& buf = scratch(2 * rows1 * nr);
     float* gate = buf.data();
-    float* up = buf.data() + kRowsPhase1 * nr;
+    float* up = buf.data() + rows1 * nr;
     dot(w, i0, i1, a, gate);
     dot(w, I + i0, I + i1, a, up);
     for (int64_t i = i0; i < i1; ++i) {
@@ -93,14 +103,15 @@ void run_experts(WorkerPool& workers, const ExpertCall& c, Tier tier) {
 
   // Phase 2: y[t, h] += w_r * (down_e[h] . act_r); an item owns output rows [h0, h1) of every
   // token, so no two threads write the same element.
-  const int64_t blocks2 = (H + kRowsPhase2 - 1) / kRowsPhase2;
+  const int64_t rows2 = rows_per_item(H, 1, kRowsPhase2, workers.n_threads());
+  const int64_t blocks2 = (H + rows2 - 1) / rows2;
   workers.parallel_for(blocks2, [&](int64_t item, int) {
-    const int64_t h0 = item * kRowsPhase2, h1 = std::min(H, h0 + kRowsPhase2);
+    const int64_t h0 = item * rows2, h1 = std::min(H, h0 + rows2);
     for (int64_t g = 0; g < groups; ++g) {
       const int64_t r0 = start[g], nr = start[g + 1] - r0;
       const MatrixRef w = matrix_of(pool.down(), c.expert_ids[order[r0]]);
       const ActRef a{&act[r0 * I], c.x_bf16 ? &act_h[r0 * I] : nullptr, I, static_cast<int>(nr)};
-      float* out = scratch(kRowsPhase2 * nr).data();
+      float* out = scratch(rows2 * nr).data();
       dot(w, h0, h1, a, out);
       for (int64_t j = 0; j < nr; ++j) {
         const int64_t task = order[r0 + j];

@@ -170,7 +170,7 @@ void WorkerPool::parallel_for(int64_t n_items, const std::function<void(int64_t,
 
 void WorkerPool::run_round(int64_t n_items, const std::function<void(int64_t, int)>& fn) {
   fn_.store(&fn, std::memory_order_relaxed);
-  chunk_.store(std::max<int64_t>(1, n_items / (2 * n_threads())), std::memory_order_relaxed);
+  chunk_.store(std::max<int64_t>(1, n_items / (8 * n_threads())), std::memory_order_relaxed);
   items_done_.store(0, std::memory_order_relaxed);
   ++round_;
   ticket_.store(pack_ticket(round_, static_cast<uint64_t>(n_items), 0), std::memory_order_release);

@@ -159,7 +159,8 @@ def test_set_tier_rejects_unknown():
 
 
 def test_worker_pool_sizes_agree(monkeypatch):
-    """Results do not depend on the number of worker threads (work split by output rows)."""
+    """Results do not depend on the number of worker threads (work split by output rows; with 15
+    workers the items shrink to 4-8 rows for balance, and claims come in chunks)."""
     import ftjax.host
     from ftjax.host import configure_workers, worker_info
 
@@ -170,7 +171,7 @@ def test_worker_pool_sizes_agree(monkeypatch):
     tok, eid, w = tasks(rng, 4, 16, 6)
     base = run(pool, x, tok, eid, w, 16)
     try:
-        for n in (0, 3):
+        for n in (0, 3, 15):
             configure_workers(n_workers=n, spin_us=20)
             assert worker_info()["n_threads"] == n + 1
             np.testing.assert_allclose(run(pool, x, tok, eid, w, 16), base, rtol=1e-6, atol=1e-6)
