@@ -9,9 +9,9 @@
 //   and status != 0 if the CPU branch failed or made no progress in time: never a hang.
 // Everything per step (sequence numbers, counts) is written by the GPU, so the calls replay
 // correctly when XLA captures them in a command buffer.
-// fused=1 (opt-in, for calls up to kFusedMaxBytes): submit is one kernel that stores x and the first
-//   n_valid tasks straight into the mapped staging and publishes (no memcpy nodes), and collect is
-//   one kernel that waits and copies y back: 2 graph nodes per layer instead of up to 7.
+// fused=1 (the Python wrappers' default; calls up to kFusedMaxBytes): submit is one kernel that stores
+//   x and the first n_valid tasks straight into the mapped staging and publishes (no memcpy nodes),
+//   and collect is one kernel that waits and copies y back: 2 graph nodes per layer instead of up to 7.
 // An empty task list (n_valid <= 0, decided on the GPU) is never published: the submit token is
 // kSkipped (0; real sequence numbers skip 0 when they wrap) and collect writes zeros without
 // waiting, so layers whose misses were all filled pay no round trip to the CPU.
