@@ -13,6 +13,11 @@ namespace {
 constexpr int64_t kRowsPhase1 = 16;  // gate rows (and as many up rows) per work item
 constexpr int64_t kRowsPhase2 = 16;  // output rows of down per work item
 constexpr int64_t kMinItemsPerThread = 4;  // below it, items of half the rows (load balance)
+constexpr int64_t kMinClaimBytes = 32 << 10;  // weight bytes a thread claims at once, at least
+
+// Items per claim so that a claim covers kMinClaimBytes of weights: a contended claim costs ~0.1 us,
+// as long as reading a few KiB.
+int64_t min_chunk(int64_t item_bytes) { return (kMinClaimBytes + item_bytes - 1) / std::max<int64_t>(1, item_bytes); }
 
 // Rows per item: kRows, halved while a phase would have fewer than kMinItemsPerThread items per
 // thread (one Qwen3.6 expert, I = 512, is 32 gate/up items for 15 threads: the last of 3 rounds ran
@@ -78,6 +83,7 @@ void run_experts(WorkerPool& workers, const ExpertCall& c, Tier tier) {
   // Phase 1: act[r, i] = silu(gate_e[i] . x_r) * (up_e[i] . x_r), items = (group, block of i).
   const int64_t rows1 = rows_per_item(I, groups, kRowsPhase1, workers.n_threads());
   const int64_t blocks1 = (I + rows1 - 1) / rows1;
+  const int64_t item1_bytes = rows1 * static_cast<int64_t>(pool.gate_up().expert_bytes) / I;  // 2 rows1 of 2I rows
   workers.parallel_for(groups * blocks1, [&](int64_t item, int) {
     const int64_t g = item / blocks1, i0 = (item % blocks1) * rows1, i1 = std::min(I, i0 + rows1);
     const int64_t r0 = start[g], nr = start[g + 1] - r0;
@@ -99,12 +105,13 @@ void run_experts(WorkerPool& workers, const ExpertCall& c, Tier tier) {
         act[(r0 + j) * I + i] = v;
       }
     }
-  });
+  }, min_chunk(item1_bytes));
 
   // Phase 2: y[t, h] += w_r * (down_e[h] . act_r); an item owns output rows [h0, h1) of every
   // token, so no two threads write the same element.
   const int64_t rows2 = rows_per_item(H, 1, kRowsPhase2, workers.n_threads());
   const int64_t blocks2 = (H + rows2 - 1) / rows2;
+  const int64_t item2_bytes = groups * rows2 * static_cast<int64_t>(pool.down().expert_bytes) / H;  // of each down
   workers.parallel_for(blocks2, [&](int64_t item, int) {
     const int64_t h0 = item * rows2, h1 = std::min(H, h0 + rows2);
     for (int64_t g = 0; g < groups; ++g) {
@@ -120,7 +127,7 @@ void run_experts(WorkerPool& workers, const ExpertCall& c, Tier tier) {
         for (int64_t h = h0; h < h1; ++h) yt[h] += wt * out[(h - h0) * nr + j];
       }
     }
-  });
+  }, min_chunk(item2_bytes));
 }
 
 }  // namespace ftjax

@@ -152,29 +152,29 @@ void WorkerPool::worker_main(int index) {
   }
 }
 
-void WorkerPool::parallel_for(int64_t n_items, const std::function<void(int64_t, int)>& fn) {
+void WorkerPool::parallel_for(int64_t n_items, const std::function<void(int64_t, int)>& fn, int64_t min_chunk) {
   if (n_items <= 0) return;
   std::lock_guard<std::mutex> call_lock(call_mu_);
   failed_ = false;
   error_.clear();
   if (n_items <= kMaxRoundItems) {
-    run_round(n_items, fn);
+    run_round(n_items, fn, min_chunk);
   } else {  // more items than a ticket holds: rounds of at most kMaxRoundItems
     for (int64_t base = 0; base < n_items && !failed_; base += kMaxRoundItems) {
       const std::function<void(int64_t, int)> shifted = [&](int64_t i, int t) { fn(base + i, t); };
-      run_round(std::min(kMaxRoundItems, n_items - base), shifted);
+      run_round(std::min(kMaxRoundItems, n_items - base), shifted, min_chunk);
     }
   }
   if (failed_) throw std::runtime_error(error_);
 }
 
-void WorkerPool::run_round(int64_t n_items, const std::function<void(int64_t, int)>& fn) {
+void WorkerPool::run_round(int64_t n_items, const std::function<void(int64_t, int)>& fn, int64_t min_chunk) {
   fn_.store(&fn, std::memory_order_relaxed);
-  chunk_.store(std::max<int64_t>(1, n_items / (8 * n_threads())), std::memory_order_relaxed);
+  chunk_.store(std::max<int64_t>({1, min_chunk, n_items / (8 * n_threads())}), std::memory_order_relaxed);
   items_done_.store(0, std::memory_order_relaxed);
   ++round_;
   ticket_.store(pack_ticket(round_, static_cast<uint64_t>(n_items), 0), std::memory_order_release);
-  if (!threads_.empty() && n_items > 1) {
+  if (!threads_.empty() && n_items > chunk_.load(std::memory_order_relaxed)) {  // else one claim: the caller's
     generation_.fetch_add(1, std::memory_order_acq_rel);  // wake the workers
     if (sleepers_.load() > 0) {
       { std::lock_guard<std::mutex> lock(sleep_mu_); }
@@ -193,7 +193,7 @@ int64_t worker_self_test(WorkerPool& pool, int rounds, int64_t max_items, uint64
   std::vector<std::atomic<int>> hits(static_cast<size_t>(std::max<int64_t>(max_items, 1)));
   const int n_threads = pool.n_threads();
   std::atomic<int64_t> bad_thread{0};
-  auto check_round = [&](int64_t n) {
+  auto check_round = [&](int64_t n, int64_t min_chunk) {
     for (int64_t i = 0; i < n; ++i) hits[i].store(0, std::memory_order_relaxed);
     pool.parallel_for(n, [&](int64_t i, int t) {
       if (t < 0 || t >= n_threads) bad_thread.fetch_add(1);
@@ -203,10 +203,13 @@ int64_t worker_self_test(WorkerPool& pool, int rounds, int64_t max_items, uint64
         }
       }
       hits[i].fetch_add(1, std::memory_order_relaxed);
-    });
+    }, min_chunk);
     for (int64_t i = 0; i < n; ++i) anomalies += hits[i].load() != 1;
   };
-  for (int r = 0; r < rounds; ++r) check_round(static_cast<int64_t>(next() % (max_items + 1)));
+  for (int r = 0; r < rounds; ++r) {  // every other round with claims of up to 9 items
+    const int64_t n = static_cast<int64_t>(next() % (max_items + 1));
+    check_round(n, r % 2 ? 1 + static_cast<int64_t>(next() % 9) : 1);
+  }
   if (big) {  // more items than one ticket holds: split into rounds, each item once
     const int64_t n = (int64_t{1} << 24) + 5;
     std::vector<uint8_t> once(static_cast<size_t>(n), 0);
@@ -224,7 +227,7 @@ int64_t worker_self_test(WorkerPool& pool, int rounds, int64_t max_items, uint64
     threw = std::string(e.what()) == "planted";
   }
   anomalies += !threw;
-  check_round(std::max<int64_t>(max_items, 1));  // the pool still works after a failure
+  check_round(std::max<int64_t>(max_items, 1), 1);  // the pool still works after a failure
   return anomalies + bad_thread.load();
 }
 

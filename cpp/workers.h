@@ -35,15 +35,16 @@ class WorkerPool {
 
   // fn(item, thread) for every item in [0, n_items) on the workers and the calling thread;
   // thread is in [0, n_threads()). Returns when all items ran; rethrows the first exception.
-  // Calls are serialised: one job at a time.
-  void parallel_for(int64_t n_items, const std::function<void(int64_t, int)>& fn);
+  // Calls are serialised: one job at a time. A thread claims at least min_chunk items at once (for
+  // items so small that a contended claim would cost more than the item).
+  void parallel_for(int64_t n_items, const std::function<void(int64_t, int)>& fn, int64_t min_chunk = 1);
   int n_threads() const { return static_cast<int>(threads_.size()) + 1; }
   const WorkerConfig& config() const { return cfg_; }
   const std::vector<int>& pinned_cpus() const { return cpus_; }
 
  private:
   void worker_main(int index);
-  void run_round(int64_t n_items, const std::function<void(int64_t, int)>& fn);
+  void run_round(int64_t n_items, const std::function<void(int64_t, int)>& fn, int64_t min_chunk);
   void run_items(int thread);
   void close_round();
 
@@ -56,8 +57,8 @@ class WorkerPool {
   // claims a chunk of items by advancing it with a CAS, so a claim always names items of the round
   // that fn_ belongs to, and a worker that wakes late (asleep, or descheduled by another thread on its
   // core) finds the items taken and nobody waits for it: the caller waits for items, not workers.
-  // Chunks (n_items / (8 n_threads): ~8 claims per thread keep the last round short) and one cache
-  // line per hot atomic, so 15 threads do not
+  // Chunks (n_items / (8 n_threads): ~8 claims per thread keep the last round short; at least the
+  // caller's min_chunk) and one cache line per hot atomic, so 15 threads do not
   // queue on one line per item (on the H200 host this did not shorten a tiny expert call: ~33 us
   // stays, cause not found yet; bench/RESULTS.md session 4). generation_ only wakes the workers.
   std::atomic<const std::function<void(int64_t, int)>*> fn_{nullptr};
