@@ -1,7 +1,8 @@
 """Pallas expert kernels on the GPU: prefill grouped GEMM and decode grouped GEMV against ceilings.
 
-Ceilings measured in the same run: a plain bf16 matmul ([8192, 8192] @ [8192, 8192], random data;
-TFLOP/s) and a device-to-device copy (2 GiB, bytes read + written; GB/s).
+Ceilings measured in the same run, fastest of their runs: a plain bf16 matmul ([8192, 8192] @ [8192,
+8192], random data; TFLOP/s), a device-to-device copy (2 GiB, bytes read + written; GB/s) and a
+device read (2 GiB summed; GB/s).
 
 - prefill (``ftjax.pallas.prefill_gemm``): per (H, I), token count and weight type, the kernel's
   time, useful TFLOP/s (``prefill_flops``) and its ratio to the matmul ceiling; ``--ragged`` adds the
@@ -33,28 +34,29 @@ from ftjax.pallas import decode_gemv as dg
 from ftjax.pallas import prefill_gemm as pg
 
 
-def _time_ms(fn, *args, iters):
+def _time_ms(fn, *args, iters, best=False):
+    """Median wall time of ``iters`` calls (``best``: the fastest, for ceilings)."""
     jax.block_until_ready(fn(*args))  # compile + warm up
     times = []
     for _ in range(iters):
         t0 = time.perf_counter()
         jax.block_until_ready(fn(*args))
         times.append((time.perf_counter() - t0) * 1e3)
-    return float(np.median(times))
+    return float(np.min(times) if best else np.median(times))
 
 
 def dense_ceiling_tflops(n=8192, iters=10):
     ka, kb = jax.random.split(jax.random.key(0))
     a = jax.random.normal(ka, (n, n), jnp.bfloat16)
     b = jax.random.normal(kb, (n, n), jnp.bfloat16)
-    ms = _time_ms(jax.jit(lambda a, b: a @ b), a, b, iters=iters)
+    ms = _time_ms(jax.jit(lambda a, b: a @ b), a, b, iters=iters, best=True)
     return 2 * n ** 3 / ms / 1e9
 
 
 def copy_ceiling_gbps(nbytes=2 << 30, iters=10):
     """Device-to-device copy, bytes read + written per second."""
     src = jax.random.bits(jax.random.key(1), (nbytes // 4,), jnp.uint32)
-    ms = _time_ms(jax.jit(lambda a: a + jnp.uint32(1)), src, iters=iters)
+    ms = _time_ms(jax.jit(lambda a: a + jnp.uint32(1)), src, iters=iters, best=True)
     return 2 * nbytes / ms / 1e6
 
 
@@ -73,10 +75,13 @@ def _rand_bank(key, shape, kind):
 
 
 def read_ceiling_gbps(nbytes=2 << 30, iters=10):
-    """Device read alone (a sum over 2 GiB): what a kernel that only reads weights can approach;
-    HBM reads alone run faster than a copy's mixed reads and writes."""
-    src = jax.random.bits(jax.random.key(2), (nbytes // 4,), jnp.uint32)
-    ms = _time_ms(jax.jit(lambda a: jnp.sum(a, dtype=jnp.uint32)), src, iters=iters)
+    """Device read alone: the faster of a full sum and a row sum ([N, 8192] -> [N]) over 2 GiB, the
+    fastest of ``iters`` runs. What a kernel that only reads weights can approach (HBM reads alone run
+    faster than a copy's mixed reads and writes; session 4's full sum alone read 2.8 TB/s while the
+    decode kernel read 3.9 TB/s, so take the best of several forms)."""
+    src = jax.random.bits(jax.random.key(2), (nbytes // 4 // 8192, 8192), jnp.uint32)
+    ms = min(_time_ms(jax.jit(lambda a: jnp.sum(a, dtype=jnp.uint32)), src, iters=iters, best=True),
+             _time_ms(jax.jit(lambda a: jnp.sum(a, axis=1, dtype=jnp.uint32)), src, iters=iters, best=True))
     return nbytes / ms / 1e6
 
 
