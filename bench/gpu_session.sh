@@ -33,7 +33,7 @@ for s in "${steps[@]}"; do
     cpu) run cpu_tests 60 python3 -m pytest -q tests/host/test_kernels.py
          run cpu_kernels 120 python3 bench/host_runtime.py --all-tiers --no-gpu --calls 10 --out "$OUT/cpu_kernels.json" ;;
     kernels) run kernels 240 python3 bench/kernels.py --tokens 1024 8192 --ragged --iters 5 --out "$OUT/kernels.json" ;;
-    tune) run tune_decode 150 python3 bench/kernels.py --only decode --shapes 2048x512 --decode-tokens 1 8 \
+    tune) run tune_decode 150 python3 bench/kernels.py --only decode --shapes 2048x512 --dtypes bf16 --decode-tokens 1 8 \
             --tune-decode --iters 3 --out "$OUT/tune_decode.json"
           run tune_prefill 150 python3 bench/kernels.py --only prefill --shapes 2048x512 --dtypes bf16 --tokens 8192 \
             --tune-prefill 2048x512 --iters 3 --out "$OUT/tune_prefill.json" ;;
