@@ -114,6 +114,15 @@ class Run:
         if self.hook is not None:
             self.hook()
 
+    def hlo_ops(self) -> dict:
+        """Top-level ops of the compiled decode step (``trace_summary.hlo_entry_ops``)."""
+        from trace_summary import hlo_entry_ops
+
+        tok = jnp.zeros((self.batch, 1), jnp.int32)
+        lowered = self.decode.jitted.lower(self.params, self.expert_state, self.state, tok,
+                                           jnp.ones((self.batch,), jnp.int32))
+        return dict(hlo_entry_ops(lowered.compile().as_text()))
+
     def stats(self):
         return {k: np.asarray(v).astype(np.int64) for k, v in self.cache["stats"].items() if k != "hist"}
 
@@ -189,6 +198,8 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=40, help="fewer layers for a quick check")
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--no-online", action="store_true", help="skip the 'split online' row (online split tuner)")
+    ap.add_argument("--hlo-stats", action="store_true", help="print the compiled decode step's top-level ops "
+                    "(command buffers vs ops launched one by one)")
     ap.add_argument("--unfused-handshake", dest="fused_handshake", action="store_false",
                     help="CPU-branch submit/collect through memcpy nodes (the fused kernels are the default)")
     ap.add_argument("--tokenizer", default=str(TOKENIZER), help="the real Qwen3 tokenizer (routing text)")
@@ -236,6 +247,8 @@ def main(argv=None) -> int:
             res = Run(cfg, params, pool, "resident", L * E, B, routing, trace, max_len, band.fill_fraction, tokens,
                       fused_handshake=args.fused_handshake)
             t_gpu = res.timed(args.warmup // 4, args.steps)
+            if args.hlo_stats:
+                print(f"resident: compiled decode step, top-level ops {res.hlo_ops()}", flush=True)
             profile(res, args.profile, f"{routing}-b{B}-resident")
             del res
             for frac in args.fractions:
@@ -245,6 +258,9 @@ def main(argv=None) -> int:
                     run = Run(cfg, params, pool, pol, 0 if pol == "cpu" else S, B, routing, trace, max_len,
                               band.fill_fraction, tokens, fused_handshake=args.fused_handshake)
                     rows[pol] = run.timed(args.warmup, args.steps)
+                    if args.hlo_stats:
+                        rows[pol]["hlo_ops"] = run.hlo_ops()
+                        print(f"{pol}: compiled decode step, top-level ops {rows[pol]['hlo_ops']}", flush=True)
                     profile(run, args.profile, f"{routing}-b{B}-{pol}-{round(100 * frac)}")
                     if pol == "lru-split":
                         if not args.no_online:

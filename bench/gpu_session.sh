@@ -3,8 +3,8 @@
 # Each step has its own time limit so one slow step cannot eat the call; the last lines are a summary.
 #   bash bench/gpu_session.sh [tests] [host] [cpu] [kernels] [tune] [decode] [decode-more]
 #   (default: tests host kernels)
-# Step limits (s): tests 240, host 120, cpu 180, kernels 240, tune 300, decode 480, decode-profile 480,
-# decode-more 540:
+# Step limits (s): tests 240, host 120, cpu 180, kernels 240, tune 300, decode 480, decode-profile 405,
+# decode-hlo 240 (which ops of the compiled step run outside command buffers), decode-more 540:
 # pick steps that fit one 10-minute call, e.g. `tests host cpu kernels`, then `tune`, then `decode`.
 # cpu = the CPU kernel tests and table on every ISA tier of the GPU host (AMX is there, not on the dev box).
 # Text routing needs the Qwen3 tokenizer inside the repo: copy ../shared/data/qwen3-tokenizer to
@@ -44,6 +44,9 @@ for s in "${steps[@]}"; do
               --fractions 0.37 --policies lru-split lru-fill --no-sweep --no-online --steps 16 --warmup 24 \
               --profile /tmp/prof --out "$OUT/decode_profile.json"
        run trace_summary 45 python3 bench/trace_summary.py /tmp/prof --top 12 ;;
+    decode-hlo) run decode_hlo 240 python3 bench/decode.py --layers 8 --batches 1 --routing trace --fractions 0.37 \
+              --policies lru-split lru-fill --no-sweep --no-online --steps 4 --warmup 4 --hlo-stats \
+              --out "$OUT/decode_hlo.json" ;;
     decode-more) run decode_more 540 python3 bench/decode.py --layers 40 --batches 4 1 --routing text trace \
               --tokenizer "$tok" --fractions 0.11 --policies lru-split lru-fill static --no-sweep \
               --steps 24 --warmup 24 --out "$OUT/decode_more.json" ;;

@@ -5,7 +5,9 @@
 For each ``perfetto_trace.json.gz`` under DIR: the GPU kernel events (CUPTI, on device "pids"),
 their total duration, the span from the first kernel start to the last kernel end, the busy fraction
 (kernel time / span: far below 1 means the step waits on launches, the host or the CPU branch), and
-the kernels grouped by name with count and total time per step.
+the kernels grouped by name with count and total time per step; then the host's CUDA API calls that
+launch work (graph launches, kernel launches, copies, stream waits) per step: many kernel launches
+beside few graph launches mean parts of the step run outside XLA's command buffers.
 """
 from __future__ import annotations
 
@@ -37,13 +39,50 @@ def gpu_kernels(events: list[dict]) -> list[dict]:
     return [e for e in ks if (e["pid"], e["tid"]) in streams] if streams else ks
 
 
+LAUNCH_API = re.compile(r"^cu(da)?(GraphLaunch|LaunchKernel|LaunchKernelEx|Memcpy|Memset|StreamWait|"
+                        r"StreamWriteValue|StreamWaitValue|EventRecord|LaunchHostFunc)")
+
+
+def host_launches(events: list[dict]) -> dict[str, int]:
+    """CUDA runtime/driver API calls that launch or order work, on host threads, by name."""
+    names = {e["pid"]: e["args"].get("name", "") for e in events
+             if e.get("ph") == "M" and e.get("name") == "process_name" and "args" in e}
+    gpu = {pid for pid, n in names.items() if re.search(r"/device:GPU", n)}
+    out: dict[str, int] = collections.Counter()
+    for e in events:
+        if e.get("ph") == "X" and e.get("pid") not in gpu and LAUNCH_API.match(e.get("name", "")):
+            out[re.sub(r"_v\d+$", "", e["name"])] += 1
+    return out
+
+
+def hlo_entry_ops(hlo_text: str) -> dict[str, int]:
+    """Top-level instructions of a compiled module's ENTRY computation by opcode; calls into XLA's
+    command buffers count as "command_buffer". Work outside command buffers is launched one op at a
+    time from the host on every step."""
+    out: dict[str, int] = collections.Counter()
+    in_entry = False
+    for line in hlo_text.splitlines():
+        if line.startswith("ENTRY "):
+            in_entry = True
+            continue
+        if in_entry:
+            if line.startswith("}"):
+                break
+            m = re.search(r" = .*?\s([a-z][a-z0-9-]*)\(", line)
+            if not m or m.group(1) in ("parameter", "constant", "get-tuple-element", "tuple", "bitcast"):
+                continue
+            out["command_buffer" if "command_buffer" in line and m.group(1) == "call" else m.group(1)] += 1
+    return out
+
+
 def short(name: str) -> str:
     name = re.sub(r"\.\d+$", "", name)
     return name if len(name) < 70 else name[:67] + "..."
 
 
 def summarise(path: Path, top: int, steps: int) -> None:
-    ks = gpu_kernels(load(path))
+    events = load(path)
+    ks = gpu_kernels(events)
     print(f"\n== {path.parent.parent.parent.parent.name if path.parents[3:] else path}: {len(ks)} GPU events")
     if not ks:
         return
@@ -69,6 +108,10 @@ def summarise(path: Path, top: int, steps: int) -> None:
     print(f"{'kernel':70} {'n/step':>7} {'us/step':>9} {'share':>6}")
     for name, (n, d) in sorted(by.items(), key=lambda kv: -kv[1][1])[:top]:
         print(f"{name:70} {n / steps:7.0f} {d / steps:9.1f} {d / total:6.1%}")
+    api = host_launches(events)
+    if api:
+        print("host CUDA API calls per step: " + ", ".join(f"{k} {v / steps:.0f}" for k, v in
+                                                           sorted(api.items(), key=lambda kv: -kv[1])))
 
 
 def main(argv=None) -> int:
