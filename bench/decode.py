@@ -146,7 +146,8 @@ class Run:
                 out = self.timed(warmup, steps)
             finally:
                 self.hook = None
-            return dict(out, fill_fraction=ctl.fraction, online_updates=ctl.updates)
+            return dict(out, fill_fraction=ctl.bandwidth.fill_fraction, online_updates=ctl.updates,
+                        online_moves=ctl.tuner.moves)
         for _ in range(warmup):
             self.step()
         if self.backend.policy.name == "static":
@@ -198,6 +199,8 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=40, help="fewer layers for a quick check")
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--no-online", action="store_true", help="skip the 'split online' row (online split tuner)")
+    ap.add_argument("--online-warmup", type=int, default=256,
+                    help="steps the online tuner runs before the 'split online' row is timed")
     ap.add_argument("--hlo-stats", action="store_true", help="print the compiled decode step's top-level ops "
                     "(command buffers vs ops launched one by one)")
     ap.add_argument("--unfused-handshake", dest="fused_handshake", action="store_false",
@@ -234,6 +237,7 @@ def main(argv=None) -> int:
     # Every step of the longest run (lru-split: timing, worker variants, sweep, profile) must fit the
     # KV length: past it, text routing would come from an overflowing context.
     max_len = (2 * (args.warmup + args.steps) + 8 + len(args.worker_variants) * (args.warmup // 2 + args.steps)
+               + (0 if args.no_online else args.online_warmup + args.steps)
                + (0 if args.no_sweep else len(SWEEP) * (8 + args.steps)) + (4 if args.profile else 0))
     results = {"b_dram_gbps": b_dram, "bandwidth": band.to_dict(), "expert_bytes": expert_bytes, "rows": []}
     print(f"B_DRAM {b_dram:.1f} GB/s | in use: B_P {band.b_pcie_gbps:.1f} GB/s, B_H {band.b_host_gbps:.1f} GB/s "
@@ -263,8 +267,8 @@ def main(argv=None) -> int:
                         print(f"{pol}: compiled decode step, top-level ops {rows[pol]['hlo_ops']}", flush=True)
                     profile(run, args.profile, f"{routing}-b{B}-{pol}-{round(100 * frac)}")
                     if pol == "lru-split":
-                        if not args.no_online:
-                            rows["split online"] = run.timed(args.warmup, args.steps, online=band)
+                        if not args.no_online:  # a long warm-up: a move takes two windows of 16 steps
+                            rows["split online"] = run.timed(args.online_warmup, args.steps, online=band)
                         for variant in args.worker_variants:  # same executable, other worker pool
                             n, spin = (int(v) for v in variant.split(":"))
                             configure_workers(n_workers=n, spin_us=spin)
@@ -305,7 +309,7 @@ def print_row(row):
     p = row["policies"]
     if "split online" in p:
         print(f"split online: fraction {p['split online']['fill_fraction']:.3f} after "
-              f"{p['split online']['online_updates']} updates")
+              f"{p['split online']['online_moves']} moves ({p['split online']['online_updates']} stats readings)")
     if "lru-split" in p and "lru-fill" in p:
         print(f"lru-split / lru-fill = {p['lru-split']['tok_s'] / p['lru-fill']['tok_s']:.2f}")
     if "sweep" in p.get("lru-split", {}):

@@ -79,6 +79,7 @@ class OnlineSplitTuner:
         self.bandwidth, self.window, self.delta, self.step = bandwidth, window, delta, step
         self._logit = _logit(bandwidth.fill_fraction)
         self._side, self._acc, self._cost = +1, [0.0, 0, 0], {}
+        self.moves = 0  # window pairs that moved f (pairs without misses do not)
 
     @property
     def trial_fraction(self) -> float:
@@ -99,6 +100,7 @@ class OnlineSplitTuner:
                 if up is not None and down is not None:
                     self._logit += (+1 if up < down else -1) * self.step
                     self.bandwidth = self.bandwidth.with_fraction(_sigmoid(self._logit))
+                    self.moves += 1
                 self._cost = {}
             self._side = -self._side
         return self.trial_fraction
@@ -167,4 +169,5 @@ class SplitController:
         return f
 
     def to_dict(self) -> dict:
-        return {**self.bandwidth.to_dict(), "trial_fill_fraction": self.fraction, "online_updates": self.updates}
+        return {**self.bandwidth.to_dict(), "trial_fill_fraction": self.fraction, "online_updates": self.updates,
+                "online_moves": self.tuner.moves}

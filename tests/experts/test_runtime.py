@@ -68,6 +68,7 @@ def test_bandwidth_from_profile_and_online_tuner():
     for _ in range(200):
         f = tuner.record(1.0 - 0.5 * f, 1, misses=4)
     assert tuner.bandwidth.fill_fraction > f0 and tuner.bandwidth.b_pcie_gbps > 10.0 * b0 / f0 - 1e-9
+    assert tuner.moves == 200 // (2 * 4)  # one move per pair of 4-step windows
 
 
 def test_online_tuner_minimises_step_time_not_time_per_miss():
@@ -82,7 +83,7 @@ def test_online_tuner_minimises_step_time_not_time_per_miss():
     idle = OnlineSplitTuner(Bandwidth(10.0, 10.0, True, "profile"), window=2)
     for _ in range(50):
         idle.record(0.01, 1, misses=0)
-    assert idle.bandwidth.fill_fraction == pytest.approx(0.5)
+    assert idle.bandwidth.fill_fraction == pytest.approx(0.5) and idle.moves == 0
 
 
 def test_split_controller_pairs_time_with_new_snapshots():
