@@ -42,7 +42,12 @@ def test_deadline_frees_the_slot(client):
     after = wait_idle(client, timeout=1.0)
     assert time.monotonic() - t0 < 1.0
     assert after["cancelled"] == before["cancelled"] + 1 and after["free_slots"] == 2
-    assert after["server"]["deadline_exceeded"] >= 1
+    # The server counts the deadline when its handler ends, which can come just after the engine has
+    # freed the slot (the engine's own deadline may end the request first): poll, briefly.
+    until = time.monotonic() + 2
+    while client.stats()["server"]["deadline_exceeded"] <= before["server"].get("deadline_exceeded", 0):
+        assert time.monotonic() < until, client.stats()["server"]
+        time.sleep(0.01)
 
 
 def test_deadline_while_queued(client):
