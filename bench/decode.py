@@ -234,9 +234,9 @@ def main(argv=None) -> int:
     band = bw.from_profile(prof)
     expert_bytes = shape.expert_bytes("bf16")
     params = make_params(cfg)
-    # Every step of the longest run (lru-split: timing, worker variants, sweep, profile) must fit the
+    # Every step of the longest run (lru-split: timing, online row, worker variants, sweep, profile) must fit the
     # KV length: past it, text routing would come from an overflowing context.
-    max_len = (2 * (args.warmup + args.steps) + 8 + len(args.worker_variants) * (args.warmup // 2 + args.steps)
+    max_len = (args.warmup + args.steps + 8 + len(args.worker_variants) * (args.warmup // 2 + args.steps)
                + (0 if args.no_online else args.online_warmup + args.steps)
                + (0 if args.no_sweep else len(SWEEP) * (8 + args.steps)) + (4 if args.profile else 0))
     results = {"b_dram_gbps": b_dram, "bandwidth": band.to_dict(), "expert_bytes": expert_bytes, "rows": []}
