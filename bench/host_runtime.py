@@ -31,24 +31,27 @@ from ftjax.host import measure  # noqa: E402
 SHAPES = {"qwen3.6 (H2048 I512)": measure.ExpertShape(2048, 512), "large (H4096 I2048)": measure.ExpertShape(4096, 2048)}
 
 
-def cpu_part(window_gib: float, calls: int, tiers: list[str]) -> list[dict]:
+def cpu_part(window_gib: float, calls: int, tiers: list[str], prefetch: list[int]) -> list[dict]:
     window = int(window_gib * 2**30)
+    default_pf = _host.prefetch_bytes()
     stream = measure.stream_read_gbps(window)
     rows = []
     for name, shape in SHAPES.items():
         for fmt in ("bf16", "int4"):
             pool = measure.make_pool(shape, fmt, window)
-            for tier in tiers:
+            for tier, pf in [(t, p) for t in tiers for p in prefetch]:
                 _host.set_tier(tier)
+                _host.set_prefetch_bytes(pf)
                 # (tokens, routes per token): decode calls of 1 and 8 tokens x top-8, and the 1-2 expert
                 # calls a CPU branch gets per layer when most misses are filled
                 for tokens, k in ((1, shape.top_k), (8, shape.top_k), (1, 1), (1, 2)):
                     r = measure.cpu_kernel_gbps(pool, dataclasses.replace(shape, top_k=k), tokens, calls=calls)
-                    rows.append({"shape": name, "format": fmt, "tier": tier, "tokens": tokens, "top_k": k, **r,
-                                 "stream_gbps": stream, "ratio": r["gbps"] / stream})
+                    rows.append({"shape": name, "format": fmt, "tier": tier, "prefetch": pf, "tokens": tokens,
+                                 "top_k": k, **r, "stream_gbps": stream, "ratio": r["gbps"] / stream})
             pool.close()
             del pool
     _host.set_tier("auto")
+    _host.set_prefetch_bytes(default_pf)
     return rows
 
 
@@ -121,6 +124,8 @@ def main(argv=None) -> int:
     ap.add_argument("--window-gib", type=float, default=2.0)
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--all-tiers", action="store_true", help="time every available CPU tier, not only the best")
+    ap.add_argument("--prefetch", type=int, nargs="+", default=None,
+                    help="weight-row prefetch distances (bytes) to time, e.g. 0 256 512 1024 (default: the built-in one)")
     ap.add_argument("--no-gpu", action="store_true")
     ap.add_argument("--no-cpu", action="store_true", help="skip the CPU kernel table (fill and handshake only)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "out" / "host_runtime.json"))
@@ -129,13 +134,15 @@ def main(argv=None) -> int:
     tiers = [t for t in _host.available_tiers() if t != "scalar"] if args.all_tiers else [_host.active_tier()]
     res = {"cpu": _host.cpu_brand(), "workers": _host.worker_info(), "window_gib": args.window_gib,
            "routing": "synthetic: fresh expert window per call (no reuse), DRAM-bound"}
-    res["kernel"] = [] if args.no_cpu else cpu_part(args.window_gib, args.calls, tiers)
+    prefetch = args.prefetch if args.prefetch else [_host.prefetch_bytes()]
+    res["kernel"] = [] if args.no_cpu else cpu_part(args.window_gib, args.calls, tiers, prefetch)
     if res["kernel"]:
         print(f"CPU: {res['cpu']}, {res['workers']['n_threads']} threads; STREAM read "
               f"{res['kernel'][0]['stream_gbps']:.1f} GB/s ({args.window_gib} GiB, same threads)")
-        print(f"{'shape':22} {'fmt':5} {'tier':11} {'tok':>3} {'k':>2} {'ms':>7} {'GB/s':>7} {'/STREAM':>8}")
+        print(f"{'shape':22} {'fmt':5} {'tier':11} {'pf B':>5} {'tok':>3} {'k':>2} {'ms':>7} {'GB/s':>7} {'/STREAM':>8}")
     for r in res["kernel"]:
-        print(f"{r['shape']:22} {r['format']:5} {r['tier']:11} {r['tokens']:>3} {r['top_k']:>2} {r['ms']:7.3f} "
+        print(f"{r['shape']:22} {r['format']:5} {r['tier']:11} {r['prefetch']:5d} {r['tokens']:>3} {r['top_k']:>2} "
+              f"{r['ms']:7.3f} "
               f"{r['gbps']:7.1f} {r['ratio']:8.2f}")
     if not args.no_gpu and _host.cuda_built() and _host.cuda_device_count() > 0:
         res["gpu"] = _host.cuda_device_name(0)

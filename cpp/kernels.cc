@@ -2,6 +2,7 @@
 // forced (tests run every available tier; benchmarks compare them).
 #include <atomic>
 #include <stdexcept>
+#include <string>
 
 #include "cpu_features.h"
 #include "kernels.h"
@@ -44,6 +45,7 @@ Tier best_tier() {
 }
 
 std::atomic<int> g_tier{-1};
+std::atomic<int64_t> g_prefetch{kDefaultPrefetchBytes};
 }  // namespace
 
 #ifndef FTJAX_HAVE_AMX
@@ -91,6 +93,14 @@ void set_tier(const std::string& name) {
   }
   throw std::invalid_argument("kernel tier '" + name + "' is not available on this machine/build; valid: auto, " +
                               valid);
+}
+
+int64_t prefetch_bytes() { return g_prefetch.load(std::memory_order_relaxed); }
+
+void set_prefetch_bytes(int64_t bytes) {
+  if (bytes < 0 || bytes > (int64_t{1} << 20))
+    throw std::invalid_argument("prefetch distance must be in [0, 1 MiB] bytes, got " + std::to_string(bytes));
+  g_prefetch.store(bytes, std::memory_order_relaxed);
 }
 
 DotRowsFn dot_rows_for(Tier t) {

@@ -38,6 +38,11 @@ std::vector<Tier> available_tiers();  // compiled in and supported by this CPU, 
 Tier active_tier();
 void set_tier(const std::string& name);  // "auto" | "scalar" | "avx2" | "avx512bf16" | "amx"
 DotRowsFn dot_rows_for(Tier t);
+// How far ahead (bytes) the AVX-512 tier prefetches each weight row; 0 turns it off. Default
+// kDefaultPrefetchBytes; benchmarks sweep it (bench/host_runtime.py --prefetch).
+constexpr int64_t kDefaultPrefetchBytes = 512;
+int64_t prefetch_bytes();
+void set_prefetch_bytes(int64_t bytes);  // 0 .. 1 MiB
 
 // Per-tier entry points (defined only where compiled; see CMakeLists.txt).
 void dot_rows_scalar(const MatrixRef&, int64_t, int64_t, const ActRef&, float*);

@@ -12,6 +12,15 @@
 namespace ftjax {
 namespace {
 
+// Software prefetch of each weight row `pf` bytes ahead of the loads (0: off). A core reading 4-8
+// row streams while it computes does not keep enough lines in flight from the hardware prefetcher
+// alone (int4 on the dev box: 13.5 -> 21.9 GB/s with 2 threads at 512 bytes).
+template <int R, class T>
+inline void prefetch_rows(const T* const (&row)[R], int64_t elem, int64_t pf) {
+#pragma GCC unroll 16
+  for (int i = 0; i < R; ++i)
+    _mm_prefetch(reinterpret_cast<const char*>(row[i] + elem) + pf, _MM_HINT_T0);
+}
 inline __m512 load_bf16x16(const uint16_t* p) {
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
@@ -28,6 +37,7 @@ void tile(const MatrixRef& w, int64_t r, const ActRef& a, int j0, float* out) {
   const float* x[N];
   for (int j = 0; j < N; ++j) x[j] = a.f32 + (j0 + j) * a.stride;
   int64_t k = 0;  // first column left for the scalar tail
+  const int64_t pf = prefetch_bytes();
   if (w.format == WeightFormat::kInt4 && a.bf16 != nullptr) {
     // bf16 activations: a group's 16 packed bytes widen to 16 dwords whose two nibbles become the
     // word indices (lo, hi) of a 16-entry bf16 table of q - 8 (exact in bf16), so each dword holds
@@ -38,7 +48,7 @@ void tile(const MatrixRef& w, int64_t r, const ActRef& a, int j0, float* out) {
         0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0,  //  0 .. 7
         0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0xC040, 0xC000, 0xBF80,
         0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0};
-    const __m512i table = _mm512_load_si512(kTable), low4 = _mm512_set1_epi32(0x0F);
+    const __m512i table = _mm512_load_si512(kTable);
     const uint8_t* row[R];
     const uint16_t* sc[R];
     const uint16_t* xh[N];
@@ -51,12 +61,15 @@ void tile(const MatrixRef& w, int64_t r, const ActRef& a, int j0, float* out) {
       __m512bh xv[N];
 #pragma GCC unroll 16
       for (int j = 0; j < N; ++j) xv[j] = (__m512bh)_mm512_loadu_si512(xh[j] + 32 * g);
+      if (pf > 0 && (g & 3) == 0) prefetch_rows<R>(row, 16 * g, pf);  // a line holds 4 groups
 #pragma GCC unroll 16
       for (int i = 0; i < R; ++i) {
+        // dword j = byte j; OR-ing in (byte << 12) puts the high nibble in the dword's high word and
+        // leaves the low word's low 5 bits (all VPERMW reads; the table repeats) the low nibble.
         const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row[i] + 16 * g)));
-        const __m512i idx = _mm512_or_si512(_mm512_and_si512(v, low4), _mm512_slli_epi32(_mm512_srli_epi32(v, 4), 16));
+        const __m512i idx = _mm512_or_si512(v, _mm512_slli_epi32(v, 12));
         const __m512bh wv = (__m512bh)_mm512_permutexvar_epi16(idx, table);
-        const __m512 s = _mm512_set1_ps(bf16_to_f32(sc[i][g]));
+        const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_set1_epi16(static_cast<short>(sc[i][g])), 16));
 #pragma GCC unroll 16
         for (int j = 0; j < N; ++j)
           acc[i][j] = _mm512_fmadd_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), wv, xv[j]), s, acc[i][j]);
@@ -72,6 +85,7 @@ void tile(const MatrixRef& w, int64_t r, const ActRef& a, int j0, float* out) {
       sc[i] = w.scales + (r + i) * (K / 32);
     }
     for (int64_t g = 0; g < K / 32; ++g) {
+      if (pf > 0 && (g & 3) == 0) prefetch_rows<R>(row, 16 * g, pf);
       __m512 xa[N], xb[N];
 #pragma GCC unroll 16
       for (int j = 0; j < N; ++j) {
@@ -103,6 +117,7 @@ void tile(const MatrixRef& w, int64_t r, const ActRef& a, int j0, float* out) {
       __m512bh xv[N];
 #pragma GCC unroll 16
       for (int j = 0; j < N; ++j) xv[j] = (__m512bh)_mm512_loadu_si512(xh[j] + k);
+      if (pf > 0) prefetch_rows<R>(row, k, pf);  // 32 bf16 = one line
 #pragma GCC unroll 16
       for (int i = 0; i < R; ++i) {
         const __m512bh wv = (__m512bh)_mm512_loadu_si512(row[i] + k);
@@ -114,6 +129,7 @@ void tile(const MatrixRef& w, int64_t r, const ActRef& a, int j0, float* out) {
     const uint16_t* row[R];
     for (int i = 0; i < R; ++i) row[i] = reinterpret_cast<const uint16_t*>(w.data) + (r + i) * K;
     for (; k + 16 <= K; k += 16) {
+      if (pf > 0 && (k & 31) == 0) prefetch_rows<R>(row, k, pf);
       __m512 xv[N];
 #pragma GCC unroll 16
       for (int j = 0; j < N; ++j) xv[j] = _mm512_loadu_ps(x[j] + k);

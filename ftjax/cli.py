@@ -290,8 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
     from ftjax.host import calibrate as calibrate_mod  # light: the native module loads on use
 
     p = sub.add_parser("calibrate", help="measure B_P (GPU fill) and B_H (CPU experts) for this machine",
-                       description=calibrate_mod.__doc__.strip().splitlines()[0] + " Prints a table with the "
-                       "ceilings measured in the same run and writes the machine profile the runtime loads.")
+                       description=calibrate_mod.__doc__.strip().split("\n\n")[0].replace("\n", " "))
     calibrate_mod.add_arguments(p)
     p.set_defaults(func=calibrate_mod.run)
     return parser

@@ -7,7 +7,7 @@ from ftjax.host.ffi import cpu_experts, register_targets
 from ftjax.host.pool import HostPool
 
 __all__ = ["HostPool", "cpu_experts", "register_targets", "cpu_features", "cpu_brand", "available_tiers",
-           "active_tier", "set_tier", "configure_workers", "tune_workers_for_gpu", "worker_info", "cuda_built",
+           "active_tier", "set_tier", "prefetch_bytes", "set_prefetch_bytes", "configure_workers", "tune_workers_for_gpu", "worker_info", "cuda_built",
            "cuda_device_count"]
 
 
@@ -33,6 +33,17 @@ def active_tier() -> str:
 def set_tier(name: str) -> None:
     """Force a kernel tier ("auto" = the best available); ValueError naming the valid ones."""
     _host.set_tier(name)
+
+
+def prefetch_bytes() -> int:
+    """How far ahead (bytes) the AVX-512 kernels prefetch each weight row (0 = off)."""
+    return _host.prefetch_bytes()
+
+
+def set_prefetch_bytes(nbytes: int) -> None:
+    """Set the weight-row prefetch distance of the AVX-512 kernels, 0 .. 1 MiB (0 = hardware
+    prefetch only); ValueError outside that range. Results do not depend on it, only speed."""
+    _host.set_prefetch_bytes(int(nbytes))
 
 
 GPU_SPIN_US = 2000  # beside a GPU: longer than the gap between the MoE layers of a decode step

@@ -152,6 +152,35 @@ def test_bad_tasks_raise_with_the_value():
         run(pool, np.zeros((2, 31), np.float32), np.array([0], np.int32), np.array([0], np.int32), w[:1], 1)
 
 
+@pytest.mark.parametrize("tier", TIERS)
+@pytest.mark.parametrize("fmt,act", [("bf16", "f32"), ("bf16", "bf16"), ("int4", "f32"), ("int4", "bf16")])
+def test_prefetch_distance_changes_no_bits(tier, fmt, act):
+    """Software prefetch (AVX-512 tier) only moves lines early: every distance gives the same bits."""
+    set_tier(tier)
+    rng = np.random.default_rng(zlib.crc32(f"pf{tier}{fmt}{act}".encode()))
+    pool, _ = make_pool(rng, fmt, 5, 256, 96)
+    x = rng.standard_normal((4, 256)).astype(np.float32)
+    if act == "bf16":
+        x = x.astype(BF16)
+    tok, eid, w = tasks(rng, 4, 12, 5)
+    default = _host.prefetch_bytes()
+    try:
+        outs = []
+        for pf in (0, 64, default, 4096):
+            _host.set_prefetch_bytes(pf)
+            outs.append(run(pool, x, tok, eid, w, 12))
+    finally:
+        _host.set_prefetch_bytes(default)
+    for y in outs[1:]:
+        np.testing.assert_array_equal(y, outs[0])
+
+
+def test_set_prefetch_bytes_rejects_out_of_range():
+    for bad in (-1, (1 << 20) + 1):
+        with pytest.raises(ValueError, match="prefetch distance"):
+            _host.set_prefetch_bytes(bad)
+
+
 def test_set_tier_rejects_unknown():
     with pytest.raises(ValueError, match="valid: auto"):
         set_tier("avx9000")
