@@ -3,7 +3,7 @@
 # Each step has its own time limit so one slow step cannot eat the call; the last lines are a summary.
 #   bash bench/gpu_session.sh [tests] [host] [cpu] [kernels] [tune] [decode] [decode-more]
 #   (default: tests host kernels)
-# Step limits (s): tests 240, host 120, cpu 300 (tests + prefetch sweep), cpu-tiers 150, calibrate 120, kernels 240, tune 300, decode 480, decode-profile 405,
+# Step limits (s): tests 240, host 120, cpu 300 (tests + prefetch sweep), cpu-core 120, cpu-tiers 150, calibrate 120, kernels 240, tune 300, decode 480, decode-profile 405,
 # decode-hlo 240 (which ops of the compiled step run outside command buffers), decode-more 540:
 # pick steps that fit one 10-minute call, e.g. `tests host cpu kernels`, then `tune`, then `decode`.
 # cpu = the CPU kernel tests and table (best tier, weight-row prefetch distances 0-2048 B);
@@ -34,6 +34,7 @@ for s in "${steps[@]}"; do
     cpu) run cpu_tests 60 python3 -m pytest -q tests/host/test_kernels.py
          run cpu_kernels 240 python3 bench/host_runtime.py --no-gpu --calls 10 --prefetch 0 256 512 1024 2048 \
            --out "$OUT/cpu_kernels.json" ;;
+    cpu-core) run cpu_core 120 python3 bench/host_runtime.py --no-gpu --per-core --calls 10 --out "$OUT/cpu_core.json" ;;
     cpu-tiers) run cpu_tiers 150 python3 bench/host_runtime.py --all-tiers --no-gpu --calls 10 --out "$OUT/cpu_tiers.json" ;;
     calibrate) run calibrate 120 python3 -m ftjax calibrate --window-gib 2 ;;
     kernels) run kernels 240 python3 bench/kernels.py --tokens 1024 8192 --ragged --iters 5 --out "$OUT/kernels.json" ;;

@@ -55,6 +55,37 @@ def cpu_part(window_gib: float, calls: int, tiers: list[str], prefetch: list[int
     return rows
 
 
+def core_part(calls: int) -> list[dict]:
+    """One thread (the caller, no workers), one expert hit by every token of each call, so its weights
+    stay in the caches: the kernel's compute rate per core, to compare with a core's share of STREAM."""
+    info = _host.worker_info()
+    _host.configure_workers(0, info["spin_us"], False)
+    rows = []
+    try:
+        for name, shape in SHAPES.items():
+            for fmt in ("bf16", "int4"):
+                pool = measure.make_pool(shape, fmt, 1)
+                nbytes = pool.expert_bytes("gate_up") + pool.expert_bytes("down")
+                for tokens in (1, 4, 8):
+                    x = np.random.default_rng(tokens).standard_normal((tokens, shape.hidden)).astype(np.float32)
+                    xb = (x.view(np.uint32) >> 16).astype(np.uint16)
+                    tok, eid = np.arange(tokens, dtype=np.int32), np.zeros(tokens, np.int32)
+                    w = np.ones(tokens, np.float32)
+                    times = []
+                    for _ in range(calls + 3):
+                        t0 = time.perf_counter()
+                        _host.run_experts(pool._h, xb, tok, eid, w, tokens, x_bf16=True)
+                        times.append(time.perf_counter() - t0)
+                    t = float(np.median(times[3:]))
+                    rows.append({"shape": name, "format": fmt, "tokens": tokens, "us": t * 1e6,
+                                 "gbps": nbytes / t / 1e9,
+                                 "ns_per_weight_token": t * 1e9 / (3 * shape.hidden * shape.inter * tokens)})
+                pool.close()
+    finally:
+        _host.configure_workers(info["n_workers"], info["spin_us"], info["pin"])
+    return rows
+
+
 def gpu_fill_part() -> list[dict]:
     from ftjax.host import cuda
 
@@ -126,6 +157,8 @@ def main(argv=None) -> int:
     ap.add_argument("--all-tiers", action="store_true", help="time every available CPU tier, not only the best")
     ap.add_argument("--prefetch", type=int, nargs="+", default=None,
                     help="weight-row prefetch distances (bytes) to time, e.g. 0 256 512 1024 (default: the built-in one)")
+    ap.add_argument("--per-core", action="store_true",
+                    help="also time one thread on one cache-resident expert (compute rate per core)")
     ap.add_argument("--no-gpu", action="store_true")
     ap.add_argument("--no-cpu", action="store_true", help="skip the CPU kernel table (fill and handshake only)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "out" / "host_runtime.json"))
@@ -144,6 +177,14 @@ def main(argv=None) -> int:
         print(f"{r['shape']:22} {r['format']:5} {r['tier']:11} {r['prefetch']:5d} {r['tokens']:>3} {r['top_k']:>2} "
               f"{r['ms']:7.3f} "
               f"{r['gbps']:7.1f} {r['ratio']:8.2f}")
+    if args.per_core:
+        res["per_core"] = core_part(args.calls)
+        share = res["kernel"][0]["stream_gbps"] / res["workers"]["n_threads"] if res["kernel"] else float("nan")
+        print(f"\nOne thread, one cache-resident expert, bf16 activations (a core's share of STREAM: {share:.1f} GB/s)")
+        print(f"{'shape':22} {'fmt':5} {'tok':>3} {'us':>8} {'GB/s':>7} {'ns/(weight*token)':>18}")
+        for r in res["per_core"]:
+            print(f"{r['shape']:22} {r['format']:5} {r['tokens']:3d} {r['us']:8.1f} {r['gbps']:7.1f} "
+                  f"{r['ns_per_weight_token']:18.4f}")
     if not args.no_gpu and _host.cuda_built() and _host.cuda_device_count() > 0:
         res["gpu"] = _host.cuda_device_name(0)
         res["fill"] = gpu_fill_part()
