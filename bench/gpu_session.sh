@@ -49,8 +49,8 @@ for s in "${steps[@]}"; do
               --fractions 0.37 --policies lru-split lru-fill --no-sweep --no-online --steps 16 --warmup 24 \
               --profile /tmp/prof --out "$OUT/decode_profile.json"
        run trace_summary 45 python3 bench/trace_summary.py /tmp/prof --top 12 ;;
-    decode-hlo) run decode_hlo 240 python3 bench/decode.py --layers 8 --batches 1 --routing trace --fractions 0.37 \
-              --policies lru-split lru-fill --no-sweep --no-online --steps 4 --warmup 4 --hlo-stats \
+    decode-hlo) run decode_hlo 240 python3 bench/decode.py --layers 8 --batches 1 4 --routing trace --fractions 0.37 \
+              --policies lru-split lru-fill --no-sweep --online-warmup 48 --steps 16 --warmup 16 --hlo-stats \
               --out "$OUT/decode_hlo.json" ;;
     decode-more) run decode_more 540 python3 bench/decode.py --layers 40 --batches 4 1 --routing text trace \
               --tokenizer "$tok" --fractions 0.11 --policies lru-split lru-fill static --no-sweep \
