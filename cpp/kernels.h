@@ -38,7 +38,7 @@ std::vector<Tier> available_tiers();  // compiled in and supported by this CPU, 
 Tier active_tier();
 void set_tier(const std::string& name);  // "auto" | "scalar" | "avx2" | "avx512bf16" | "amx"
 DotRowsFn dot_rows_for(Tier t);
-// How far ahead (bytes) the AVX-512 tier prefetches each weight row; 0 turns it off. Default
+// How far ahead (bytes) the AVX-512 and AMX tiers prefetch each weight row; 0 turns it off. Default
 // kDefaultPrefetchBytes; benchmarks sweep it (bench/host_runtime.py --prefetch).
 constexpr int64_t kDefaultPrefetchBytes = 512;
 int64_t prefetch_bytes();

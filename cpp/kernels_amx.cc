@@ -105,12 +105,17 @@ const uint32_t* repack(const ActRef& a, int64_t K) {
 
 // NB blocks of 16 weight rows from w (row stride K) times the B tiles at b (row stride n pairs):
 // out[i * n + j] for i < 16 * NB, j < nb. Each B tile is loaded once for the NB blocks.
+// Each k-step also prefetches every row's line `pf` bytes ahead (prefetch_bytes(); 0 = off).
 template <int NB>
-void row_blocks(const uint16_t* w, int64_t K, const uint32_t* b, int n, int nb, float* out) {
+void row_blocks(const uint16_t* w, int64_t K, const uint32_t* b, int n, int nb, float* out, int64_t pf) {
   alignas(64) uint16_t tail[16 * NB][32];
   _tile_zero(0);
   if constexpr (NB == 2) _tile_zero(1);
   for (int64_t k = 0; k < K; k += 32) {
+    if (pf > 0) {
+      const char* ahead = reinterpret_cast<const char*>(w + k) + pf;
+      for (int i = 0; i < 16 * NB; ++i) _mm_prefetch(ahead + i * K * 2, _MM_HINT_T0);
+    }
     const uint16_t* a0 = w + k;
     int64_t stride = K;  // elements
     if (k + 32 > K) {    // last partial step: a zero-padded copy of the weight columns [k, K);
@@ -149,13 +154,14 @@ void dot_rows_amx(const MatrixRef& w, int64_t r0, int64_t r1, const ActRef& a, f
   if (w.format != WeightFormat::kBF16 || a.bf16 == nullptr || K < 32 || r_amx == r0)
     return dot_rows_avx512bf16(w, r0, r1, a, out);
   const uint32_t* b = repack(a, K);
+  const int64_t pf = prefetch_bytes();
   const uint16_t* wd = reinterpret_cast<const uint16_t*>(w.data);
   for (int j0 = 0; j0 < a.n; j0 += 16) {
     const int nb = std::min(16, a.n - j0);
     configure(nb);
     int64_t r = r0;
-    for (; r + 32 <= r_amx; r += 32) row_blocks<2>(wd + r * K, K, b + j0, a.n, nb, out + (r - r0) * a.n + j0);
-    if (r < r_amx) row_blocks<1>(wd + r * K, K, b + j0, a.n, nb, out + (r - r0) * a.n + j0);
+    for (; r + 32 <= r_amx; r += 32) row_blocks<2>(wd + r * K, K, b + j0, a.n, nb, out + (r - r0) * a.n + j0, pf);
+    if (r < r_amx) row_blocks<1>(wd + r * K, K, b + j0, a.n, nb, out + (r - r0) * a.n + j0, pf);
   }
   if (r_amx < r1) dot_rows_avx512bf16(w, r_amx, r1, a, out + (r_amx - r0) * a.n);
 }

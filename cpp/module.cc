@@ -156,7 +156,7 @@ NB_MODULE(_host, m) {
   });
   m.def("active_tier", [] { return std::string(tier_name(active_tier())); });
   m.def("set_tier", &set_tier, "name"_a);
-  m.def("prefetch_bytes", &prefetch_bytes, "How far ahead (bytes) the AVX-512 tier prefetches weight rows.");
+  m.def("prefetch_bytes", &prefetch_bytes, "How far ahead (bytes) the AVX-512 and AMX tiers prefetch weight rows.");
   m.def("set_prefetch_bytes", &set_prefetch_bytes, "bytes"_a, "Set the prefetch distance (0 = off).");
   m.def("configure_workers", [](int n_workers, int spin_us, bool pin) {
     if (spin_us < 0) throw std::invalid_argument("spin_us must be >= 0, got " + std::to_string(spin_us));

@@ -2,7 +2,11 @@
 
 After a step, :meth:`ExpertStats.after_step` takes a copy of the stats arrays (a tiny jitted copy: the
 next step donates the state) and starts its transfer to the host; :meth:`read` returns the newest copy
-whose transfer has completed, so a reader never waits for the step in flight.
+whose transfer has completed, so a reader never waits for the step in flight. It copies after every
+``every``-th step (default 8): the copy reads buffers that the next step donates, and on the H200 a
+copy after every step slowed a pipelined decode loop (steps dispatched without waiting for the
+previous one) by 1.3-2.3x (bench/RESULTS.md, session 5), while the online split tuner needs one
+reading per window of 16 steps.
 """
 from __future__ import annotations
 
@@ -19,16 +23,25 @@ class ExpertStats:
     (fewer than 2^32 events apart). A ``calls`` counter going down means the state was re-initialised:
     its counts restart from zero and add on."""
 
-    def __init__(self):
+    def __init__(self, every: int = 8):
+        if every < 1:
+            raise ValueError(f"every must be >= 1 step, got {every}")
+        self.every, self._steps = every, 0
         self._lock = threading.Lock()
         self._pending = None
         self._raw: dict[str, np.ndarray] | None = None  # the last snapshot as read (uint32)
         self._latest: dict[str, np.ndarray] | None = None  # int64 totals
         self.version = 0  # bumped each time a newer snapshot reaches the host
 
-    def after_step(self, expert_state) -> None:
+    def after_step(self, expert_state, force: bool = False) -> None:
+        """Count a step; copy the stats after every ``every``-th one (the first included), or now if
+        ``force`` (e.g. before a final read)."""
         stats = expert_state.get("stats") if isinstance(expert_state, dict) else None
         if stats is None:
+            return
+        due = force or self._steps % self.every == 0
+        self._steps += 1
+        if not due:
             return
         snap = snapshot_stats(stats)
         for v in snap.values():

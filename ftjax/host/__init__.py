@@ -36,12 +36,12 @@ def set_tier(name: str) -> None:
 
 
 def prefetch_bytes() -> int:
-    """How far ahead (bytes) the AVX-512 kernels prefetch each weight row (0 = off)."""
+    """How far ahead (bytes) the AVX-512 and AMX kernels prefetch each weight row (0 = off)."""
     return _host.prefetch_bytes()
 
 
 def set_prefetch_bytes(nbytes: int) -> None:
-    """Set the weight-row prefetch distance of the AVX-512 kernels, 0 .. 1 MiB (0 = hardware
+    """Set the weight-row prefetch distance of the AVX-512 and AMX kernels, 0 .. 1 MiB (0 = hardware
     prefetch only); ValueError outside that range. Results do not depend on it, only speed."""
     _host.set_prefetch_bytes(int(nbytes))
 

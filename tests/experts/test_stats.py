@@ -37,7 +37,7 @@ def _push(st, state):
 
 
 def test_totals_survive_int32_wrap_and_resets():
-    st = ExpertStats()
+    st = ExpertStats(every=1)
     assert st.read() is None and st.misses() == (None, 0)
     top = 2**31 - 5
     got = _push(st, _state([1, 1], [top, 7], [3, 0]))
@@ -49,3 +49,26 @@ def test_totals_survive_int32_wrap_and_resets():
     assert list(got["hits"]) == [top + 16, 10] and list(got["calls"]) == [3, 3]
     s = st.summary()
     assert s["hits"] == top + 26 and s["misses"] == 7 and 0 < s["miss_rate"] < 1e-8
+
+
+def _settle(st, version):
+    for _ in range(2000):
+        if st.read() is not None and st.version >= version:
+            return
+        time.sleep(0.001)
+
+
+def test_copies_every_nth_step_and_on_force():
+    with pytest.raises(ValueError, match="every"):
+        ExpertStats(every=0)
+    st = ExpertStats(every=3)
+    for i in range(7):  # copies after steps 0, 3 and 6
+        st.after_step(_state([i + 1, i + 1], [i, i], [2 * i, 0]))
+        _settle(st, {0: 1, 3: 2, 6: 3}.get(i, 0))
+    assert st.version == 3 and st.misses()[0] == 12
+    st.after_step(_state([8, 8], [7, 7], [14, 0]), force=True)  # step 7: not due, forced
+    _settle(st, 4)
+    assert st.version == 4 and st.misses()[0] == 14
+    st.after_step(_state([9, 9], [8, 8], [16, 0]))  # step 8: not due
+    time.sleep(0.05)
+    assert st.version == 4 and st.misses()[0] == 14
