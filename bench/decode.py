@@ -91,6 +91,7 @@ class Run:
         self.i = 0
         self.dispatch_s = 0.0  # host time inside the decode call (enqueue; a host-bound step shows here)
         self.hook = None  # called after every step (the online split refinement)
+        self.sync = False  # wait for each step's logits before dispatching the next (--sync)
 
     @property
     def cache(self):
@@ -107,9 +108,11 @@ class Run:
                                                                   "weights": jnp.asarray(self.trace.weights[s])})
         tok = jnp.asarray(self.tokens[self.i % len(self.tokens)][:, None])
         t0 = time.perf_counter()
-        _, self.state, self.expert_state = self.decode(self.params, self.expert_state, self.state, tok,
-                                                       jnp.ones((self.batch,), jnp.int32))
+        logits, self.state, self.expert_state = self.decode(self.params, self.expert_state, self.state, tok,
+                                                            jnp.ones((self.batch,), jnp.int32))
         self.dispatch_s += time.perf_counter() - t0
+        if self.sync:  # as a serving loop that samples each token before the next step
+            logits.block_until_ready()
         self.i += 1
         if self.hook is not None:
             self.hook()
@@ -205,6 +208,9 @@ def main(argv=None) -> int:
                     "(command buffers vs ops launched one by one)")
     ap.add_argument("--unfused-handshake", dest="fused_handshake", action="store_false",
                     help="CPU-branch submit/collect through memcpy nodes (the fused kernels are the default)")
+    ap.add_argument("--sync", action="store_true",
+                    help="wait for each step's logits before the next (a serving loop that samples every token); "
+                         "default: steps dispatched back to back, the host running ahead of the GPU")
     ap.add_argument("--tokenizer", default=str(TOKENIZER), help="the real Qwen3 tokenizer (routing text)")
     ap.add_argument("--worker-variants", nargs="*", default=[], metavar="N:SPIN_US",
                     help="also run lru-split with the CPU worker pool reconfigured (N workers, -1 = default; "
@@ -239,17 +245,20 @@ def main(argv=None) -> int:
     max_len = (args.warmup + args.steps + 8 + len(args.worker_variants) * (args.warmup // 2 + args.steps)
                + (0 if args.no_online else args.online_warmup + args.steps)
                + (0 if args.no_sweep else len(SWEEP) * (8 + args.steps)) + (4 if args.profile else 0))
-    results = {"b_dram_gbps": b_dram, "bandwidth": band.to_dict(), "expert_bytes": expert_bytes, "rows": []}
+    results = {"sync": args.sync, "b_dram_gbps": b_dram, "bandwidth": band.to_dict(), "expert_bytes": expert_bytes, "rows": []}
     print(f"B_DRAM {b_dram:.1f} GB/s | in use: B_P {band.b_pcie_gbps:.1f} GB/s, B_H {band.b_host_gbps:.1f} GB/s "
           f"({'concurrent' if band.concurrent else 'standalone'}, {band.source}), q* fraction {band.fill_fraction:.3f}")
 
     print(f"CPU worker pool: {worker_info()}")
+    print("steps: " + ("each waits for the previous step's logits (--sync)" if args.sync else
+                       "dispatched back to back (the host runs ahead of the GPU)"))
     for routing in args.routing:
         for B in args.batches:
             trace = synthetic_trace(max_len, L, E, cfg.num_experts_per_tok, batch=B, seed=B) if routing == "trace" else None
             tokens = text_tokens(max_len, B, args.tokenizer) if routing == "text" else None
             res = Run(cfg, params, pool, "resident", L * E, B, routing, trace, max_len, band.fill_fraction, tokens,
                       fused_handshake=args.fused_handshake)
+            res.sync = args.sync
             t_gpu = res.timed(args.warmup // 4, args.steps)
             if args.hlo_stats:
                 print(f"resident: compiled decode step, top-level ops {res.hlo_ops()}", flush=True)
@@ -261,6 +270,7 @@ def main(argv=None) -> int:
                 for pol in args.policies:
                     run = Run(cfg, params, pool, pol, 0 if pol == "cpu" else S, B, routing, trace, max_len,
                               band.fill_fraction, tokens, fused_handshake=args.fused_handshake)
+                    run.sync = args.sync
                     rows[pol] = run.timed(args.warmup, args.steps)
                     if args.hlo_stats:
                         rows[pol]["hlo_ops"] = run.hlo_ops()
@@ -305,7 +315,7 @@ def print_row(row):
     for pol, r in row["policies"].items():
         print(f"{pol:10} {r['tok_s']:8.1f} {r['tok_s'] / row['roofline_tok_s']:6.2f} {100 * r['miss_rate']:6.1f} "
               f"{r['fills_per_layer']:8.2f} {r['cpu_per_layer']:6.2f} {r['step_ms']:8.2f} {r['dispatch_ms']:8.2f}")
-    print("host ms: time inside the decode call per step (dispatch); near step ms = host-bound")
+    print("host ms: time inside the decode call per step (dispatch; the host runs ahead unless --sync)")
     p = row["policies"]
     if "split online" in p:
         print(f"split online: fraction {p['split online']['fill_fraction']:.3f} after "

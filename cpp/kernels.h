@@ -27,7 +27,21 @@ struct ActRef {
   const uint16_t* bf16;  // nullptr: f32 activations
   int64_t stride;        // elements between vectors
   int n;
+  // Optional (int4 weights, bf16 activations, cols % 64 == 0): the bf16 vectors again in the
+  // pair64 order (pair64_index), which lets the AVX-512 tier turn two int4 groups into bf16 with
+  // one byte widening and two table permutes. nullptr: not provided (the tiers use bf16).
+  const uint16_t* bf16_pair64 = nullptr;
 };
+
+// Position of element k of a vector in the pair64 order: in each span of 64 elements, e = k % 64
+// goes to (e & 1) * 32 + (e >> 2) * 2 + ((e >> 1) & 1). A span of packed int4 weights is 32 bytes,
+// byte b holding elements 2b (low nibble) and 2b + 1; widened to words, the low nibbles give
+// elements 0, 2, 4, ... and the high nibbles 1, 3, 5, ...; VDPBF16PS multiplies word pairs (2l,
+// 2l + 1), i.e. elements (4l, 4l + 2) and (4l + 1, 4l + 3): the activations are laid out to match.
+inline int64_t pair64_index(int64_t k) {
+  const int64_t e = k & 63;
+  return (k - e) + (e & 1) * 32 + (e >> 2) * 2 + ((e >> 1) & 1);
+}
 
 // out[(r - r0) * a.n + j] = sum_k W[r, k] * a_j[k], for r in [r0, r1).
 using DotRowsFn = void (*)(const MatrixRef& w, int64_t r0, int64_t r1, const ActRef& a, float* out);

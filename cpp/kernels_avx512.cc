@@ -5,6 +5,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cstring>
 
 #include "kernels.h"
 #include "kernels_tiling.h"
@@ -38,7 +39,52 @@ void tile(const MatrixRef& w, int64_t r, const ActRef& a, int j0, float* out) {
   for (int j = 0; j < N; ++j) x[j] = a.f32 + (j0 + j) * a.stride;
   int64_t k = 0;  // first column left for the scalar tail
   const int64_t pf = prefetch_bytes();
-  if (w.format == WeightFormat::kInt4 && a.bf16 != nullptr) {
+  if (w.format == WeightFormat::kInt4 && a.bf16_pair64 != nullptr && K % 64 == 0) {
+    // Two groups (64 weights, 32 bytes) at a time: the bytes widen to 32 words; VPERMW of the words
+    // (index: low 5 bits = low nibble + a repeated table) gives the even elements, of the words >> 4
+    // the odd ones, each multiplied with the activations in pair64 order. Lanes 0-7 of the product
+    // belong to the first group and 8-15 to the second: one vector of the two scales scales both.
+    alignas(64) static const uint16_t kTable[32] = {
+        0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0xC040, 0xC000, 0xBF80,  // -8 .. -1
+        0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0,  //  0 .. 7
+        0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0xC040, 0xC000, 0xBF80,
+        0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0};
+    const __m512i table = _mm512_load_si512(kTable), hi_word = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+    const uint8_t* row[R];
+    const uint16_t* sc[R];
+    const uint16_t* xp[N];
+    for (int i = 0; i < R; ++i) {
+      row[i] = w.data + (r + i) * (K / 2);
+      sc[i] = w.scales + (r + i) * (K / 32);
+    }
+    for (int j = 0; j < N; ++j) xp[j] = a.bf16_pair64 + (j0 + j) * a.stride;
+    for (int64_t s = 0; s < K / 64; ++s) {
+      __m512bh xa[N], xb[N];
+#pragma GCC unroll 16
+      for (int j = 0; j < N; ++j) {
+        xa[j] = (__m512bh)_mm512_loadu_si512(xp[j] + 64 * s);
+        xb[j] = (__m512bh)_mm512_loadu_si512(xp[j] + 64 * s + 32);
+      }
+      if (pf > 0 && (s & 1) == 0) prefetch_rows<R>(row, 32 * s, pf);  // a line holds 2 spans
+#pragma GCC unroll 16
+      for (int i = 0; i < R; ++i) {
+        const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row[i] + 32 * s)));
+        const __m512bh w_even = (__m512bh)_mm512_permutexvar_epi16(v, table);
+        const __m512bh w_odd = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4), table);
+        // dword = (scale of group 2s+1) << 16 | scale of group 2s: lanes 0-7 take the low word, 8-15 the high
+        uint32_t pair;
+        std::memcpy(&pair, sc[i] + 2 * s, 4);
+        const __m512i sv = _mm512_set1_epi32(static_cast<int>(pair));
+        const __m512 scale = _mm512_castsi512_ps(_mm512_mask_and_epi32(_mm512_slli_epi32(sv, 16), 0xFF00, sv, hi_word));
+#pragma GCC unroll 16
+        for (int j = 0; j < N; ++j) {
+          const __m512 d = _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), w_even, xa[j]), w_odd, xb[j]);
+          acc[i][j] = _mm512_fmadd_ps(d, scale, acc[i][j]);
+        }
+      }
+    }
+    k = K;
+  } else if (w.format == WeightFormat::kInt4 && a.bf16 != nullptr) {
     // bf16 activations: a group's 16 packed bytes widen to 16 dwords whose two nibbles become the
     // word indices (lo, hi) of a 16-entry bf16 table of q - 8 (exact in bf16), so each dword holds
     // the bf16 pair (w[2j], w[2j+1]) that VDPBF16PS multiplies with the pair (x[2j], x[2j+1]); the

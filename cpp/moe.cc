@@ -79,6 +79,16 @@ void run_experts(WorkerPool& workers, const ExpertCall& c, Tier tier) {
     }
   }
   const DotRowsFn dot = dot_rows_for(tier);
+  // int4 weights with bf16 activations: the activations also in pair64 order (kernels.h).
+  const bool pair_x = c.x_bf16 && pool.gate_up().format == WeightFormat::kInt4 && H % 64 == 0;
+  const bool pair_act = c.x_bf16 && pool.down().format == WeightFormat::kInt4 && I % 64 == 0;
+  std::vector<uint16_t> xg_p, act_p;
+  if (pair_x) {
+    xg_p.resize(n * H);
+    for (int64_t r = 0; r < n; ++r)
+      for (int64_t h = 0; h < H; ++h) xg_p[r * H + pair64_index(h)] = xg_h[r * H + h];
+  }
+  if (pair_act) act_p.resize(n * I);
 
   // Phase 1: act[r, i] = silu(gate_e[i] . x_r) * (up_e[i] . x_r), items = (group, block of i).
   const int64_t rows1 = rows_per_item(I, groups, kRowsPhase1, workers.n_threads());
@@ -88,7 +98,8 @@ void run_experts(WorkerPool& workers, const ExpertCall& c, Tier tier) {
     const int64_t g = item / blocks1, i0 = (item % blocks1) * rows1, i1 = std::min(I, i0 + rows1);
     const int64_t r0 = start[g], nr = start[g + 1] - r0;
     const MatrixRef w = matrix_of(pool.gate_up(), c.expert_ids[order[r0]]);
-    const ActRef a{&xg[r0 * H], c.x_bf16 ? &xg_h[r0 * H] : nullptr, H, static_cast<int>(nr)};
+    const ActRef a{&xg[r0 * H], c.x_bf16 ? &xg_h[r0 * H] : nullptr, H, static_cast<int>(nr),
+                   pair_x ? &xg_p[r0 * H] : nullptr};
     std::vector<float>& buf = scratch(2 * rows1 * nr);
     float* gate = buf.data();
     float* up = buf.data() + rows1 * nr;
@@ -100,6 +111,7 @@ void run_experts(WorkerPool& workers, const ExpertCall& c, Tier tier) {
         if (c.x_bf16) {
           const uint16_t h = f32_to_bf16(v);
           act_h[(r0 + j) * I + i] = h;
+          if (pair_act) act_p[(r0 + j) * I + pair64_index(i)] = h;
           v = bf16_to_f32(h);
         }
         act[(r0 + j) * I + i] = v;
@@ -117,7 +129,8 @@ void run_experts(WorkerPool& workers, const ExpertCall& c, Tier tier) {
     for (int64_t g = 0; g < groups; ++g) {
       const int64_t r0 = start[g], nr = start[g + 1] - r0;
       const MatrixRef w = matrix_of(pool.down(), c.expert_ids[order[r0]]);
-      const ActRef a{&act[r0 * I], c.x_bf16 ? &act_h[r0 * I] : nullptr, I, static_cast<int>(nr)};
+      const ActRef a{&act[r0 * I], c.x_bf16 ? &act_h[r0 * I] : nullptr, I, static_cast<int>(nr),
+                     pair_act ? &act_p[r0 * I] : nullptr};
       float* out = scratch(rows2 * nr).data();
       dot(w, h0, h1, a, out);
       for (int64_t j = 0; j < nr; ++j) {

@@ -51,7 +51,8 @@ def rel_err(y, ref):
 @pytest.mark.parametrize("tier", TIERS)
 @pytest.mark.parametrize("fmt,act", [("f32", "f32"), ("bf16", "f32"), ("bf16", "bf16"), ("int4", "f32"),
                                      ("int4", "bf16")])
-@pytest.mark.parametrize("hidden,inter", [(64, 32), (96, 160)])
+# (192, 128): both int4 matrices take the AVX-512 tier's two-groups-at-a-time path (cols % 64 == 0)
+@pytest.mark.parametrize("hidden,inter", [(64, 32), (96, 160), (192, 128)])
 def test_kernel_matches_reference(tier, fmt, act, hidden, inter):
     set_tier(tier)
     rng = np.random.default_rng(zlib.crc32(f"{tier}{fmt}{act}{hidden}".encode()))
