@@ -4,9 +4,11 @@
 #   bash bench/gpu_session.sh [tests] [host] [cpu] [kernels] [tune] [decode] [decode-more]
 #   (default: tests host kernels)
 # Step limits (s): tests 240, host 120, cpu 300 (tests + prefetch sweep), cpu-core 120, cpu-tiers 150, calibrate 120, kernels 240, tune 300, decode 480, decode-profile 405,
-# decode-hlo 240 (which ops of the compiled step run outside command buffers), decode-more 540:
+# decode-hlo 240 (top-level ops of the compiled step), decode-sync 150 (8 layers, each step waits for
+# its logits), decode-b4 380 (40 layers, batch 4, 37% and 11%, with the online row and the sweep), decode-more 540:
 # pick steps that fit one 10-minute call, e.g. `tests host cpu kernels`, then `tune`, then `decode`.
-# cpu = the CPU kernel tests and table (best tier, weight-row prefetch distances 0-2048 B);
+# cpu = the CPU kernel tests and table (best tier, weight-row prefetch distances $PREFETCH, default
+# 0-2048 B) and the per-core compute rate;
 # cpu-tiers = the table on every ISA tier of the GPU host (AMX is there, not on the dev box).
 # Text routing needs the Qwen3 tokenizer inside the repo: copy ../shared/data/qwen3-tokenizer to
 # .carry/qwen3-tokenizer (git-ignored) and carry `.carry`.
@@ -32,8 +34,8 @@ for s in "${steps[@]}"; do
     tests) run gpu_tests 240 python3 -m pytest -q -m gpu tests/host tests/experts tests/pallas ;;
     host) run host_runtime 120 python3 bench/host_runtime.py --no-cpu --out "$OUT/host_runtime.json" ;;
     cpu) run cpu_tests 60 python3 -m pytest -q tests/host/test_kernels.py
-         run cpu_kernels 240 python3 bench/host_runtime.py --no-gpu --calls 10 --prefetch 0 256 512 1024 2048 \
-           --out "$OUT/cpu_kernels.json" ;;
+         run cpu_kernels 240 python3 bench/host_runtime.py --no-gpu --calls 10 --prefetch ${PREFETCH:-0 256 512 1024 2048} \
+           --per-core --out "$OUT/cpu_kernels.json" ;;
     cpu-core) run cpu_core 120 python3 bench/host_runtime.py --no-gpu --per-core --calls 10 --out "$OUT/cpu_core.json" ;;
     cpu-tiers) run cpu_tiers 150 python3 bench/host_runtime.py --all-tiers --no-gpu --calls 10 --out "$OUT/cpu_tiers.json" ;;
     calibrate) run calibrate 120 python3 -m ftjax calibrate --window-gib 2 ;;
@@ -52,6 +54,11 @@ for s in "${steps[@]}"; do
     decode-hlo) run decode_hlo 240 python3 bench/decode.py --layers 8 --batches 1 4 --routing trace --fractions 0.37 \
               --policies lru-split lru-fill --no-sweep --online-warmup 48 --steps 16 --warmup 16 --hlo-stats \
               --out "$OUT/decode_hlo.json" ;;
+    decode-sync) run decode_sync 150 python3 bench/decode.py --layers 8 --batches 1 --routing trace --fractions 0.37 \
+              --policies lru-split lru-fill --no-sweep --online-warmup 48 --steps 16 --warmup 16 --sync \
+              --out "$OUT/decode_sync.json" ;;
+    decode-b4) run decode_b4 380 python3 bench/decode.py --layers 40 --batches 4 --routing trace \
+              --fractions 0.37 0.11 --policies lru-split lru-fill --steps 16 --warmup 24 --out "$OUT/decode_b4.json" ;;
     decode-more) run decode_more 540 python3 bench/decode.py --layers 40 --batches 4 1 --routing text trace \
               --tokenizer "$tok" --fractions 0.11 --policies lru-split lru-fill static --no-sweep \
               --steps 24 --warmup 24 --out "$OUT/decode_more.json" ;;
