@@ -5,7 +5,8 @@
 #   (default: tests host kernels)
 # Step limits (s): tests 240, host 120, cpu 300 (tests + prefetch sweep), cpu-core 120, cpu-tiers 150, calibrate 120, kernels 240, tune 300, decode 480, decode-profile 405,
 # decode-hlo 240 (top-level ops of the compiled step), decode-sync 150 (8 layers, each step waits for
-# its logits), decode-b4 380 (40 layers, batch 4, 37% and 11%, with the online row and the sweep), decode-more 540:
+# its logits), decode-xla 420 (the same 8-layer step with XLA's command-buffer update log and the
+# update-mode flags, where the build has them), decode-b4 380 (40 layers, batch 4, 37% and 11%, with the online row and the sweep), decode-more 540:
 # pick steps that fit one 10-minute call, e.g. `tests host cpu kernels`, then `tune`, then `decode`.
 # cpu = the CPU kernel tests and table (best tier, weight-row prefetch distances $PREFETCH, default
 # 0-2048 B) and the per-core compute rate;
@@ -59,6 +60,16 @@ for s in "${steps[@]}"; do
               --out "$OUT/decode_sync.json" ;;
     decode-b4) run decode_b4 380 python3 bench/decode.py --layers 40 --batches 4 --routing trace \
               --fractions 0.37 0.11 --policies lru-split lru-fill --steps 16 --warmup 24 --out "$OUT/decode_b4.json" ;;
+    decode-xla)  # why a one-graph decode step costs 0.2-0.4 ms of host time per layer (RESULTS, session 5)
+       a="--layers 8 --batches 1 --routing trace --fractions 0.37 --policies lru-split --no-sweep --no-online --steps 16 --warmup 16 --sync"
+       run decode_xla_log 150 env TF_CPP_MIN_LOG_LEVEL=0 \
+         TF_CPP_VMODULE=command_buffer_thunk=3,command_executor=1,command_buffer_cmd_executor=1,command_buffer_cmd=1 \
+         python3 bench/decode.py $a --out "$OUT/decode_xla_log.json"
+       grep -oE "(updated_allocs|Updated|Record|record)[^,;]{0,80}" "$OUT/decode_xla_log.log" | sed 's/[0-9]\+/N/g' | sort | uniq -c | sort -rn | head -20
+       for m in SKIP_TEMP SKIP_PROFILED; do
+         run "decode_xla_$m" 120 env XLA_FLAGS=--xla_gpu_command_buffer_update_mode=$m python3 bench/decode.py $a \
+           --out "$OUT/decode_xla_$m.json"
+       done ;;
     decode-more) run decode_more 540 python3 bench/decode.py --layers 40 --batches 4 1 --routing text trace \
               --tokenizer "$tok" --fractions 0.11 --policies lru-split lru-fill static --no-sweep \
               --steps 24 --warmup 24 --out "$OUT/decode_more.json" ;;
