@@ -92,6 +92,7 @@ class Run:
         self.dispatch_s = 0.0  # host time inside the decode call (enqueue; a host-bound step shows here)
         self.hook = None  # called after every step (the online split refinement)
         self.sync = False  # wait for each step's logits before dispatching the next (--sync)
+        self.fixed_inputs, self._fixed = False, None  # --fixed-inputs
 
     @property
     def cache(self):
@@ -106,10 +107,15 @@ class Run:
             s = self.i % self.trace.ids.shape[0]
             self.expert_state = dict(self.expert_state, replay={"ids": jnp.asarray(self.trace.ids[s]),
                                                                   "weights": jnp.asarray(self.trace.weights[s])})
-        tok = jnp.asarray(self.tokens[self.i % len(self.tokens)][:, None])
+        if self.fixed_inputs and self.routing == "trace":  # the same device buffers every step (tokens are 0)
+            if self._fixed is None:
+                self._fixed = (jnp.zeros((self.batch, 1), jnp.int32), jnp.ones((self.batch,), jnp.int32))
+            tok, n_new = self._fixed
+        else:
+            tok = jnp.asarray(self.tokens[self.i % len(self.tokens)][:, None])
+            n_new = jnp.ones((self.batch,), jnp.int32)
         t0 = time.perf_counter()
-        logits, self.state, self.expert_state = self.decode(self.params, self.expert_state, self.state, tok,
-                                                            jnp.ones((self.batch,), jnp.int32))
+        logits, self.state, self.expert_state = self.decode(self.params, self.expert_state, self.state, tok, n_new)
         self.dispatch_s += time.perf_counter() - t0
         if self.sync:  # as a serving loop that samples each token before the next step
             logits.block_until_ready()
@@ -211,6 +217,9 @@ def main(argv=None) -> int:
     ap.add_argument("--sync", action="store_true",
                     help="wait for each step's logits before the next (a serving loop that samples every token); "
                          "default: steps dispatched back to back, the host running ahead of the GPU")
+    ap.add_argument("--fixed-inputs", action="store_true",
+                    help="trace routing: pass the same token and n_new device buffers every step (an experiment: "
+                         "does XLA update the step's CUDA graph because these inputs move?)")
     ap.add_argument("--tokenizer", default=str(TOKENIZER), help="the real Qwen3 tokenizer (routing text)")
     ap.add_argument("--worker-variants", nargs="*", default=[], metavar="N:SPIN_US",
                     help="also run lru-split with the CPU worker pool reconfigured (N workers, -1 = default; "
@@ -258,7 +267,7 @@ def main(argv=None) -> int:
             tokens = text_tokens(max_len, B, args.tokenizer) if routing == "text" else None
             res = Run(cfg, params, pool, "resident", L * E, B, routing, trace, max_len, band.fill_fraction, tokens,
                       fused_handshake=args.fused_handshake)
-            res.sync = args.sync
+            res.sync, res.fixed_inputs = args.sync, args.fixed_inputs
             t_gpu = res.timed(args.warmup // 4, args.steps)
             if args.hlo_stats:
                 print(f"resident: compiled decode step, top-level ops {res.hlo_ops()}", flush=True)
@@ -270,7 +279,7 @@ def main(argv=None) -> int:
                 for pol in args.policies:
                     run = Run(cfg, params, pool, pol, 0 if pol == "cpu" else S, B, routing, trace, max_len,
                               band.fill_fraction, tokens, fused_handshake=args.fused_handshake)
-                    run.sync = args.sync
+                    run.sync, run.fixed_inputs = args.sync, args.fixed_inputs
                     rows[pol] = run.timed(args.warmup, args.steps)
                     if args.hlo_stats:
                         rows[pol]["hlo_ops"] = run.hlo_ops()

@@ -66,6 +66,7 @@ for s in "${steps[@]}"; do
          TF_CPP_VMODULE=command_buffer_thunk=3,command_executor=1,command_buffer_cmd_executor=1,command_buffer_cmd=1 \
          python3 bench/decode.py $a --out "$OUT/decode_xla_log.json"
        grep -oE "(updated_allocs|Updated|Record|record)[^,;]{0,80}" "$OUT/decode_xla_log.log" | sed 's/[0-9]\+/N/g' | sort | uniq -c | sort -rn | head -20
+       run decode_xla_fixed 120 python3 bench/decode.py $a --fixed-inputs --out "$OUT/decode_xla_fixed.json"
        for m in SKIP_TEMP SKIP_PROFILED; do
          run "decode_xla_$m" 120 env XLA_FLAGS=--xla_gpu_command_buffer_update_mode=$m python3 bench/decode.py $a \
            --out "$OUT/decode_xla_$m.json"
