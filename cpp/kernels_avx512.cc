@@ -15,7 +15,8 @@ namespace {
 
 // Software prefetch of each weight row `pf` bytes ahead of the loads (0: off). A core reading 4-8
 // row streams while it computes does not keep enough lines in flight from the hardware prefetcher
-// alone (int4 on the dev box: 13.5 -> 21.9 GB/s with 2 threads at 512 bytes).
+// alone (512 bytes: dev box int4 17.8 -> 24.5 GB/s with 2 threads; H200 host, 15 threads, Qwen-sized
+// bf16 experts 98 -> 112 GB/s of a 130 GB/s STREAM read: bench/RESULTS.md, session 5).
 template <int R, class T>
 inline void prefetch_rows(const T* const (&row)[R], int64_t elem, int64_t pf) {
 #pragma GCC unroll 16
@@ -26,6 +27,14 @@ inline __m512 load_bf16x16(const uint16_t* p) {
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
+
+// bf16 bits of q - 8 for a nibble q (exact in bf16), twice: VPERMW reads 5 index bits, so an index
+// whose bit 4 comes from the next nibble still finds the value of its low 4 bits.
+alignas(64) constexpr uint16_t kInt4Bf16[32] = {
+    0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0xC040, 0xC000, 0xBF80,  // -8 .. -1
+    0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0,  //  0 .. 7
+    0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0xC040, 0xC000, 0xBF80,
+    0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0};
 
 template <int R, int N>
 void tile(const MatrixRef& w, int64_t r, const ActRef& a, int j0, float* out) {
@@ -44,12 +53,7 @@ void tile(const MatrixRef& w, int64_t r, const ActRef& a, int j0, float* out) {
     // (index: low 5 bits = low nibble + a repeated table) gives the even elements, of the words >> 4
     // the odd ones, each multiplied with the activations in pair64 order. Lanes 0-7 of the product
     // belong to the first group and 8-15 to the second: one vector of the two scales scales both.
-    alignas(64) static const uint16_t kTable[32] = {
-        0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0xC040, 0xC000, 0xBF80,  // -8 .. -1
-        0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0,  //  0 .. 7
-        0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0xC040, 0xC000, 0xBF80,
-        0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0};
-    const __m512i table = _mm512_load_si512(kTable), hi_word = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+    const __m512i table = _mm512_load_si512(kInt4Bf16), hi_word = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
     const uint8_t* row[R];
     const uint16_t* sc[R];
     const uint16_t* xp[N];
@@ -89,12 +93,7 @@ void tile(const MatrixRef& w, int64_t r, const ActRef& a, int j0, float* out) {
     // word indices (lo, hi) of a 16-entry bf16 table of q - 8 (exact in bf16), so each dword holds
     // the bf16 pair (w[2j], w[2j+1]) that VDPBF16PS multiplies with the pair (x[2j], x[2j+1]); the
     // group's fp32 partial sums are then scaled once per token.
-    alignas(64) static const uint16_t kTable[32] = {
-        0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0xC040, 0xC000, 0xBF80,  // -8 .. -1
-        0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0,  //  0 .. 7
-        0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0xC040, 0xC000, 0xBF80,
-        0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0};
-    const __m512i table = _mm512_load_si512(kTable);
+    const __m512i table = _mm512_load_si512(kInt4Bf16);
     const uint8_t* row[R];
     const uint16_t* sc[R];
     const uint16_t* xh[N];
