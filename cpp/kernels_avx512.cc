@@ -36,6 +36,15 @@ alignas(64) constexpr uint16_t kInt4Bf16[32] = {
     0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0xC040, 0xC000, 0xBF80,
     0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0};
 
+// The packed nibbles and the bf16 scales of int4 rows r .. r + R - 1.
+template <int R>
+inline void int4_rows(const MatrixRef& w, int64_t r, const uint8_t* (&row)[R], const uint16_t* (&sc)[R]) {
+  for (int i = 0; i < R; ++i) {
+    row[i] = w.data + (r + i) * (w.cols / 2);
+    sc[i] = w.scales + (r + i) * (w.cols / 32);
+  }
+}
+
 template <int R, int N>
 void tile(const MatrixRef& w, int64_t r, const ActRef& a, int j0, float* out) {
   const int64_t K = w.cols;
@@ -57,10 +66,7 @@ void tile(const MatrixRef& w, int64_t r, const ActRef& a, int j0, float* out) {
     const uint8_t* row[R];
     const uint16_t* sc[R];
     const uint16_t* xp[N];
-    for (int i = 0; i < R; ++i) {
-      row[i] = w.data + (r + i) * (K / 2);
-      sc[i] = w.scales + (r + i) * (K / 32);
-    }
+    int4_rows<R>(w, r, row, sc);
     for (int j = 0; j < N; ++j) xp[j] = a.bf16_pair64 + (j0 + j) * a.stride;
     for (int64_t s = 0; s < K / 64; ++s) {
       __m512bh xa[N], xb[N];
@@ -97,10 +103,7 @@ void tile(const MatrixRef& w, int64_t r, const ActRef& a, int j0, float* out) {
     const uint8_t* row[R];
     const uint16_t* sc[R];
     const uint16_t* xh[N];
-    for (int i = 0; i < R; ++i) {
-      row[i] = w.data + (r + i) * (K / 2);
-      sc[i] = w.scales + (r + i) * (K / 32);
-    }
+    int4_rows<R>(w, r, row, sc);
     for (int j = 0; j < N; ++j) xh[j] = a.bf16 + (j0 + j) * a.stride;
     for (int64_t g = 0; g < K / 32; ++g) {
       __m512bh xv[N];
@@ -125,10 +128,7 @@ void tile(const MatrixRef& w, int64_t r, const ActRef& a, int j0, float* out) {
     const __m128i low4 = _mm_set1_epi8(0x0F), eight = _mm_set1_epi8(8);
     const uint8_t* row[R];
     const uint16_t* sc[R];
-    for (int i = 0; i < R; ++i) {
-      row[i] = w.data + (r + i) * (K / 2);
-      sc[i] = w.scales + (r + i) * (K / 32);
-    }
+    int4_rows<R>(w, r, row, sc);
     for (int64_t g = 0; g < K / 32; ++g) {
       if (pf > 0 && (g & 3) == 0) prefetch_rows<R>(row, 16 * g, pf);
       __m512 xa[N], xb[N];

@@ -3,10 +3,11 @@
 After a step, :meth:`ExpertStats.after_step` takes a copy of the stats arrays (a tiny jitted copy: the
 next step donates the state) and starts its transfer to the host; :meth:`read` returns the newest copy
 whose transfer has completed, so a reader never waits for the step in flight. It copies after every
-``every``-th step (default 8): the copy reads buffers that the next step donates, and on the H200 a
-copy after every step slowed a pipelined decode loop (steps dispatched without waiting for the
-previous one) by 1.3-2.3x (bench/RESULTS.md, session 5), while the online split tuner needs one
-reading per window of 16 steps.
+``every``-th step (default 8): the copy reads buffers that the next step donates. On the H200 the
+benchmark's online-split row, which copied after every step, ran 1.3-2.3x slower than the fixed split
+in a loop that dispatches steps back to back; with a copy every 8th step it ran at 0.91 of it (on a
+noisier host; the copy is the suspected cause, not isolated: bench/RESULTS.md, session 5). The online
+split tuner needs one reading per window of 16 steps.
 """
 from __future__ import annotations
 

@@ -7,7 +7,8 @@ from ftjax.host.ffi import cpu_experts, register_targets
 from ftjax.host.pool import HostPool
 
 __all__ = ["HostPool", "cpu_experts", "register_targets", "cpu_features", "cpu_brand", "available_tiers",
-           "active_tier", "set_tier", "prefetch_bytes", "set_prefetch_bytes", "configure_workers", "tune_workers_for_gpu", "worker_info", "cuda_built",
+           "active_tier", "set_tier", "prefetch_bytes", "set_prefetch_bytes", "configure_workers",
+           "tune_workers_for_gpu", "worker_info", "cuda_built",
            "cuda_device_count"]
 
 
