@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import ftjax
 from ftjax.config import parse_hf_config
 from ftjax.experts import bandwidth as bw
 from ftjax.experts.decode import OffloadExperts
@@ -254,11 +255,12 @@ def main(argv=None) -> int:
     max_len = (args.warmup + args.steps + 8 + len(args.worker_variants) * (args.warmup // 2 + args.steps)
                + (0 if args.no_online else args.online_warmup + args.steps)
                + (0 if args.no_sweep else len(SWEEP) * (8 + args.steps)) + (4 if args.profile else 0))
-    results = {"sync": args.sync, "b_dram_gbps": b_dram, "bandwidth": band.to_dict(), "expert_bytes": expert_bytes, "rows": []}
+    results = {"sync": args.sync, "xla_update_mode": ftjax.XLA_UPDATE_MODE, "b_dram_gbps": b_dram, "bandwidth": band.to_dict(), "expert_bytes": expert_bytes, "rows": []}
     print(f"B_DRAM {b_dram:.1f} GB/s | in use: B_P {band.b_pcie_gbps:.1f} GB/s, B_H {band.b_host_gbps:.1f} GB/s "
           f"({'concurrent' if band.concurrent else 'standalone'}, {band.source}), q* fraction {band.fill_fraction:.3f}")
 
     print(f"CPU worker pool: {worker_info()}")
+    print(f"XLA command-buffer update mode: {ftjax.XLA_UPDATE_MODE or 'XLA default'} (ftjax.xla_flags)")
     print("steps: " + ("each waits for the previous step's logits (--sync)" if args.sync else
                        "dispatched back to back (the host runs ahead of the GPU)"))
     for routing in args.routing:
@@ -269,6 +271,7 @@ def main(argv=None) -> int:
                       fused_handshake=args.fused_handshake)
             res.sync, res.fixed_inputs = args.sync, args.fixed_inputs
             t_gpu = res.timed(args.warmup // 4, args.steps)
+            progress(f"{routing} b{B} resident", t_gpu)
             if args.hlo_stats:
                 print(f"resident: compiled decode step, top-level ops {res.hlo_ops()}", flush=True)
             profile(res, args.profile, f"{routing}-b{B}-resident")
@@ -281,6 +284,7 @@ def main(argv=None) -> int:
                               band.fill_fraction, tokens, fused_handshake=args.fused_handshake)
                     run.sync, run.fixed_inputs = args.sync, args.fixed_inputs
                     rows[pol] = run.timed(args.warmup, args.steps)
+                    progress(f"{routing} b{B} {pol} {frac:.0%}", rows[pol])
                     if args.hlo_stats:
                         rows[pol]["hlo_ops"] = run.hlo_ops()
                         print(f"{pol}: compiled decode step, top-level ops {rows[pol]['hlo_ops']}", flush=True)
@@ -313,6 +317,15 @@ def main(argv=None) -> int:
     Path(args.out).write_text(json.dumps(results, indent=1, default=float) + "\n")
     print(f"wrote {args.out}")
     return 0
+
+
+_T0 = time.perf_counter()
+
+
+def progress(what: str, r: dict) -> None:
+    """One line per timed run as it ends (a step cut by its time limit still shows what it measured)."""
+    print(f"  [{time.perf_counter() - _T0:6.0f}s] {what}: {r['tok_s']:.1f} tok/s, step {r['step_ms']:.2f} ms, "
+          f"host {r['dispatch_ms']:.2f} ms", flush=True)
 
 
 def print_row(row):

@@ -32,7 +32,7 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/build.log"
 tok=.carry/qwen3-tokenizer
 for s in "${steps[@]}"; do
   case $s in
-    tests) run gpu_tests 240 python3 -m pytest -q -m gpu tests/host tests/experts tests/pallas ;;
+    tests) run gpu_tests 180 python3 -m pytest -q -m gpu tests/host tests/experts tests/pallas ;;
     host) run host_runtime 120 python3 bench/host_runtime.py --no-cpu --out "$OUT/host_runtime.json" ;;
     cpu) run cpu_tests 60 python3 -m pytest -q tests/host/test_kernels.py
          run cpu_kernels 240 python3 bench/host_runtime.py --no-gpu --calls 10 --prefetch ${PREFETCH:-0 256 512 1024 2048} \
@@ -71,6 +71,16 @@ for s in "${steps[@]}"; do
          run "decode_xla_$m" 120 env XLA_FLAGS=--xla_gpu_command_buffer_update_mode=$m python3 bench/decode.py $a \
            --out "$OUT/decode_xla_$m.json"
        done ;;
+    decode-modes)  # XLA's command-buffer update modes (VMM-stable temp / profiled parameter addresses), 8 layers
+       # (40 layers: 3 runs did not reach their table in 160 s each, session 6)
+       run calibrate 120 python3 -m ftjax calibrate --window-gib 2
+       a="--layers 8 --batches 1 --routing trace --fractions 0.37 --policies lru-split lru-fill --no-sweep --no-online --steps 32 --warmup 24"
+       for m in ALWAYS_UPDATE SKIP_TEMP SKIP_PROFILED; do
+         run "decode_mode_$m" 100 env XLA_FLAGS=--xla_gpu_command_buffer_update_mode=$m python3 bench/decode.py $a \
+           --out "$OUT/decode_mode_$m.json"
+       done ;;
+    decode-b1) run decode_b1 420 python3 bench/decode.py --layers 40 --batches 1 --routing trace --fractions 0.37 \
+              --policies lru-split lru-fill --no-sweep --online-warmup 128 --steps 32 --warmup 24 --out "$OUT/decode_b1.json" ;;
     decode-more) run decode_more 540 python3 bench/decode.py --layers 40 --batches 4 1 --routing text trace \
               --tokenizer "$tok" --fractions 0.11 --policies lru-split lru-fill static --no-sweep \
               --steps 24 --warmup 24 --out "$OUT/decode_more.json" ;;

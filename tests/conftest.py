@@ -5,6 +5,7 @@ precision may use TF32, so ask for full fp32 everywhere (a no-op on the CPU). Fi
 ``mgpu_interpret`` / ``mgpu`` skip tests where this jax cannot interpret / lower Mosaic GPU kernels."""
 import functools
 
+import ftjax  # noqa: F401  (first: it sets XLA_FLAGS before any JAX backend starts, as for users)
 import jax
 import jax.numpy as jnp
 import pytest

@@ -1,0 +1,60 @@
+"""XLA options ftjax sets before JAX starts its backends (imported by ``ftjax/__init__`` ahead of jax).
+
+The decode step is one CUDA graph (an XLA command buffer). Before each launch XLA re-records every
+command whose buffers moved since the last launch, and its temp buffer (where most intermediates
+live) moves between steps: on the H200 that re-recorded ~416 of 447 commands of an 8-layer step in
+~1.4 ms of host time per step (RESULTS.md, session 6). ``--xla_gpu_command_buffer_update_mode=SKIP_TEMP``
+gives the temp buffer a stable virtual address (XLA's VMM allocator, which it then uses for the whole
+process): the same 8-layer step ran at 1.6x the tokens/s of the default mode.
+
+``FTJAX_XLA_UPDATE_MODE`` chooses: ``SKIP_TEMP`` (default), ``SKIP_PROFILED`` or ``ALWAYS_UPDATE``
+(XLA's default); ``off`` leaves XLA_FLAGS alone. A mode already in XLA_FLAGS always wins. jaxlib
+builds before 0.11.2 are left alone (0.10.2 aborts on the unknown flag).
+"""
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import MutableMapping
+
+FLAG = "--xla_gpu_command_buffer_update_mode"
+MODES = ("SKIP_TEMP", "SKIP_PROFILED", "ALWAYS_UPDATE")
+ENV = "FTJAX_XLA_UPDATE_MODE"
+DEFAULT_MODE = "SKIP_TEMP"
+MIN_JAXLIB = (0, 11, 2)
+
+
+def _version_tuple(text: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in re.findall(r"\d+", text.split("+")[0])[:3])
+
+
+def installed_jaxlib() -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version("jaxlib")
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def apply_update_mode(environ: MutableMapping[str, str] | None = None, jaxlib_version: str | None = None) -> str | None:
+    """Add the command-buffer update mode to ``XLA_FLAGS`` in ``environ`` (default ``os.environ``).
+
+    Returns the mode now in effect through XLA_FLAGS (the user's, or the one added), None when XLA is
+    left at its default. Raises ValueError for an unknown ``FTJAX_XLA_UPDATE_MODE``.
+    """
+    env = os.environ if environ is None else environ
+    flags = env.get("XLA_FLAGS", "")
+    m = re.search(re.escape(FLAG) + r"=(\w+)", flags)
+    if m:
+        return m.group(1)
+    want = env.get(ENV, DEFAULT_MODE).strip()
+    if want.lower() == "off":
+        return None
+    if want not in MODES:
+        raise ValueError(f"{ENV}={want!r}: expected one of {MODES} or 'off'")
+    version = jaxlib_version if jaxlib_version is not None else installed_jaxlib()
+    if version is None or _version_tuple(version) < MIN_JAXLIB:
+        return None
+    env["XLA_FLAGS"] = f"{flags} {FLAG}={want}".strip()
+    return want
