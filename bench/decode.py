@@ -76,14 +76,14 @@ class Run:
 
     def __init__(self, cfg, params, pool, policy, slots, batch, routing, trace, max_len, fill_fraction, tokens=None,
                  fused_handshake=True):
-        L, E, k = cfg.num_layers, cfg.num_experts, cfg.num_experts_per_tok
+        L, E = cfg.num_layers, cfg.num_experts
         self.cfg, self.params, self.batch, self.routing, self.trace = cfg, params, batch, routing, trace
         self.backend = OffloadExperts(pool, L, E, slots, policy, platform="cuda", max_tokens=max(batch, 16),
                                       fused_handshake=fused_handshake)
         inner = self.backend.init_state(fill_fraction=fill_fraction)
         if routing == "trace":
             wrapped = ReplayRouting(self.backend)
-            self.expert_state = wrapped.init_state(inner, L, batch, k)
+            self.expert_state = wrapped.init_trace_state(inner, trace)  # on the device, stepped there
         else:
             wrapped, self.expert_state = self.backend, inner
         _, self.decode = make_step_fns(cfg, wrapped, batch, 1, max_len)
@@ -104,10 +104,6 @@ class Run:
         self.expert_state = dict(self.expert_state, inner=c) if self.routing == "trace" else c
 
     def step(self):
-        if self.routing == "trace":
-            s = self.i % self.trace.ids.shape[0]
-            self.expert_state = dict(self.expert_state, replay={"ids": jnp.asarray(self.trace.ids[s]),
-                                                                  "weights": jnp.asarray(self.trace.weights[s])})
         if self.fixed_inputs and self.routing == "trace":  # the same device buffers every step (tokens are 0)
             if self._fixed is None:
                 self._fixed = (jnp.zeros((self.batch, 1), jnp.int32), jnp.ones((self.batch,), jnp.int32))

@@ -81,6 +81,15 @@ for s in "${steps[@]}"; do
        done ;;
     decode-b1) run decode_b1 420 python3 bench/decode.py --layers 40 --batches 1 --routing trace --fractions 0.37 \
               --policies lru-split lru-fill --no-sweep --online-warmup 128 --steps 32 --warmup 24 --out "$OUT/decode_b1.json" ;;
+    decode-xla2)  # with SKIP_TEMP (ftjax default) and fixed token/n_new buffers: which commands are still re-recorded per step
+       run decode_xla2 150 env TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3,command_executor=1 \
+         python3 bench/decode.py --layers 8 --batches 1 --routing trace --fractions 0.37 --policies lru-split lru-fill \
+         --no-sweep --no-online --steps 16 --warmup 16 --fixed-inputs --out "$OUT/decode_xla2.json"
+       grep -oE "num_commands=[0-9]+; updated_allocs=[0-9]+" "$OUT/decode_xla2.log" | sort | uniq -c
+       grep -oE "Updated [0-9]+ commands in [0-9]+ .s \(skipped [0-9]+" "$OUT/decode_xla2.log" | \
+         awk '{n[$2]++; t[$2]+=$5; k[$2]+=$8} END {for (c in n) printf "%s commands: %d updates, mean %.0f us, mean skipped %.0f\n", c, n[c], t[c]/n[c], k[c]/n[c]}'
+       grep -c "Execute command buffer" "$OUT/decode_xla2.log"
+       rm -f "$OUT/decode_xla2.log" ;;
     decode-more) run decode_more 540 python3 bench/decode.py --layers 40 --batches 4 1 --routing text trace \
               --tokenizer "$tok" --fractions 0.11 --policies lru-split lru-fill static --no-sweep \
               --steps 24 --warmup 24 --out "$OUT/decode_more.json" ;;

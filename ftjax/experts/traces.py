@@ -12,8 +12,8 @@ of a global LRU cache, batch 1, Qwen3.6-35B-A3B shape L=40, E=256, k=8) so that 
 misses about 16% of routed experts and at 11% about 39% (the paper's figures): the defaults below.
 
 Replay: :class:`ReplayRouting` wraps a backend and routes with ``expert_state["replay"]`` (ids and
-weights of the current step, set by the host between steps) instead of the model's router: for
-benchmarks with random weights. :class:`TraceRecorder` is the opposite: it wraps a backend and
+weights of the current step set by the host between steps, or the whole trace on the device stepped
+by a device counter) instead of the model's router: for benchmarks with random weights. :class:`TraceRecorder` is the opposite: it wraps a backend and
 records the routing the model computes (host callback; for recording runs, not for timing).
 """
 from __future__ import annotations
@@ -123,8 +123,15 @@ def calibrate(targets=((0.37, 0.16), (0.11, 0.39)), num_layers: int = 40, num_ex
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class ReplayRouting:
-    """Route with ``expert_state["replay"] = {"ids": [L, T, k] i32, "weights": [L, T, k]}`` instead of
-    the model's router; the inner backend's state is ``expert_state["inner"]``."""
+    """Route with ``expert_state["replay"]`` instead of the model's router; the inner backend's state is
+    ``expert_state["inner"]``.
+
+    Two forms: one step set by the host between steps (``init_state``: ``{"ids": [L, T, k] i32,
+    "weights": [L, T, k]}``), or the whole trace on the device (``init_trace_state``), stepped by a
+    device counter that the last layer's decode call advances (prefill calls route with the current
+    step and do not advance it; the trace wraps around). The device form has no per-step host inputs,
+    so the step's buffers keep their addresses and XLA does not re-record the commands that read them.
+    """
 
     inner: object
 
@@ -132,11 +139,26 @@ class ReplayRouting:
         return {"inner": inner_state, "replay": {"ids": jnp.zeros((num_layers, tokens, top_k), jnp.int32),
                                                  "weights": jnp.zeros((num_layers, tokens, top_k), jnp.float32)}}
 
+    def init_trace_state(self, inner_state, trace: "RoutingTrace") -> dict:
+        return {"inner": inner_state, "replay": {"ids": jnp.asarray(trace.ids, jnp.int32),
+                                                 "weights": jnp.asarray(trace.weights, jnp.float32),
+                                                 "step": jnp.zeros((), jnp.int32)}}
+
     def __call__(self, state, layer, x, expert_ids, gate_weights, token_valid, *, decode: bool = False):
-        ids = state["replay"]["ids"][layer]
-        w = state["replay"]["weights"][layer].astype(gate_weights.dtype)
-        y, inner = self.inner(state["inner"], layer, x, ids, w, token_valid, decode=decode)
-        return y, {"inner": inner, "replay": state["replay"]}
+        rp = state["replay"]
+        if "step" in rp:
+            n, num_layers, T, k = rp["ids"].shape
+            if expert_ids.shape != (T, k):
+                raise ValueError(f"the trace routes {T} tokens x top-{k}, this call has {expert_ids.shape}")
+            at = (rp["step"] % n, layer, 0, 0)
+            ids = jax.lax.dynamic_slice(rp["ids"], at, (1, 1, T, k))[0, 0]
+            w = jax.lax.dynamic_slice(rp["weights"], at, (1, 1, T, k))[0, 0]
+            if decode and layer == num_layers - 1:
+                rp = dict(rp, step=rp["step"] + 1)
+        else:
+            ids, w = rp["ids"][layer], rp["weights"][layer]
+        y, inner = self.inner(state["inner"], layer, x, ids, w.astype(gate_weights.dtype), token_valid, decode=decode)
+        return y, {"inner": inner, "replay": rp}
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -58,3 +58,30 @@ def test_record_and_replay():
     junk = jnp.zeros((T, k), jnp.int32)
     y, _ = rep(st, 1, x, junk, jnp.zeros((T, k), jnp.float32), valid)
     assert np.allclose(np.asarray(y), np.asarray(outs[1]), atol=1e-5)
+
+
+def test_replay_whole_trace_on_device_steps_with_the_last_layer():
+    L, E, T, k, H, I = 3, 8, 2, 2, 16, 8
+    rng = np.random.default_rng(3)
+    banks = {"gate_up": jnp.asarray(rng.standard_normal((L * E, 2 * I, H)), jnp.float32),
+             "down": jnp.asarray(rng.standard_normal((L * E, H, I)), jnp.float32)}
+    tr = synthetic_trace(3, L, E, k, batch=T, seed=1)
+    x = jnp.asarray(rng.standard_normal((T, H)), jnp.float32)
+    valid = jnp.ones((T,), bool)
+    junk_ids, junk_w = jnp.zeros((T, k), jnp.int32), jnp.zeros((T, k), jnp.float32)
+    rep = ReplayRouting(ResidentExperts(E))
+    dev = rep.init_trace_state(banks, tr)
+    one = rep.init_state(banks, L, T, k)
+    call = jax.jit(rep.__call__, static_argnums=(1,), static_argnames=("decode",))
+    _, dev = call(dev, L - 1, x, junk_ids, junk_w, valid, decode=False)  # prefill: does not advance
+    assert int(dev["replay"]["step"]) == 0
+    for step in range(4):  # wraps around the 3-step trace
+        s = step % 3
+        one["replay"] = {"ids": jnp.asarray(tr.ids[s]), "weights": jnp.asarray(tr.weights[s])}
+        for layer in range(L):
+            y_dev, dev = call(dev, layer, x, junk_ids, junk_w, valid, decode=True)
+            y_one, _ = rep(one, layer, x, junk_ids, junk_w, valid, decode=True)
+            assert np.allclose(np.asarray(y_dev), np.asarray(y_one), atol=1e-5)
+        assert int(dev["replay"]["step"]) == step + 1
+    with pytest.raises(ValueError, match="the trace routes"):
+        rep(dev, 0, x[:1], junk_ids[:1], junk_w[:1], valid[:1], decode=True)
