@@ -3,11 +3,15 @@
 # Each step has its own time limit so one slow step cannot eat the call; the last lines are a summary.
 #   bash bench/gpu_session.sh [tests] [host] [cpu] [kernels] [tune] [decode] [decode-more]
 #   (default: tests host kernels)
-# Step limits (s): tests 240, host 120, cpu 300 (tests + prefetch sweep), cpu-core 120, cpu-tiers 150, calibrate 120, kernels 240, tune 300, decode 480, decode-profile 405,
+# Step limits (s): tests 180, host 120, cpu 300 (tests + prefetch sweep), cpu-core 120, cpu-tiers 150, calibrate 120, kernels 240, tune 300, decode 480, decode-profile 405,
 # decode-hlo 240 (top-level ops of the compiled step), decode-sync 150 (8 layers, each step waits for
 # its logits), decode-xla 420 (the same 8-layer step with XLA's command-buffer update log and the
-# update-mode flags, where the build has them), decode-b4 380 (40 layers, batch 4, 37% and 11%, with the online row and the sweep), decode-more 540:
+# update-mode flags, where the build has them), decode-modes 426 (8 layers, the three update modes),
+# decode-xla2 300 (8 layers, SKIP_TEMP, update log, stable step buffers vs not), decode-b1 420 (40 layers,
+# batch 1, 37%, with the online row), decode-b4 380 (40 layers, batch 4, 37% and 11%, with the online row and the sweep), decode-more 540:
 # pick steps that fit one 10-minute call, e.g. `tests host cpu kernels`, then `tune`, then `decode`.
+# A 40-layer process spends ~35 s making the pool, ~15 s calibrating on a fresh machine, ~60-75 s on
+# the resident run, then ~30-40 s per further policy (session 6): budget the limits from that.
 # cpu = the CPU kernel tests and table (best tier, weight-row prefetch distances $PREFETCH, default
 # 0-2048 B) and the per-core compute rate;
 # cpu-tiers = the table on every ISA tier of the GPU host (AMX is there, not on the dev box).
@@ -81,15 +85,19 @@ for s in "${steps[@]}"; do
        done ;;
     decode-b1) run decode_b1 420 python3 bench/decode.py --layers 40 --batches 1 --routing trace --fractions 0.37 \
               --policies lru-split lru-fill --no-sweep --online-warmup 128 --steps 32 --warmup 24 --out "$OUT/decode_b1.json" ;;
-    decode-xla2)  # with SKIP_TEMP (ftjax default) and fixed token/n_new buffers: which commands are still re-recorded per step
-       run decode_xla2 150 env TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3,command_executor=1 \
-         python3 bench/decode.py --layers 8 --batches 1 --routing trace --fractions 0.37 --policies lru-split lru-fill \
-         --no-sweep --no-online --steps 16 --warmup 16 --fixed-inputs --out "$OUT/decode_xla2.json"
-       grep -oE "num_commands=[0-9]+; updated_allocs=[0-9]+" "$OUT/decode_xla2.log" | sort | uniq -c
-       grep -oE "Updated [0-9]+ commands in [0-9]+ .s \(skipped [0-9]+" "$OUT/decode_xla2.log" | \
-         awk '{n[$2]++; t[$2]+=$5; k[$2]+=$8} END {for (c in n) printf "%s commands: %d updates, mean %.0f us, mean skipped %.0f\n", c, n[c], t[c]/n[c], k[c]/n[c]}'
-       grep -c "Execute command buffer" "$OUT/decode_xla2.log"
-       rm -f "$OUT/decode_xla2.log" ;;
+    decode-xla2)  # SKIP_TEMP (ftjax default): commands XLA still re-records per step, stable step buffers vs not
+       for io in stable no-stable-io; do
+         flag=""; [ $io = no-stable-io ] && flag=--no-stable-io
+         run "decode_xla2_$io" 150 env TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3,command_executor=1 \
+           python3 bench/decode.py --layers 8 --batches 1 --routing trace --fractions 0.37 --policies lru-split lru-fill \
+           --no-sweep --no-online --steps 16 --warmup 16 $flag --out "$OUT/decode_xla2_$io.json"
+         log="$OUT/decode_xla2_$io.log"
+         grep -oE "num_commands=[0-9]+; updated_allocs=[0-9]+" "$log" | sort | uniq -c
+         grep -oE "Updated [0-9]+ commands in [0-9]+ [^ ]+ \(skipped [0-9]+" "$log" | \
+           awk '{n[$2]++; t[$2]+=$5; k[$2]+=$8} END {for (c in n) printf "%s commands: %d updates, mean %.0f us, mean skipped %.0f\n", c, n[c], t[c]/n[c], k[c]/n[c]}'
+         echo "executions: $(grep -c 'Execute command buffer' "$log")"
+         rm -f "$log"
+       done ;;
     decode-more) run decode_more 540 python3 bench/decode.py --layers 40 --batches 4 1 --routing text trace \
               --tokenizer "$tok" --fractions 0.11 --policies lru-split lru-fill static --no-sweep \
               --steps 24 --warmup 24 --out "$OUT/decode_more.json" ;;

@@ -127,7 +127,9 @@ class ModelAccelerator:
         self._memory = {"params_bytes": nbytes(self.params), "kv_bytes": nbytes(self.state),
                         "expert_cache_bytes": nbytes(self.expert_state), "expert_pool_bytes": self.pool_bytes}
         self._prefill = {length: make_row_prefill(cfg, self.backend, length) for length in self.buckets}
-        _, self._decode = make_step_fns(cfg, self.backend, max_slots, 1, max_len)
+        # stable_io: the step graph is not re-recorded each step; the scheduler samples each step's logits
+        # before the next decode call, as that call reuses their buffer.
+        _, self._decode = make_step_fns(cfg, self.backend, max_slots, 1, max_len, stable_io=True)
 
     def _split_controller(self):
         """Online refinement of the miss split (lru-split with ``online``): None for other policies."""

@@ -61,9 +61,11 @@ SMs. Besides the weights each block reads its x operand (16 H bytes) and, for in
 tiny, a window is shared by the 8 neighbouring chunks launched together). int4 dequantization
 is plain CUDA-core work (mask, convert, subtract) by one warpgroup and may bound it before HBM.
 
-Blocks of invalid routes issue no copy (``pl.when``) and their partials are masked out;
-``n_valid == 0`` skips the kernel entirely (``lax.cond``) because Mosaic GPU hung once on an
-all-empty launch. Sizes: bf16 needs ``H % 64 == 0`` and ``I % 32 == 0``; int4 needs
+Blocks of invalid routes issue no copy (``pl.when``) and their partials are masked out. The
+kernel is launched with at least one valid route (``max(n_valid, 1)``, slot ids clamped into the
+cache), so no launch is all-empty (Mosaic GPU hung once on one) and no ``lax.cond`` is needed:
+XLA runs a conditional by copying its predicate to the host and waiting for it, a stream sync per
+call that also splits the decode step's CUDA graph. ``n_valid == 0`` costs one expert's reads. Sizes: bf16 needs ``H % 64 == 0`` and ``I % 32 == 0``; int4 needs
 ``H % 256 == 0`` and ``I % 256 == 0`` (8 groups of scales = 16 bytes, the smallest TMA row).
 """
 
@@ -472,13 +474,11 @@ def _launch(plan, x, slots, tokens, n_valid, banks, interpret):
         interpret=(interpret if isinstance(interpret, plgpu.InterpretGPUParams)
                    else plgpu.InterpretGPUParams() if interpret else None),
     )
-    args = (slots.astype(jnp.int32), tokens.astype(jnp.int32), _x_operand(x, plan.int4), *banks)
-
-    def run(_):
-        return kernel(n_valid, *args).sum(axis=1)
-
-    y = lax.cond(n_valid[0] > 0, run,
-                 lambda _: jnp.zeros((num_routes, plan.hidden), jnp.float32), None)
+    num_slots = banks[0].shape[0]
+    slots = jnp.clip(slots.astype(jnp.int32), 0, num_slots - 1)  # entries past n_valid may be -1
+    tokens = jnp.clip(tokens.astype(jnp.int32), 0, x.shape[0] - 1)
+    n_launch = jnp.maximum(n_valid, 1)
+    y = kernel(n_launch, slots, tokens, _x_operand(x, plan.int4), *banks).sum(axis=1)
     valid = jnp.arange(num_routes) < n_valid[0]
     return jnp.where(valid[:, None], y, 0.0)
 

@@ -267,3 +267,38 @@ def test_padded_rows_match_single_rows_and_leave_state(model_type):
     np.testing.assert_array_equal(state3["lengths"], [7, 4, 0])
     with pytest.raises(ValueError, match="tokens shape"):
         decode(params, banks, state3, tokens[:, :2], jnp.ones((3,), jnp.int32))
+
+
+def test_stable_io_decode_matches_and_keeps_its_buffers():
+    """``stable_io``: the same logits and state as the plain decode step, step after step, with the
+    logits written into one donated buffer (same device address every step; the previous step's
+    array is deleted) and host numpy inputs accepted."""
+    cfg = parse_hf_config(HYBRID)
+    params, banks = random_model(cfg)
+    backend = ResidentExperts(cfg.num_experts)
+    fam = get_family(cfg)
+    rng = np.random.default_rng(4)
+    prompt = jnp.asarray(rng.integers(0, 64, (3, 6)), jnp.int32)
+    prefill, decode = make_step_fns(cfg, backend, 3, 6, 16)
+    _, stable = make_step_fns(cfg, backend, 3, 6, 16, stable_io=True)
+    state = fam.init_state(cfg, 3, 16, jnp.float32)
+    _, state, banks = prefill(params, banks, state, prompt, jnp.asarray([6, 4, 0], jnp.int32))
+    copy = lambda tree: jax.tree.map(jnp.copy, tree)  # noqa: E731
+    s_ref, b_ref, s_st, b_st = copy(state), copy(banks), state, banks
+    pointers, previous = set(), None
+    for step in range(4):
+        tok = rng.integers(0, 64, (3, 1)).astype(np.int32)
+        n_new = np.array([1, 1 if step % 2 else 0, step % 2], np.int32)
+        want, s_ref, b_ref = decode(params, b_ref, s_ref, jnp.asarray(tok), jnp.asarray(n_new))
+        got, s_st, b_st = stable(params, b_st, s_st, tok, n_new)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+        for g, w in zip(jax.tree.leaves(s_st), jax.tree.leaves(s_ref)):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-6, atol=1e-6)
+        pointers.add(got.unsafe_buffer_pointer())
+        if previous is not None:
+            assert previous.is_deleted()
+        previous = got
+    assert len(pointers) == 1, pointers
+    assert stable.lower(params, b_st, s_st, tok, n_new).compile() is not None
+    with pytest.raises(ValueError, match="tokens shape"):
+        stable(params, b_st, s_st, np.zeros((3, 2), np.int32), n_new)

@@ -94,6 +94,34 @@ def test_decode_bytes_read():
 # --------------------------------------------------------------------------------------------
 # interpret mode (CPU)
 
+@pytest.mark.parametrize("n_valid", [0, 2])
+def test_decode_experts_unused_entries_may_be_negative(n_valid, mgpu_interpret):
+    """Entries past n_valid hold -1 (as the offload plan leaves them); count 0 launches with one
+    clamped route and returns zeros (no lax.cond: it would sync the host)."""
+    x, slots, tokens, gate_up, down = _inputs(2, T=2, H=64, I=32, S=3, R=4)
+    slots = jnp.where(jnp.arange(4) < n_valid, slots, -1)
+    tokens = jnp.where(jnp.arange(4) < n_valid, tokens, -1)
+    nv = jnp.int32(n_valid)
+    out = decode_experts(x, slots, tokens, nv, gate_up, down, interpret=True)
+    ref = reference_decode_experts(x, jnp.maximum(slots, 0), jnp.maximum(tokens, 0), nv, gate_up, down)
+    _check(out, ref, n_valid)
+    jaxpr = jax.make_jaxpr(functools.partial(decode_experts, interpret=True))(x, slots, tokens, nv, gate_up, down)
+    assert "cond" not in _outer_primitives(jaxpr.jaxpr)
+
+
+def _outer_primitives(jaxpr):
+    """Primitive names of a jaxpr and its nested jit calls, not looking inside kernels."""
+    names = set()
+    for eqn in jaxpr.eqns:
+        names.add(eqn.primitive.name)
+        if eqn.primitive.name != "pallas_call":
+            for v in eqn.params.values():
+                inner = getattr(v, "jaxpr", None)
+                if inner is not None:
+                    names |= _outer_primitives(getattr(inner, "jaxpr", inner))
+    return names
+
+
 @pytest.mark.parametrize(
     "case",
     [
