@@ -13,7 +13,8 @@
 # A 40-layer process spends ~35 s making the pool, ~15 s calibrating on a fresh machine, ~60-75 s on
 # the resident run, then ~30-40 s per further policy (session 6): budget the limits from that.
 # cpu = the CPU kernel tests and table (best tier, weight-row prefetch distances $PREFETCH, default
-# 0-2048 B) and the per-core compute rate;
+# 0 512 2048 8192 16384 B: on the dev box, one thread, int4 ran +39% at 8-16 KiB, session 6) and the
+# per-core compute rate;
 # cpu-tiers = the table on every ISA tier of the GPU host (AMX is there, not on the dev box).
 # Text routing needs the Qwen3 tokenizer inside the repo: copy ../shared/data/qwen3-tokenizer to
 # .carry/qwen3-tokenizer (git-ignored) and carry `.carry`.
@@ -39,7 +40,7 @@ for s in "${steps[@]}"; do
     tests) run gpu_tests 180 python3 -m pytest -q -m gpu tests/host tests/experts tests/pallas ;;
     host) run host_runtime 120 python3 bench/host_runtime.py --no-cpu --out "$OUT/host_runtime.json" ;;
     cpu) run cpu_tests 60 python3 -m pytest -q tests/host/test_kernels.py
-         run cpu_kernels 240 python3 bench/host_runtime.py --no-gpu --calls 10 --prefetch ${PREFETCH:-0 256 512 1024 2048} \
+         run cpu_kernels 240 python3 bench/host_runtime.py --no-gpu --calls 10 --prefetch ${PREFETCH:-0 512 2048 8192 16384} \
            --per-core --out "$OUT/cpu_kernels.json" ;;
     cpu-core) run cpu_core 120 python3 bench/host_runtime.py --no-gpu --per-core --calls 10 --out "$OUT/cpu_core.json" ;;
     cpu-tiers) run cpu_tiers 150 python3 bench/host_runtime.py --all-tiers --no-gpu --calls 10 --out "$OUT/cpu_tiers.json" ;;
