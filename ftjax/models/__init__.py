@@ -6,6 +6,7 @@ import importlib
 from types import ModuleType
 
 import jax
+import jax.numpy as jnp
 
 from ftjax.config import FAMILIES, ModelConfig
 
@@ -29,7 +30,7 @@ def make_step_fns(cfg: ModelConfig, backend, batch: int, length: int, max_len: i
 
     ``stable_io`` (decode): every buffer of the step keeps its device address from one step to the
     next, so XLA launches the step's CUDA graph as recorded instead of re-recording the commands
-    whose buffers moved (DESIGN: the host time of a one-graph step; RESULTS, session 6). The tokens
+    whose buffers moved (docs/internals.md, Model API; bench/RESULTS.md, session 6). The tokens
     and n_new are first copied into a persistent device buffer (a tiny donated executable), and the
     logits are written into one persistent buffer that every call donates: **the logits a call
     returns are valid until the next decode call** (read them, or hand them to a device computation,
@@ -40,9 +41,11 @@ def make_step_fns(cfg: ModelConfig, backend, batch: int, length: int, max_len: i
                          f"length={length}, max_len={max_len}")
     fwd = get_family(cfg).forward
 
-    def check(tokens, state, t):
+    def check(tokens, n_new, state, t):
         if tokens.shape != (batch, t):
             raise ValueError(f"tokens shape {tokens.shape}, this step function takes {(batch, t)}")
+        if n_new.shape != (batch,):
+            raise ValueError(f"n_new shape {n_new.shape}, this step function takes {(batch,)}")
         kv_len = state["lengths"].shape
         if kv_len != (batch,):
             raise ValueError(f"state lengths shape {kv_len}, expected {(batch,)}")
@@ -52,7 +55,7 @@ def make_step_fns(cfg: ModelConfig, backend, batch: int, length: int, max_len: i
                        donate_argnums=(1, 2))
 
         def run(params, expert_state, state, tokens, n_new):
-            check(tokens, state, t)
+            check(tokens, n_new, state, t)
             return step(params, expert_state, state, tokens, n_new)
 
         run.jitted = step
@@ -66,8 +69,6 @@ def make_step_fns(cfg: ModelConfig, backend, batch: int, length: int, max_len: i
 
 def _stable_decode(fwd, cfg, backend, batch, check):
     """The ``stable_io`` decode step (see `make_step_fns`)."""
-    import jax.numpy as jnp
-
     def step_io(params, expert_state, state, io, logits_buf):
         del logits_buf  # donated: the logits output takes its place
         return fwd(params, expert_state, state, io["tokens"], io["n_new"], cfg=cfg, backend=backend)
@@ -77,7 +78,7 @@ def _stable_decode(fwd, cfg, backend, batch, check):
                     donate_argnums=(0,))
     held = {}
 
-    def buffers(params, expert_state, state, tokens, n_new):
+    def buffers(params, expert_state, state):
         if not held:
             io = {"tokens": jnp.zeros((batch, 1), jnp.int32), "n_new": jnp.zeros((batch,), jnp.int32)}
             out = jax.eval_shape(functools.partial(fwd, cfg=cfg, backend=backend), params, expert_state, state,
@@ -86,8 +87,8 @@ def _stable_decode(fwd, cfg, backend, batch, check):
         return held["io"], held["logits"]
 
     def run(params, expert_state, state, tokens, n_new):
-        check(tokens, state, 1)
-        io, buf = buffers(params, expert_state, state, tokens, n_new)
+        check(tokens, n_new, state, 1)
+        io, buf = buffers(params, expert_state, state)
         try:
             io = held["io"] = stage(io, jnp.asarray(tokens), jnp.asarray(n_new))
             logits, state, expert_state = step(params, expert_state, state, io, buf)
@@ -98,7 +99,7 @@ def _stable_decode(fwd, cfg, backend, batch, check):
         return logits, state, expert_state
 
     def lower(params, expert_state, state, tokens, n_new):
-        io, buf = buffers(params, expert_state, state, tokens, n_new)
+        io, buf = buffers(params, expert_state, state)
         return step.lower(params, expert_state, state, io, buf)
 
     run.jitted, run.lower = step, lower
