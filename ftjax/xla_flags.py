@@ -6,7 +6,8 @@ live) moves between steps: on the H200 that re-recorded ~416 of 447 commands of 
 ~1.4 ms of host time per step (RESULTS.md, session 6). ``--xla_gpu_command_buffer_update_mode=SKIP_TEMP``
 gives the temp buffer a stable virtual address (XLA's VMM allocator, which it then uses for the whole
 process): the same 8-layer step ran at 1.6x (lru-split) and 1.3x (lru-fill) the tokens/s of the
-default mode; a 40-layer run showed no clear gain (other moving buffers: ``make_step_fns(stable_io=True)``).
+default mode (40 layers: within noise of an earlier default-mode run, not yet compared in one session;
+the other moving buffers are what ``make_step_fns(stable_io=True)`` keeps in place).
 
 ``FTJAX_XLA_UPDATE_MODE`` chooses: ``SKIP_TEMP`` (default), ``SKIP_PROFILED`` or ``ALWAYS_UPDATE``
 (XLA's default); ``off`` leaves XLA_FLAGS alone. A mode already in XLA_FLAGS always wins. jaxlib
