@@ -7,8 +7,8 @@
 # decode-hlo 240 (top-level ops of the compiled step), decode-sync 150 (8 layers, each step waits for
 # its logits), decode-xla 420 (the same 8-layer step with XLA's command-buffer update log and the
 # update-mode flags, where the build has them), decode-modes 426 (8 layers, the three update modes),
-# decode-xla2 300 (8 layers, SKIP_TEMP, update log, stable step buffers vs not), decode-b1 420 (40 layers,
-# batch 1, 37%, with the online row), decode-b4 380 (40 layers, batch 4, 37% and 11%, with the online row and the sweep), decode-more 540:
+# decode-xla2 300 (8 layers, SKIP_TEMP, update log, stable step buffers vs not), decode-b1 / decode-b1-nostable 300
+# each (40 layers, batch 1, 37%, with the online row; stable step buffers or not), decode-b4 380 (40 layers, batch 4, 37% and 11%, with the online row and the sweep), decode-more 540:
 # pick steps that fit one 10-minute call, e.g. `tests host cpu kernels`, then `tune`, then `decode`.
 # A 40-layer process spends ~35 s making the pool, ~15 s calibrating on a fresh machine, ~60-75 s on
 # the resident run, then ~30-40 s per further policy (session 6): budget the limits from that.
@@ -84,8 +84,10 @@ for s in "${steps[@]}"; do
          run "decode_mode_$m" 100 env XLA_FLAGS=--xla_gpu_command_buffer_update_mode=$m python3 bench/decode.py $a \
            --out "$OUT/decode_mode_$m.json"
        done ;;
-    decode-b1) run decode_b1 420 python3 bench/decode.py --layers 40 --batches 1 --routing trace --fractions 0.37 \
-              --policies lru-split lru-fill --no-sweep --online-warmup 128 --steps 32 --warmup 24 --out "$OUT/decode_b1.json" ;;
+    decode-b1|decode-b1-nostable)  # 40 layers, batch 1, 37%; -nostable: the --no-stable-io ablation
+       flag=""; [ $s = decode-b1-nostable ] && flag=--no-stable-io
+       run "${s//-/_}" 300 python3 bench/decode.py --layers 40 --batches 1 --routing trace --fractions 0.37 \
+         --policies lru-split lru-fill --no-sweep --online-warmup 128 --steps 32 --warmup 24 $flag --out "$OUT/${s//-/_}.json" ;;
     decode-xla2)  # SKIP_TEMP (ftjax default): commands XLA still re-records per step, stable step buffers vs not
        for io in stable no-stable-io; do
          flag=""; [ $io = no-stable-io ] && flag=--no-stable-io
