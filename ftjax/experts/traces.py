@@ -13,8 +13,9 @@ misses about 16% of routed experts and at 11% about 39% (the paper's figures): t
 
 Replay: :class:`ReplayRouting` wraps a backend and routes with ``expert_state["replay"]`` (ids and
 weights of the current step set by the host between steps, or the whole trace on the device stepped
-by a device counter) instead of the model's router: for benchmarks with random weights. :class:`TraceRecorder` is the opposite: it wraps a backend and
-records the routing the model computes (host callback; for recording runs, not for timing).
+by a device counter) instead of the model's router: for benchmarks with random weights.
+:class:`TraceRecorder` is the opposite: it wraps a backend and records the routing the model
+computes (host callback; for recording runs, not for timing).
 """
 from __future__ import annotations
 
