@@ -77,7 +77,7 @@ class Run:
     def __init__(self, cfg, params, pool, policy, slots, batch, routing, trace, max_len, fill_fraction, tokens=None,
                  fused_handshake=True, stable_io=True):
         L, E = cfg.num_layers, cfg.num_experts
-        self.cfg, self.params, self.batch, self.routing, self.trace = cfg, params, batch, routing, trace
+        self.cfg, self.params, self.batch, self.routing = cfg, params, batch, routing
         self.backend = OffloadExperts(pool, L, E, slots, policy, platform="cuda", max_tokens=max(batch, 16),
                                       fused_handshake=fused_handshake)
         inner = self.backend.init_state(fill_fraction=fill_fraction)
@@ -214,8 +214,8 @@ def main(argv=None) -> int:
                     help="wait for each step's logits before the next (a serving loop that samples every token); "
                          "default: steps dispatched back to back, the host running ahead of the GPU")
     ap.add_argument("--fixed-inputs", action="store_true",
-                    help="trace routing: pass the same token and n_new device buffers every step (an experiment: "
-                         "does XLA update the step's CUDA graph because these inputs move?)")
+                    help="trace routing: pass the same token and n_new device buffers every step (session 6's "
+                         "experiment; it changes nothing unless --no-stable-io, as stable_io stages the inputs)")
     ap.add_argument("--no-stable-io", dest="stable_io", action="store_false",
                     help="ablation: fresh token/n_new/logits buffers every step (make_step_fns(stable_io=False)), so "
                          "XLA re-records the commands that use them before each launch")

@@ -66,7 +66,7 @@ for s in "${steps[@]}"; do
     decode-b4) run decode_b4 380 python3 bench/decode.py --layers 40 --batches 4 --routing trace \
               --fractions 0.37 0.11 --policies lru-split lru-fill --steps 16 --warmup 24 --out "$OUT/decode_b4.json" ;;
     decode-xla)  # why a one-graph decode step costs 0.2-0.4 ms of host time per layer (RESULTS, session 5)
-       a="--layers 8 --batches 1 --routing trace --fractions 0.37 --policies lru-split --no-sweep --no-online --steps 16 --warmup 16 --sync"
+       a="--layers 8 --batches 1 --routing trace --fractions 0.37 --policies lru-split --no-sweep --no-online --steps 16 --warmup 16 --sync --no-stable-io"  # closest to session 6 call 1 (which also fed the routing per step)
        run decode_xla_log 150 env TF_CPP_MIN_LOG_LEVEL=0 \
          TF_CPP_VMODULE=command_buffer_thunk=3,command_executor=1,command_buffer_cmd_executor=1,command_buffer_cmd=1 \
          python3 bench/decode.py $a --out "$OUT/decode_xla_log.json"
