@@ -15,6 +15,8 @@
 # cpu = the CPU kernel tests and table (best tier, weight-row prefetch distances $PREFETCH, default
 # 0 512 2048 8192 16384 B: on the dev box, one thread, int4 ran +39% at 8-16 KiB, session 6) and the
 # per-core compute rate;
+# plan 150 = the expert-cache plan alone, us per layer per policy, LRU victims by f32 top-k rounds vs one
+# int32 top-k (a sort of every slot on XLA:GPU; session 7 changed it, not yet measured there);
 # cpu-tiers = the table on every ISA tier of the GPU host (AMX is there, not on the dev box).
 # Text routing needs the Qwen3 tokenizer inside the repo: copy ../shared/data/qwen3-tokenizer to
 # .carry/qwen3-tokenizer (git-ignored) and carry `.carry`.
@@ -45,6 +47,7 @@ for s in "${steps[@]}"; do
     cpu-core) run cpu_core 120 python3 bench/host_runtime.py --no-gpu --per-core --calls 10 --out "$OUT/cpu_core.json" ;;
     cpu-tiers) run cpu_tiers 150 python3 bench/host_runtime.py --all-tiers --no-gpu --calls 10 --out "$OUT/cpu_tiers.json" ;;
     calibrate) run calibrate 120 python3 -m ftjax calibrate --window-gib 2 ;;
+    plan) run plan 150 python3 bench/plan.py --out "$OUT/plan.json" ;;
     kernels) run kernels 240 python3 bench/kernels.py --tokens 1024 8192 --ragged --iters 5 --out "$OUT/kernels.json" ;;
     tune) run tune_decode 150 python3 bench/kernels.py --only decode --shapes 2048x512 --dtypes bf16 --decode-tokens 1 8 \
             --tune-decode --iters 3 --out "$OUT/tune_decode.json"

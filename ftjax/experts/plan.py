@@ -81,6 +81,30 @@ def fill_capacity(num_routes: int, num_experts: int, num_slots: int, fill_cap: i
     return cap if fill_cap is None else min(cap, fill_cap)
 
 
+TOPK_CHUNK = 16  # XLA:GPU's own top-k kernel: f32/bf16, k <= 16, rows >= 1024 (TopkSpecializer)
+
+
+def lru_victims(last_use: jax.Array, step: jax.Array, count: int) -> tuple[jax.Array, jax.Array]:
+    """The ``count`` least recently used slots (ties to the lower slot) and how many of them are evictable
+    (not used in this step: ``last_use < step``).
+
+    Ranked by age ``step - last_use`` as f32 in rounds of at most 16, each round masking the slots it took:
+    XLA:GPU runs f32 top-k with k <= 16 over >= 1024 entries as one kernel of its own, where an int32 top-k
+    becomes a sort of all ``S`` slots (each layer, on the step's critical path before the fill). Ages
+    below 2**24 layer calls are exact in f32; older ones may merge, which only reorders slots that old.
+    A slot used in this step has age 0 and every other age is >= 1, so the evictable ones come first."""
+    age = (step - last_use).astype(jnp.float32)
+    slots, ages = [], []
+    for c in range(0, count, TOPK_CHUNK):
+        val, idx = lax.top_k(age, min(TOPK_CHUNK, count - c))
+        slots.append(idx.astype(jnp.int32))
+        ages.append(val)
+        if c + TOPK_CHUNK < count:
+            age = age.at[idx].set(-1.0)  # below every real age: the next round ranks the rest
+    slots, ages = jnp.concatenate(slots), jnp.concatenate(ages)
+    return slots, jnp.sum(ages > 0, dtype=jnp.int32)
+
+
 # The LRU clock (``step``, one tick per MoE layer call) is int32: 40 layers at 100 steps/s reach 2^31 in
 # six days. Layer 0 of a step rebases it once it passes REBASE_AT: every stamp moves back by REBASE_BY,
 # stamps older than that collapse to 0 (still "used once", still after the never-used -1), so the order
@@ -142,14 +166,12 @@ def plan_layer(cache: dict, layer: int, expert_ids: jax.Array, token_valid: jax.
             want = m
         else:
             want = balance_fill(m, cache["fill_fraction"])
-        evictable = jnp.sum(last_use < step, dtype=jnp.int32)
+        # Victims: the F least recently used slots of the whole pool (used slots carry `step`).
+        victims, evictable = lru_victims(last_use, step, F)  # evictable: min(F, slots not used this step)
         n_fill = jnp.minimum(jnp.minimum(want, F), evictable)
         # Misses first, most recently routed first, ties to the lower id (lexsort: last key is primary).
         order = rank_misses(miss_u, cache["recency"][uniq_flat], uniq)
         fill_ids = uniq_flat[order[:F]]
-        # Victims: the F least recently used slots of the whole pool (used slots carry `step`).
-        _, victims = lax.top_k(-last_use, F)
-        victims = victims.astype(jnp.int32)
         take = jnp.arange(F, dtype=jnp.int32) < n_fill
         old = owner_of[victims]
         slot_of = slot_of.at[jnp.where(take & (old >= 0), old, N)].set(-1, mode="drop")

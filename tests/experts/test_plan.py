@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from ftjax.experts.cache import CacheGeometry, check_invariants, init_cache_state
-from ftjax.experts.plan import balance_fill, plan_layer
+from ftjax.experts.plan import balance_fill, lru_victims, plan_layer
 
 
 @pytest.fixture(autouse=True)
@@ -131,3 +131,22 @@ def test_lru_clock_rebases_before_int32_overflow():
         np.testing.assert_array_equal(np.asarray(small["slot_of"]), np.asarray(big["slot_of"]))
     assert REBASE_AT // 2 < int(big["step"]) < REBASE_AT  # rebased once, still counting
     assert int(np.asarray(big["last_use"]).max()) < REBASE_AT
+
+
+@pytest.mark.parametrize("S,count", [(5, 1), (40, 16), (40, 17), (2048, 8), (2048, 40), (64, 64)])
+def test_lru_victims_match_an_exact_integer_top_k(S, count):
+    """The f32 age top-k in rounds of 16 picks the same slots, in the same order, as one int32 top-k of
+    -last_use (ties to the lower slot), and counts the evictable ones among them."""
+    rng = np.random.default_rng(S + count)
+    for trial in range(20):
+        step = int(rng.integers(50, 5000))
+        last_use = rng.integers(-1, step + 1, S).astype(np.int32)  # -1 never used, step = used now
+        if trial % 3 == 0:
+            last_use[rng.random(S) < 0.5] = step  # many slots used in this step
+        if trial % 5 == 0:
+            last_use[:] = rng.choice([-1, step // 2, step], S)  # heavy ties
+        victims, evictable = lru_victims(jnp.asarray(last_use), jnp.asarray(step, jnp.int32), count)
+        _, ref = jax.lax.top_k(-jnp.asarray(last_use), count)
+        np.testing.assert_array_equal(np.asarray(victims), np.asarray(ref))
+        assert int(evictable) == min(count, int((last_use < step).sum()))
+        assert victims.dtype == jnp.int32
