@@ -9,6 +9,7 @@
 # update-mode flags, where the build has them), decode-modes 426 (8 layers, the three update modes),
 # decode-xla2 300 (8 layers, SKIP_TEMP, update log, stable step buffers vs not), decode-b1 / decode-b1-nostable 300
 # each (40 layers, batch 1, 37%, with the online row; stable step buffers or not), decode-b4 380 (40 layers, batch 4, 37% and 11%, with the online row and the sweep), decode-more 540:
+# decode-warm 560 / decode-text 560 (session 7's warm-cache tables; one call each),
 # pick steps that fit one 10-minute call, e.g. `tests host cpu kernels`, then `tune`, then `decode`.
 # A 40-layer process spends ~35 s making the pool, ~15 s calibrating on a fresh machine, ~60-75 s on
 # the resident run, then ~30-40 s per further policy (session 6): budget the limits from that.
@@ -104,6 +105,13 @@ for s in "${steps[@]}"; do
          echo "executions: $(grep -c 'Execute command buffer' "$log")"
          rm -f "$log"
        done ;;
+    decode-warm)  # session 7 call 3: 40 layers, trace, batch 1 and 4, 37%, warm caches, online row and sweep (~420 s)
+       run decode_warm 560 python3 bench/decode.py --layers 40 --batches 1 4 --routing trace --fractions 0.37 \
+         --policies lru-split lru-fill --steps 32 --warmup 24 --online-warmup 128 --out "$OUT/decode_warm.json" ;;
+    decode-text)  # session 7 call 4: text routing (model's router, Qwen3 tokenizer), b1/b4 x 37%/11% (~560 s: cut at b4 11%)
+       run decode_text 560 python3 bench/decode.py --layers 40 --batches 1 4 --routing text --tokenizer "$tok" \
+         --fractions 0.37 0.11 --policies lru-split lru-fill --no-sweep --no-online --steps 32 --warmup 24 \
+         --out "$OUT/decode_text.json" ;;
     decode-more) run decode_more 540 python3 bench/decode.py --layers 40 --batches 4 1 --routing text trace \
               --tokenizer "$tok" --fractions 0.11 --policies lru-split lru-fill static --no-sweep \
               --steps 24 --warmup 24 --out "$OUT/decode_more.json" ;;
