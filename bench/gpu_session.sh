@@ -9,6 +9,7 @@
 # update-mode flags, where the build has them), decode-modes 426 (8 layers, the three update modes),
 # decode-xla2 300 (8 layers, SKIP_TEMP, update log, stable step buffers vs not), decode-b1 / decode-b1-nostable 300
 # each (40 layers, batch 1, 37%, with the online row; stable step buffers or not), decode-b4 380 (40 layers, batch 4, 37% and 11%, with the online row and the sweep), decode-more 540:
+# decode-profile8 300 (8 layers, b1, warm: kernels per step per policy, trace_summary),
 # decode-warm 560 / decode-text 560 (session 7's warm-cache tables; one call each),
 # pick steps that fit one 10-minute call, e.g. `tests host cpu kernels`, then `tune`, then `decode`.
 # A 40-layer process spends ~35 s making the pool, ~15 s calibrating on a fresh machine, ~60-75 s on
@@ -61,6 +62,12 @@ for s in "${steps[@]}"; do
               --fractions 0.37 --policies lru-split lru-fill --no-sweep --no-online --steps 16 --warmup 24 \
               --profile /tmp/prof --out "$OUT/decode_profile.json"
        run trace_summary 45 python3 bench/trace_summary.py /tmp/prof --top 12 ;;
+    decode-profile8)  # 8 layers, batch 1, 37%, warm caches: GPU kernels per step of resident / lru-split / lru-fill
+       # (where the ~40-65 us per layer beyond the transfers goes, RESULTS session 7; ~3 min)
+       run decode_profile8 240 python3 bench/decode.py --layers 8 --batches 1 --routing trace --fractions 0.37 \
+         --policies lru-split lru-fill --no-sweep --no-online --steps 32 --warmup 24 --profile /tmp/prof8 \
+         --out "$OUT/decode_profile8.json"
+       run trace_summary8 60 python3 bench/trace_summary.py /tmp/prof8 --top 30 ;;
     decode-hlo) run decode_hlo 240 python3 bench/decode.py --layers 8 --batches 1 4 --routing trace --fractions 0.37 \
               --policies lru-split lru-fill --no-sweep --online-warmup 48 --steps 16 --warmup 16 --hlo-stats \
               --out "$OUT/decode_hlo.json" ;;
