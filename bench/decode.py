@@ -75,11 +75,11 @@ class Run:
     """One backend at one batch size: a decode step function and its states."""
 
     def __init__(self, cfg, params, pool, policy, slots, batch, routing, trace, max_len, fill_fraction, tokens=None,
-                 fused_handshake=True, stable_io=True):
+                 fused_handshake=True, stable_io=True, plan_impl="scatter"):
         L, E = cfg.num_layers, cfg.num_experts
         self.cfg, self.params, self.batch, self.routing = cfg, params, batch, routing
         self.backend = OffloadExperts(pool, L, E, slots, policy, platform="cuda", max_tokens=max(batch, 16),
-                                      fused_handshake=fused_handshake)
+                                      fused_handshake=fused_handshake, plan_impl=plan_impl)
         inner = self.backend.init_state(fill_fraction=fill_fraction)
         if routing == "trace":
             wrapped = ReplayRouting(self.backend)
@@ -245,6 +245,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-stable-io", dest="stable_io", action="store_false",
                     help="ablation: fresh token/n_new/logits buffers every step (make_step_fns(stable_io=False)), so "
                          "XLA re-records the commands that use them before each launch")
+    ap.add_argument("--plan-impl", default="scatter", choices=("scatter", "dense", "auto"),
+                    help="how the plan updates the cache maps (plan_layer's impl; same results)")
     ap.add_argument("--tokenizer", default=str(TOKENIZER), help="the real Qwen3 tokenizer (routing text)")
     ap.add_argument("--worker-variants", nargs="*", default=[], metavar="N:SPIN_US",
                     help="also run lru-split with the CPU worker pool reconfigured (N workers, -1 = default; "
@@ -280,14 +282,15 @@ def main(argv=None) -> int:
                + len(args.worker_variants) * (args.warmup // 2 + args.steps)
                + (0 if args.no_online else args.online_warmup + args.steps)
                + (0 if args.no_sweep else len(SWEEP) * (8 + args.steps)) + (4 if args.profile else 0))
-    results = {"sync": args.sync, "stable_io": args.stable_io, "xla_update_mode": ftjax.XLA_UPDATE_MODE,
+    results = {"sync": args.sync, "stable_io": args.stable_io, "plan_impl": args.plan_impl,
+               "xla_update_mode": ftjax.XLA_UPDATE_MODE,
                "b_dram_gbps": b_dram, "bandwidth": band.to_dict(), "expert_bytes": expert_bytes, "rows": []}
     print(f"B_DRAM {b_dram:.1f} GB/s | in use: B_P {band.b_pcie_gbps:.1f} GB/s, B_H {band.b_host_gbps:.1f} GB/s "
           f"({'concurrent' if band.concurrent else 'standalone'}, {band.source}), q* fraction {band.fill_fraction:.3f}")
 
     print(f"CPU worker pool: {worker_info()}")
     print(f"XLA command-buffer update mode: {ftjax.XLA_UPDATE_MODE or 'XLA default'} (ftjax.xla_flags); "
-          f"stable step buffers: {'yes' if args.stable_io else 'no (--no-stable-io)'}")
+          f"stable step buffers: {'yes' if args.stable_io else 'no (--no-stable-io)'}; plan impl {args.plan_impl}")
     print("steps: " + ("each waits for the previous step's logits (--sync)" if args.sync else
                        "dispatched back to back (the host runs ahead of the GPU)"))
     for routing in args.routing:
@@ -295,7 +298,7 @@ def main(argv=None) -> int:
             trace = synthetic_trace(max_len, L, E, cfg.num_experts_per_tok, batch=B, seed=B) if routing == "trace" else None
             tokens = text_tokens(max_len, B, args.tokenizer) if routing == "text" else None
             res = Run(cfg, params, pool, "resident", L * E, B, routing, trace, max_len, band.fill_fraction, tokens,
-                      fused_handshake=args.fused_handshake, stable_io=args.stable_io)
+                      fused_handshake=args.fused_handshake, stable_io=args.stable_io, plan_impl=args.plan_impl)
             res.sync, res.fixed_inputs = args.sync, args.fixed_inputs
             t_gpu = res.timed(args.warmup // 4, args.steps)
             progress(f"{routing} b{B} resident", t_gpu)
@@ -309,7 +312,7 @@ def main(argv=None) -> int:
                 for pol in args.policies:
                     run = Run(cfg, params, pool, pol, 0 if pol == "cpu" else S, B, routing, trace, max_len,
                               band.fill_fraction, tokens, fused_handshake=args.fused_handshake,
-                              stable_io=args.stable_io)
+                              stable_io=args.stable_io, plan_impl=args.plan_impl)
                     run.sync, run.fixed_inputs = args.sync, args.fixed_inputs
                     rows[pol] = run.timed(args.warmup, args.steps)
                     progress(f"{routing} b{B} {pol} {frac:.0%}", rows[pol])

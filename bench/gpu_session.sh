@@ -9,7 +9,7 @@
 # update-mode flags, where the build has them), decode-modes 426 (8 layers, the three update modes),
 # decode-xla2 300 (8 layers, SKIP_TEMP, update log, stable step buffers vs not), decode-b1 / decode-b1-nostable 300
 # each (40 layers, batch 1, 37%, with the online row; stable step buffers or not), decode-b4 380 (40 layers, batch 4, 37% and 11%, with the online row and the sweep), decode-more 540:
-# decode-profile8 300 (8 layers, b1, warm: kernels per step per policy, trace_summary),
+# decode-dense 560 (40 layers, b1, 37%: --plan-impl dense vs scatter), decode-profile8 300 (8 layers, b1, warm: kernels per step per policy, trace_summary),
 # decode-warm 560 / decode-text 560 (session 7's warm-cache tables; one call each),
 # pick steps that fit one 10-minute call, e.g. `tests host cpu kernels`, then `tune`, then `decode`.
 # A 40-layer process spends ~35 s making the pool, ~15 s calibrating on a fresh machine, ~60-75 s on
@@ -111,6 +111,12 @@ for s in "${steps[@]}"; do
            awk '{n[$2]++; t[$2]+=$5; k[$2]+=$8} END {for (c in n) printf "%s commands: %d updates, mean %.0f us, mean skipped %.0f\n", c, n[c], t[c]/n[c], k[c]/n[c]}'
          echo "executions: $(grep -c 'Execute command buffer' "$log")"
          rm -f "$log"
+       done ;;
+    decode-dense)  # 40 layers, b1, 37%, warm: the plan's dense map updates (--plan-impl dense) vs scatter, one process each
+       for impl in dense scatter; do
+         run "decode_plan_$impl" 280 python3 bench/decode.py --layers 40 --batches 1 --routing trace --fractions 0.37 \
+           --policies lru-split lru-fill --no-sweep --no-online --steps 32 --warmup 24 --plan-impl $impl \
+           --out "$OUT/decode_plan_$impl.json"
        done ;;
     decode-warm)  # session 7 call 3: 40 layers, trace, batch 1 and 4, 37%, warm caches, online row and sweep (~420 s)
        run decode_warm 560 python3 bench/decode.py --layers 40 --batches 1 4 --routing trace --fractions 0.37 \

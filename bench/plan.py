@@ -9,7 +9,9 @@ trace, a warm cache) and prints us per layer for:
   the floor the others are measured against (ratio = floor / row);
 - ``lru-split`` / ``lru-fill``: the full plan with LRU victims, as the decode step runs it;
 - the same with ``victims int32``: the LRU victims ranked by one int32 top-k (before session 7), which
-  XLA:GPU lowers to a sort of every slot where the f32 age top-k of rounds of 16 is its own kernel.
+  XLA:GPU lowers to a sort of every slot where the f32 age top-k of rounds of 16 is its own kernel;
+- every row in both update forms of ``plan_layer(impl=...)``: ``dense`` (selects over whole arrays
+  against the call's short id lists) and ``scatter`` (one XLA scatter per update; the default).
 
 Runs on any backend (the figures mean something on the GPU).
     python bench/plan.py --slots 3788 1126 --batches 1 4
@@ -17,6 +19,7 @@ Runs on any backend (the figures mean something on the GPU).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -37,13 +40,13 @@ def int32_victims(last_use, step, count):
     return idx.astype(jnp.int32), jnp.minimum(jnp.sum(last_use < step, dtype=jnp.int32), count)
 
 
-def make_step(L, E, rule, update):
-    @jax.jit
+def make_step(L, E, rule, update, impl):
+    @functools.partial(jax.jit, donate_argnums=0)
     def step(cache, ids):  # ids [L, T, k]
         out = jnp.zeros((), jnp.int32)
         for layer in range(L):
             p, cache = plan_mod.plan_layer(cache, layer, ids[layer], jnp.ones((ids.shape[1],), bool),
-                                           num_experts=E, rule=rule, update=update)
+                                           num_experts=E, rule=rule, update=update, impl=impl)
             # consume the plan's outputs so none is dead code
             out = out + p.n_fill + p.n_cpu_routes + p.fill_slots.sum() + p.route_slot.sum() + p.cpu_routes[0]
         return out, cache
@@ -51,11 +54,11 @@ def make_step(L, E, rule, update):
     return step
 
 
-def time_variant(L, E, S, trace, rule, update, steps, warm):
+def time_variant(L, E, S, trace, rule, update, steps, warm, impl):
     geom = CacheGeometry(L, E, S, hidden=1, inter=1)  # banks are not touched by the plan
     cache = init_cache_state(geom, jnp.float32, fill_fraction=0.35)
     ids = jnp.asarray(trace.ids)  # [n, L, B, k]
-    step = make_step(L, E, rule, update)
+    step = make_step(L, E, rule, update, impl)
     n = ids.shape[0]
     for i in range(warm):  # fill the cache (the plan alone: every miss it fills takes a slot)
         _, cache = step(cache, ids[i % n])
@@ -78,27 +81,31 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(Path(__file__).parent / "out" / "plan.json"))
     args = ap.parse_args(argv)
     L, E, k = args.layers, args.experts, args.top_k
+    if not all(1 <= S <= L * E for S in args.slots):
+        ap.error(f"--slots must be in [1, layers x experts = {L * E}], got {args.slots}")
     print(f"backend {jax.default_backend()}; {L} layers x {E} experts, top-{k}; synthetic trace routing; "
           f"us per layer (one jitted step of {L} chained plans, {args.steps} steps, warm cache)")
-    print(f"{'slots':>6} {'batch':>5} {'variant':26} {'us/layer':>9} {'floor/row':>9}")
+    print(f"{'slots':>6} {'batch':>5} {'variant':35} {'us/layer':>9} {'floor/row':>9}")
     rows = []
     original = plan_mod.lru_victims
     for S in args.slots:
         for B in args.batches:
             trace = synthetic_trace(512, L, E, k, batch=B, seed=B)
             warm = -(-5 * S // (4 * L)) + 16
-            floor = time_variant(L, E, S, trace, "none", False, args.steps, 8)
-            res = [("resident (floor)", floor)]
-            for name, rule, victims in (("lru-split", "balance", original), ("lru-fill", "all", original),
-                                        ("lru-split, victims int32", "balance", int32_victims),
-                                        ("lru-fill, victims int32", "all", int32_victims)):
-                plan_mod.lru_victims = victims
-                try:
-                    res.append((name, time_variant(L, E, S, trace, rule, True, args.steps, warm)))
-                finally:
-                    plan_mod.lru_victims = original
+            floor = time_variant(L, E, S, trace, "none", False, args.steps, 8, "scatter")
+            res = [("resident (floor)", floor),
+                   ("resident, dense", time_variant(L, E, S, trace, "none", False, args.steps, 8, "dense"))]
+            for impl in ("scatter", "dense"):
+                for name, rule, victims in (("lru-split", "balance", original), ("lru-fill", "all", original),
+                                            ("lru-split, victims int32", "balance", int32_victims)):
+                    plan_mod.lru_victims = victims
+                    try:
+                        us = time_variant(L, E, S, trace, rule, True, args.steps, warm, impl)
+                    finally:
+                        plan_mod.lru_victims = original
+                    res.append((name + ("" if impl == "scatter" else ", dense"), us))
             for name, us in res:
-                print(f"{S:6d} {B:5d} {name:26} {us:9.1f} {floor / us:9.2f}", flush=True)
+                print(f"{S:6d} {B:5d} {name:35} {us:9.1f} {floor / us:9.2f}", flush=True)
                 rows.append({"slots": S, "batch": B, "variant": name, "us_per_layer": us})
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"backend": jax.default_backend(), "rows": rows}, indent=1) + "\n")

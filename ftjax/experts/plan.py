@@ -62,7 +62,31 @@ def compact(mask: jax.Array, size: int, fill_value: int | None) -> jax.Array:
     return jnp.full((size,), fill_value, jnp.int32).at[jnp.where(mask, pos, size)].set(idx, mode="drop")
 
 
-def rank_misses(miss: jax.Array, recency: jax.Array, ids: jax.Array) -> jax.Array:
+def compact_dense(mask: jax.Array, size: int, fill_value: int | None) -> jax.Array:
+    """:func:`compact` without a scatter: each output entry picks its index out of an ``[size, n]``
+    comparison (a fused select and reduction; for the short lists of a decode step)."""
+    n = mask.shape[0]
+    idx = jnp.arange(n, dtype=jnp.int32)
+    pos = jnp.cumsum(mask, dtype=jnp.int32) - 1
+    if fill_value is None:
+        pos = jnp.where(mask, pos, jnp.sum(mask, dtype=jnp.int32) + jnp.cumsum(~mask, dtype=jnp.int32) - 1)
+        return jnp.sum(jnp.where(pos[None, :] == jnp.arange(size, dtype=jnp.int32)[:, None], idx[None, :], 0),
+                       axis=1, dtype=jnp.int32)
+    pick = mask[None, :] & (pos[None, :] == jnp.arange(size, dtype=jnp.int32)[:, None])
+    return jnp.min(jnp.where(pick, idx[None, :], jnp.int32(fill_value)), axis=1)
+
+
+def set_at(arr: jax.Array, idx: jax.Array, vals, valid: jax.Array, dense: bool) -> jax.Array:
+    """``arr`` with ``arr[idx[j]] = vals[j]`` where ``valid[j]`` (the valid indices distinct): a scatter,
+    or (``dense``) one select over the whole array against the short index list."""
+    vals = jnp.broadcast_to(jnp.asarray(vals, arr.dtype), idx.shape)
+    if not dense:
+        return arr.at[jnp.where(valid, idx, arr.shape[0])].set(vals, mode="drop")
+    match = (jnp.arange(arr.shape[0], dtype=jnp.int32)[:, None] == idx[None, :]) & valid[None, :]
+    return jnp.where(match.any(axis=1), jnp.sum(jnp.where(match, vals[None, :], 0), axis=1, dtype=arr.dtype), arr)
+
+
+def rank_misses(miss: jax.Array, recency: jax.Array, ids: jax.Array, dense: bool = False) -> jax.Array:
     """Order of the unique experts: misses first, most recently routed first, ties to the lower id.
 
     Pairwise ranks over the ``U <= E`` unique experts (no sort; distinct ids make the order total)."""
@@ -70,7 +94,10 @@ def rank_misses(miss: jax.Array, recency: jax.Array, ids: jax.Array) -> jax.Arra
     ri, rj = recency[:, None], recency[None, :]
     before = (mj & ~mi) | ((mj == mi) & ((rj > ri) | ((rj == ri) & (ids[None, :] < ids[:, None]))))
     rank = jnp.sum(before, axis=1, dtype=jnp.int32)  # how many go before entry i
-    return jnp.zeros_like(rank).at[rank].set(jnp.arange(rank.shape[0], dtype=jnp.int32))
+    idx = jnp.arange(rank.shape[0], dtype=jnp.int32)
+    if dense:  # rank is a permutation: entry p is the one i with rank[i] == p
+        return jnp.sum(jnp.where(rank[None, :] == idx[:, None], idx[None, :], 0), axis=1, dtype=jnp.int32)
+    return jnp.zeros_like(rank).at[rank].set(idx)
 
 
 def fill_capacity(num_routes: int, num_experts: int, num_slots: int, fill_cap: int | None, rule: str) -> int:
@@ -123,18 +150,32 @@ def rebase_clock(cache: dict) -> dict:
     return dict(cache, step=cache["step"] - shift, last_use=back(cache["last_use"]), recency=back(cache["recency"]))
 
 
+PLAN_IMPLS = ("scatter", "dense", "auto")
+DENSE_MAX_ROUTES = 64  # "auto": dense updates up to this many routes per call (decode), scatters beyond
+
+
 def plan_layer(cache: dict, layer: int, expert_ids: jax.Array, token_valid: jax.Array, *, num_experts: int,
-               rule: str = "balance", fill_cap: int | None = None, update: bool = True) -> tuple[LayerPlan, dict]:
+               rule: str = "balance", fill_cap: int | None = None, update: bool = True,
+               impl: str = "scatter") -> tuple[LayerPlan, dict]:
     """Plan one MoE layer call and return the updated cache maps (banks untouched: the caller fills).
 
     ``expert_ids [T, k]`` per-layer ids; ``token_valid [T]``. ``rule``: "balance" (the miss split with
     ``cache["fill_fraction"]``), "all" (fill every miss the pool can take), "none" (no fills: every
     miss on the CPU). ``update=False`` freezes the cache (no LRU bookkeeping): the static policies.
+    ``impl``: how the maps are updated, with the same results (tested): "scatter" (an XLA scatter per
+    update; the default), "dense" (each update one select over the whole array against the call's
+    short id lists, the layer's own entries through a static slice: fewer kernels that fuse, work ~
+    array x list length; 2.5x slower than scatter on the CPU backend, bench/plan.py; for the GPU, where
+    a decode step's plan is a chain of tiny kernels, not yet measured), "auto" (dense up to
+    ``DENSE_MAX_ROUTES`` routes per call, i.e. decode steps; scatters for prefill chunks).
     """
     if rule not in FILL_RULES:
         raise ValueError(f"fill rule {rule!r} unknown; valid: {FILL_RULES}")
+    if impl not in PLAN_IMPLS:
+        raise ValueError(f"plan impl {impl!r} unknown; valid: {PLAN_IMPLS}")
     T, k = expert_ids.shape
     E, R = num_experts, T * k
+    dense = impl == "dense" or (impl == "auto" and R <= DENSE_MAX_ROUTES)
     if layer == 0 and update:
         cache = rebase_clock(cache)
     S, N = cache["owner_of"].shape[0], cache["slot_of"].shape[0]
@@ -147,8 +188,12 @@ def plan_layer(cache: dict, layer: int, expert_ids: jax.Array, token_valid: jax.
     step = cache["step"] + 1
 
     # De-duplicate over the layer's E experts: ascending ids, sentinel E after the last one.
-    present = jnp.zeros((E,), jnp.int32).at[ids].max(route_valid.astype(jnp.int32)) > 0
-    uniq = compact(present, U, fill_value=E)
+    if dense:
+        present = ((ids[:, None] == jnp.arange(E, dtype=jnp.int32)[None, :]) & route_valid[:, None]).any(axis=0)
+        uniq = compact_dense(present, U, fill_value=E)
+    else:
+        present = jnp.zeros((E,), jnp.int32).at[ids].max(route_valid.astype(jnp.int32)) > 0
+        uniq = compact(present, U, fill_value=E)
     uniq_valid = uniq < E
     uniq_flat = layer * E + jnp.minimum(uniq, E - 1)
     slot_u = jnp.where(uniq_valid, cache["slot_of"][uniq_flat], -1)
@@ -159,7 +204,7 @@ def plan_layer(cache: dict, layer: int, expert_ids: jax.Array, token_valid: jax.
 
     slot_of, owner_of, last_use = cache["slot_of"], cache["owner_of"], cache["last_use"]
     if update:  # hits are used in this step: they can no longer be victims
-        last_use = last_use.at[jnp.where(hit_u, slot_u, S)].set(step, mode="drop")
+        last_use = set_at(last_use, slot_u, step, hit_u, dense)
 
     if F > 0:
         if rule == "all":
@@ -170,14 +215,15 @@ def plan_layer(cache: dict, layer: int, expert_ids: jax.Array, token_valid: jax.
         victims, evictable = lru_victims(last_use, step, F)  # evictable: min(F, slots not used this step)
         n_fill = jnp.minimum(jnp.minimum(want, F), evictable)
         # Misses first, most recently routed first, ties to the lower id (lexsort: last key is primary).
-        order = rank_misses(miss_u, cache["recency"][uniq_flat], uniq)
+        order = rank_misses(miss_u, cache["recency"][uniq_flat], uniq, dense)
         fill_ids = uniq_flat[order[:F]]
         take = jnp.arange(F, dtype=jnp.int32) < n_fill
         old = owner_of[victims]
-        slot_of = slot_of.at[jnp.where(take & (old >= 0), old, N)].set(-1, mode="drop")
-        slot_of = slot_of.at[jnp.where(take, fill_ids, N)].set(victims, mode="drop")
-        owner_of = owner_of.at[jnp.where(take, victims, S)].set(fill_ids, mode="drop")
-        last_use = last_use.at[jnp.where(take, victims, S)].set(step, mode="drop")
+        # Evicted ids (resident) and filled ids (misses) are disjoint: the order of the two is free.
+        slot_of = set_at(slot_of, old, -1, take & (old >= 0), dense)
+        slot_of = set_at(slot_of, fill_ids, victims, take, dense)
+        owner_of = set_at(owner_of, victims, fill_ids, take, dense)
+        last_use = set_at(last_use, victims, step, take, dense)
         fill_slots = jnp.where(take, victims, 0)
         fill_ids = jnp.where(take, fill_ids, 0)
     else:
@@ -186,16 +232,28 @@ def plan_layer(cache: dict, layer: int, expert_ids: jax.Array, token_valid: jax.
 
     route_slot = jnp.where(route_valid, slot_of[flat_routes], -1)
     on_cpu = route_valid & (route_slot < 0)
-    cpu_routes = compact(on_cpu, R, fill_value=None)
+    cpu_routes = (compact_dense if dense else compact)(on_cpu, R, fill_value=None)
     plan = LayerPlan(route_slot=route_slot, cpu_routes=cpu_routes, n_cpu_routes=jnp.sum(on_cpu, dtype=jnp.int32),
                      fill_ids=fill_ids, fill_slots=fill_slots, n_fill=n_fill, hits=hits, misses=m,
                      cpu_experts=m - n_fill)
 
     stats = dict(cache["stats"])
-    for key, val in (("hits", hits), ("misses", m), ("fills", n_fill), ("cpu_experts", m - n_fill),
-                     ("calls", jnp.ones((), jnp.int32))):
-        stats[key] = stats[key].at[layer].add(val)
-    stats["hist"] = stats["hist"].at[flat_routes].add(route_valid.astype(jnp.int32))
-    new = dict(cache, slot_of=slot_of, owner_of=owner_of, last_use=last_use, step=step, stats=stats,
-               recency=cache["recency"].at[jnp.where(uniq_valid, uniq_flat, N)].set(step, mode="drop"))
+    counts = (("hits", hits), ("misses", m), ("fills", n_fill), ("cpu_experts", m - n_fill),
+              ("calls", jnp.ones((), jnp.int32)))
+    recency = cache["recency"]
+    if dense:  # the layer's entries are a static slice; the per-layer counters one select each
+        at_layer = jnp.arange(stats["calls"].shape[0]) == layer
+        for key, val in counts:
+            stats[key] = stats[key] + jnp.where(at_layer, val, 0)
+        routed = jnp.sum((ids[:, None] == jnp.arange(E, dtype=jnp.int32)[None, :]) & route_valid[:, None],
+                         axis=0, dtype=jnp.int32)
+        lo = layer * E
+        stats["hist"] = lax.dynamic_update_slice(stats["hist"], stats["hist"][lo:lo + E] + routed, (lo,))
+        recency = lax.dynamic_update_slice(recency, jnp.where(present, step, recency[lo:lo + E]), (lo,))
+    else:
+        for key, val in counts:
+            stats[key] = stats[key].at[layer].add(val)
+        stats["hist"] = stats["hist"].at[flat_routes].add(route_valid.astype(jnp.int32))
+        recency = recency.at[jnp.where(uniq_valid, uniq_flat, N)].set(step, mode="drop")
+    new = dict(cache, slot_of=slot_of, owner_of=owner_of, last_use=last_use, step=step, stats=stats, recency=recency)
     return plan, new

@@ -93,6 +93,16 @@ def test_offload_equals_resident(model, reference, policy, size, batch):
         assert stats["cpu_experts"].sum() > 0
 
 
+@pytest.mark.parametrize("policy,plan_impl", [("lru-split", "dense"), ("lru-fill", "auto")])
+def test_plan_impls_equal_resident(model, reference, policy, plan_impl):
+    """The dense (and auto) plan updates run the whole model to the resident logits, with the invariants."""
+    cfg, params, banks, pool = model
+    backend = OffloadExperts(pool, L, E, SIZES["37%"], policy, plan_impl=plan_impl)
+    got, _ = run(cfg, params, backend, backend.init_state(fill_fraction=0.4), 3, check=check_invariants)
+    want = reference[3]
+    assert np.abs(got - want).max() / np.abs(want).max() < 1e-5
+
+
 def test_bad_sizes(model):
     cfg, params, banks, pool = model
     with pytest.raises(ValueError, match="num_slots"):
@@ -103,3 +113,5 @@ def test_bad_sizes(model):
         OffloadExperts(pool, L, E, 3, "lfu")
     with pytest.raises(ValueError, match="layers x"):
         OffloadExperts(pool, 3, E, 3)
+    with pytest.raises(ValueError, match="plan_impl"):
+        OffloadExperts(pool, L, E, 3, plan_impl="sparse")

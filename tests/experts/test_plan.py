@@ -150,3 +150,48 @@ def test_lru_victims_match_an_exact_integer_top_k(S, count):
         np.testing.assert_array_equal(np.asarray(victims), np.asarray(ref))
         assert int(evictable) == min(count, int((last_use < step).sum()))
         assert victims.dtype == jnp.int32
+
+
+@pytest.mark.parametrize("rule,S,T,k,E,update", [("balance", 5, 1, 3, 8, True), ("all", 7, 3, 3, 8, True),
+                                                 ("balance", 40, 4, 8, 64, True), ("all", 100, 3, 8, 64, True),
+                                                 ("none", 20, 2, 4, 16, False), ("balance", 3, 9, 8, 16, True)])
+def test_dense_and_scatter_plans_are_identical(rule, S, T, k, E, update):
+    """impl="dense" (selects over whole arrays, static layer slices) and impl="scatter" give the same plan and
+    the same cache, step after step, with random routing and padded tokens (also T*k above the auto limit)."""
+    L = 3
+    geom = CacheGeometry(num_layers=L, num_experts=E, num_slots=S, hidden=4, inter=2)
+    caches = {impl: init_cache_state(geom, jnp.float32, fill_fraction=0.3) for impl in ("scatter", "dense")}
+
+    def make(impl):
+        @jax.jit
+        def step(cache, ids, valid):
+            plans = []
+            for layer in range(L):
+                p, cache = plan_layer(cache, layer, ids[layer], valid, num_experts=E, rule=rule, update=update,
+                                      impl=impl)
+                plans.append(p)
+            return plans, cache
+        return step
+
+    steps = {impl: make(impl) for impl in caches}
+    rng = np.random.default_rng(S * 7 + T)
+    for _ in range(25):
+        ids = np.stack([np.stack([rng.choice(E, k, replace=False) for _ in range(T)]) for _ in range(L)])
+        valid = rng.random(T) < 0.8
+        out = {impl: steps[impl](caches[impl], jnp.asarray(ids, jnp.int32), jnp.asarray(valid)) for impl in caches}
+        for impl in caches:
+            caches[impl] = out[impl][1]
+        for a, b in zip(out["scatter"][0], out["dense"][0]):
+            for name in a._fields:
+                np.testing.assert_array_equal(np.asarray(getattr(a, name)), np.asarray(getattr(b, name)), name)
+        for key, (x, y) in zip(jax.tree_util.tree_flatten_with_path(caches["scatter"])[0],
+                               zip(jax.tree.leaves(caches["scatter"]), jax.tree.leaves(caches["dense"]))):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y), str(key[0]))
+    check_invariants(caches["dense"])
+
+
+def test_plan_impl_is_checked():
+    geom = CacheGeometry(num_layers=1, num_experts=4, num_slots=2, hidden=4, inter=2)
+    cache = init_cache_state(geom, jnp.float32)
+    with pytest.raises(ValueError, match="plan impl"):
+        plan_layer(cache, 0, jnp.zeros((1, 2), jnp.int32), jnp.ones((1,), bool), num_experts=4, impl="fast")
