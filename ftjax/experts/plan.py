@@ -202,7 +202,7 @@ def plan_layer(cache: dict, layer: int, expert_ids: jax.Array, token_valid: jax.
     m = jnp.sum(miss_u, dtype=jnp.int32)
     hits = jnp.sum(hit_u, dtype=jnp.int32)
 
-    slot_of, owner_of, last_use = cache["slot_of"], cache["owner_of"], cache["last_use"]
+    slot_of, owner_of, last_use, recency = cache["slot_of"], cache["owner_of"], cache["last_use"], cache["recency"]
     if update:  # hits are used in this step: they can no longer be victims
         last_use = set_at(last_use, slot_u, step, hit_u, dense)
 
@@ -215,10 +215,13 @@ def plan_layer(cache: dict, layer: int, expert_ids: jax.Array, token_valid: jax.
         victims, evictable = lru_victims(last_use, step, F)  # evictable: min(F, slots not used this step)
         n_fill = jnp.minimum(jnp.minimum(want, F), evictable)
         # Misses first, most recently routed first, ties to the lower id (lexsort: last key is primary).
-        order = rank_misses(miss_u, cache["recency"][uniq_flat], uniq, dense)
+        # Reads of arrays updated in place further down go through a barrier with the array: XLA copies a
+        # donated array twice when a read of it and its in-place update have no data dependency between them.
+        rec_u, recency = lax.optimization_barrier((recency[uniq_flat], recency))
+        order = rank_misses(miss_u, rec_u, uniq, dense)
         fill_ids = uniq_flat[order[:F]]
         take = jnp.arange(F, dtype=jnp.int32) < n_fill
-        old = owner_of[victims]
+        old, owner_of = lax.optimization_barrier((owner_of[victims], owner_of))
         # Evicted ids (resident) and filled ids (misses) are disjoint: the order of the two is free.
         slot_of = set_at(slot_of, old, -1, take & (old >= 0), dense)
         slot_of = set_at(slot_of, fill_ids, victims, take, dense)
@@ -240,7 +243,6 @@ def plan_layer(cache: dict, layer: int, expert_ids: jax.Array, token_valid: jax.
     stats = dict(cache["stats"])
     counts = (("hits", hits), ("misses", m), ("fills", n_fill), ("cpu_experts", m - n_fill),
               ("calls", jnp.ones((), jnp.int32)))
-    recency = cache["recency"]
     if dense:  # the layer's entries are a static slice; the per-layer counters one select each
         at_layer = jnp.arange(stats["calls"].shape[0]) == layer
         for key, val in counts:
