@@ -10,7 +10,9 @@ in host memory (60 GiB), expert cache at 37% and 11% of the pool, batch 1 and 4.
 
 Per (routing, batch, cache size): tok/s of every policy, miss rate, mean fills and CPU experts per
 layer, B_P/B_H in use, and the roofline ``B / (T_gpu + miss_bytes / B_DRAM)``: T_gpu = the measured
-step with every routed expert resident (policy ``resident``), B_DRAM = the all-thread host read
+step with every routed expert resident, through the resident engine's backend (``ResidentExperts``
+on the same banks: no cache maps, no plan; since session 7, before it the ``resident`` policy of the
+offload path, which also pays the plan, so earlier rooflines were looser), B_DRAM = the all-thread host read
 bandwidth measured in this run; plus the q* rule against the best fixed fill fraction of a sweep.
 Random weights: the routing is synthetic or organic but the text generated is meaningless.
 
@@ -33,7 +35,9 @@ import numpy as np
 import ftjax
 from ftjax.config import parse_hf_config
 from ftjax.experts import bandwidth as bw
+from ftjax.experts.cache import STAT_KEYS
 from ftjax.experts.decode import OffloadExperts
+from ftjax.experts.resident import ResidentExperts
 from ftjax.experts.traces import ReplayRouting, synthetic_trace
 from ftjax.host import GPU_SPIN_US, calibrate, configure_workers, measure, worker_info
 from ftjax.models import get_family, make_step_fns
@@ -75,12 +79,15 @@ class Run:
     """One backend at one batch size: a decode step function and its states."""
 
     def __init__(self, cfg, params, pool, policy, slots, batch, routing, trace, max_len, fill_fraction, tokens=None,
-                 fused_handshake=True, stable_io=True, plan_impl="scatter"):
+                 fused_handshake=True, stable_io=True, plan_impl="scatter", resident_banks=None):
         L, E = cfg.num_layers, cfg.num_experts
         self.cfg, self.params, self.batch, self.routing = cfg, params, batch, routing
-        self.backend = OffloadExperts(pool, L, E, slots, policy, platform="cuda", max_tokens=max(batch, 16),
-                                      fused_handshake=fused_handshake, plan_impl=plan_impl)
-        inner = self.backend.init_state(fill_fraction=fill_fraction)
+        if resident_banks is not None:  # the resident engine's backend: banks indexed by flat id, no maps, no plan
+            self.backend, inner = ResidentExperts(E), dict(resident_banks)
+        else:
+            self.backend = OffloadExperts(pool, L, E, slots, policy, platform="cuda", max_tokens=max(batch, 16),
+                                          fused_handshake=fused_handshake, plan_impl=plan_impl)
+            inner = self.backend.init_state(fill_fraction=fill_fraction)
         if routing == "trace":
             wrapped = ReplayRouting(self.backend)
             self.expert_state = wrapped.init_trace_state(inner, trace)  # on the device, stepped there
@@ -130,15 +137,19 @@ class Run:
         lowered = self.decode.lower(self.params, self.expert_state, self.state, tok, jnp.ones((self.batch,), jnp.int32))
         return dict(hlo_entry_ops(lowered.compile().as_text()))
 
+    @property
+    def policy(self) -> str:
+        return self.backend.policy.name if isinstance(self.backend, OffloadExperts) else "resident (engine)"
+
     def free_slots(self) -> int:
-        return int((np.asarray(self.cache["owner_of"]) < 0).sum())
+        return int((np.asarray(self.cache["owner_of"]) < 0).sum()) if "owner_of" in self.cache else 0
 
     def fill_cache(self, cap: int, every: int = 8) -> int:
         """Steps until the cache has no free slot (at most ``cap``): timing a cache that is still filling
         measures a cold start (session 7: 24 warm-up steps left 37% at b1 with 26% misses against ~15% warm).
         The static policy's hot set is loaded after the warm-up; the others fill on misses."""
         n = 0
-        if self.backend.policy.name == "static":
+        if self.policy == "static":
             return n
         while n < cap and self.free_slots() > 0:
             for _ in range(min(every, cap - n)):
@@ -147,6 +158,8 @@ class Run:
         return n
 
     def stats(self):
+        if "stats" not in self.cache:  # the resident engine keeps no cache statistics: every route is a hit
+            return {k: np.zeros(1, np.int64) for k in STAT_KEYS}
         return {k: np.asarray(v).astype(np.int64) for k, v in self.cache["stats"].items() if k != "hist"}
 
     def timed(self, warmup: int, steps: int, online: bw.Bandwidth | None = None) -> dict:
@@ -175,7 +188,7 @@ class Run:
         for _ in range(warmup):
             self.step()
         self.warm_steps += warm + warmup
-        if self.backend.policy.name == "static":
+        if self.policy == "static":
             self.expert_state = _freeze(self)  # hot set from the warm-up histogram (the "prefill")
             self.step()
         jax.block_until_ready(self.expert_state)
@@ -300,12 +313,20 @@ def main(argv=None) -> int:
             res = Run(cfg, params, pool, "resident", L * E, B, routing, trace, max_len, band.fill_fraction, tokens,
                       fused_handshake=args.fused_handshake, stable_io=args.stable_io, plan_impl=args.plan_impl)
             res.sync, res.fixed_inputs = args.sync, args.fixed_inputs
-            t_gpu = res.timed(args.warmup // 4, args.steps)
-            progress(f"{routing} b{B} resident", t_gpu)
+            t_offload_resident = res.timed(args.warmup // 4, args.steps)
+            progress(f"{routing} b{B} resident (offload path: plan, no misses)", t_offload_resident)
             if args.hlo_stats:
                 print(f"resident: compiled decode step, top-level ops {res.hlo_ops()}", flush=True)
             profile(res, args.profile, f"{routing}-b{B}-resident")
+            banks = {b: res.cache[b] for b in ("gate_up", "down")}  # slot s holds flat id s (preloaded in order)
             del res
+            eng = Run(cfg, params, pool, "resident", L * E, B, routing, trace, max_len, band.fill_fraction, tokens,
+                      stable_io=args.stable_io, resident_banks=banks)
+            eng.sync, eng.fixed_inputs = args.sync, args.fixed_inputs
+            t_gpu = eng.timed(args.warmup // 4, args.steps)  # the roofline's T_gpu: the resident engine's step
+            progress(f"{routing} b{B} resident (engine: ResidentExperts)", t_gpu)
+            profile(eng, args.profile, f"{routing}-b{B}-resident-engine")
+            del eng, banks
             for frac in args.fractions:
                 S = int(frac * L * E)
                 rows = {}
@@ -340,6 +361,7 @@ def main(argv=None) -> int:
                 roof = B / (t_gpu["step_ms"] / 1e3 + miss_bytes / (b_dram * 1e9))
                 row = {"routing": routing, "batch": B, "cache_fraction": frac, "slots": S,
                        "t_gpu_ms": t_gpu["step_ms"], "t_gpu_host_ms": t_gpu["dispatch_ms"],
+                       "t_offload_resident_ms": t_offload_resident["step_ms"],
                        "resident_tok_s": t_gpu["tok_s"], "roofline_tok_s": roof,
                        "policies": rows}
                 results["rows"].append(row)
@@ -361,7 +383,8 @@ def progress(what: str, r: dict) -> None:
 
 def print_row(row):
     print(f"\n== routing {row['routing']}, batch {row['batch']}, cache {row['cache_fraction']:.0%} "
-          f"({row['slots']} slots) | T_gpu {row['t_gpu_ms']:.2f} ms (host {row['t_gpu_host_ms']:.2f}) | roofline "
+          f"({row['slots']} slots) | T_gpu {row['t_gpu_ms']:.2f} ms (host {row['t_gpu_host_ms']:.2f}; resident "
+          f"engine; {row['t_offload_resident_ms']:.2f} ms through the offload path) | roofline "
           f"{row['roofline_tok_s']:.1f} tok/s")
     print(f"{'policy':10} {'tok/s':>8} {'/roof':>6} {'miss%':>6} {'fills/L':>8} {'cpu/L':>6} {'step ms':>8} "
           f"{'host ms':>8} {'warm':>5}")
