@@ -3,7 +3,7 @@
 # Each step has its own time limit so one slow step cannot eat the call; the last lines are a summary.
 #   bash bench/gpu_session.sh [tests] [host] [cpu] [kernels] [tune] [decode] [decode-more]
 #   (default: tests host kernels)
-# Step limits (s): tests 180, host 120, cpu 300 (tests + prefetch sweep), cpu-core 120, cpu-tiers 150, calibrate 120, kernels 240, tune 300, decode 480, decode-profile 405,
+# Step limits (s): tests 300 (the CUDA offload-vs-resident tests added in session 7), host 120, cpu 300 (tests + prefetch sweep), cpu-core 120, cpu-tiers 150, calibrate 120, kernels 240, tune 300, decode 480, decode-profile 405,
 # decode-hlo 240 (top-level ops of the compiled step), decode-sync 150 (8 layers, each step waits for
 # its logits), decode-xla 420 (the same 8-layer step with XLA's command-buffer update log and the
 # update-mode flags, where the build has them), decode-modes 426 (8 layers, the three update modes),
@@ -41,7 +41,7 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/build.log"
 tok=.carry/qwen3-tokenizer
 for s in "${steps[@]}"; do
   case $s in
-    tests) run gpu_tests 180 python3 -m pytest -q -m gpu tests/host tests/experts tests/pallas ;;
+    tests) run gpu_tests 300 python3 -m pytest -q -m gpu tests/host tests/experts tests/pallas ;;
     host) run host_runtime 120 python3 bench/host_runtime.py --no-cpu --out "$OUT/host_runtime.json" ;;
     cpu) run cpu_tests 60 python3 -m pytest -q tests/host/test_kernels.py
          run cpu_kernels 240 python3 bench/host_runtime.py --no-gpu --calls 10 --prefetch ${PREFETCH:-0 512 2048 8192 16384} \
