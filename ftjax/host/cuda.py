@@ -36,7 +36,11 @@ def registration_kwargs(name: str) -> dict:
 
 
 def available() -> bool:
-    return _host.cuda_built() and _host.cuda_device_count() > 0
+    """Whether these calls can run here: a CUDA build of the host module, a CUDA device, JAX's GPU backend."""
+    try:
+        return bool(_host.cuda_built() and _host.cuda_device_count() > 0 and jax.default_backend() == "gpu")
+    except RuntimeError:  # no CUDA driver, or JAX has no GPU backend to start
+        return False
 
 
 def create_channel(channel: int, pool, max_tokens: int, max_tasks: int) -> None:

@@ -2,49 +2,35 @@
 the CPU branch through the submit/collect handshake - equals the resident model (GPU only).
 
 The CPU-platform twin (every policy and cache size, CI) is test_offload.py; this runs a subset of its
-matrix where the GPU path differs: the fill kernel, the handshake, and both plan update forms.
+matrix where the GPU path differs: the fill kernel, the handshake, and both plan update forms. fp32 at
+"highest" matmul precision (tests/conftest.py).
 """
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_offload import CFG, SIZES, E, L, run  # tests/experts is on sys.path under pytest
 
-from ftjax import _host
+from ftjax.config import parse_hf_config
+from ftjax.experts.cache import check_invariants
+from ftjax.experts.decode import OffloadExperts
+from ftjax.experts.resident import ResidentExperts
+from ftjax.host import HostPool, cuda
+from ftjax.models.params import expert_bank_shapes, param_shapes, unflatten
 
 pytestmark = pytest.mark.gpu
-
-
-def _gpu() -> bool:
-    try:
-        return _host.cuda_built() and _host.cuda_device_count() > 0 and jax.default_backend() == "gpu"
-    except RuntimeError:
-        return False
-
-
-if not _gpu():
+if not cuda.available():
     pytest.skip("needs a CUDA build, a GPU and JAX's GPU backend", allow_module_level=True)
-
-from test_offload import CFG, SIZES, E, L, run  # noqa: E402  (tests/experts is on sys.path under pytest)
-
-from ftjax.config import parse_hf_config  # noqa: E402
-from ftjax.experts.cache import check_invariants  # noqa: E402
-from ftjax.experts.decode import OffloadExperts  # noqa: E402
-from ftjax.experts.resident import ResidentExperts  # noqa: E402
-from ftjax.host import HostPool  # noqa: E402
-from ftjax.models.params import expert_bank_shapes, param_shapes, unflatten  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def setup():
     cfg = parse_hf_config(CFG)
     rng = np.random.default_rng(0)
-    with jax.default_matmul_precision("highest"):
-        params = unflatten({n: jnp.asarray(rng.standard_normal(s) * 0.3, jnp.float32)
-                            for n, s in param_shapes(cfg).items()})
-        banks = {b: (rng.standard_normal(s) * 0.3).astype(np.float32) for b, s in expert_bank_shapes(cfg).items()}
-        pool = HostPool.from_banks(banks)
-        assert pool.pin_if_cuda() and pool.pinned
-        ref = {b: run(cfg, params, ResidentExperts(E), ResidentExperts.init_state(banks), b)[0] for b in (1, 3)}
+    params = unflatten({n: jnp.asarray(rng.standard_normal(s) * 0.3, jnp.float32) for n, s in param_shapes(cfg).items()})
+    banks = {b: (rng.standard_normal(s) * 0.3).astype(np.float32) for b, s in expert_bank_shapes(cfg).items()}
+    pool = HostPool.from_banks(banks)
+    assert pool.pin_if_cuda() and pool.pinned
+    ref = {b: run(cfg, params, ResidentExperts(E), ResidentExperts.init_state(banks), b)[0] for b in (1, 3)}
     return cfg, params, pool, ref
 
 
@@ -56,9 +42,8 @@ def test_cuda_offload_equals_resident(setup, policy, size, batch, plan_impl):
     cfg, params, pool, ref = setup
     S = 0 if policy == "cpu" else SIZES[size]
     backend = OffloadExperts(pool, L, E, S, policy, platform="cuda", plan_impl=plan_impl)
-    with jax.default_matmul_precision("highest"):
-        got, st = run(cfg, params, backend, backend.init_state(fill_fraction=0.4), batch, check=check_invariants,
-                      freeze=backend.freeze_hot_set)
+    got, st = run(cfg, params, backend, backend.init_state(fill_fraction=0.4), batch, check=check_invariants,
+                  freeze=backend.freeze_hot_set)
     want = ref[batch]
     assert np.abs(got - want).max() / np.abs(want).max() < 1e-4
     stats = {k: np.asarray(v) for k, v in st["stats"].items()}

@@ -6,23 +6,12 @@ import numpy as np
 import pytest
 
 from ftjax import _host
-from ftjax.host import HostPool
+from ftjax.host import HostPool, cuda
 from ftjax.host.reference import experts_reference
 
 pytestmark = pytest.mark.gpu
-
-
-def _gpu() -> bool:
-    try:
-        return _host.cuda_built() and _host.cuda_device_count() > 0 and jax.default_backend() == "gpu"
-    except RuntimeError:
-        return False
-
-
-if not _gpu():
+if not cuda.available():
     pytest.skip("needs a CUDA build, a GPU and JAX's GPU backend", allow_module_level=True)
-
-from ftjax.host import cuda  # noqa: E402
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
