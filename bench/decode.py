@@ -390,7 +390,8 @@ def print_row(row):
           f"{'host ms':>8} {'warm':>5}")
     for pol, r in row["policies"].items():
         print(f"{pol:10} {r['tok_s']:8.1f} {r['tok_s'] / row['roofline_tok_s']:6.2f} {100 * r['miss_rate']:6.1f} "
-              f"{r['fills_per_layer']:8.2f} {r['cpu_per_layer']:6.2f} {r['step_ms']:8.2f} {r['dispatch_ms']:8.2f} {r.get('warm_steps', 0):5d}")
+              f"{r['fills_per_layer']:8.2f} {r['cpu_per_layer']:6.2f} {r['step_ms']:8.2f} {r['dispatch_ms']:8.2f} "
+              f"{r.get('warm_steps', 0):5d}")
     print("host ms: time inside the decode call per step (dispatch; the host runs ahead unless --sync); "
           "warm: steps before timing (until the cache had no free slot, then --warmup)")
     p = row["policies"]

@@ -26,7 +26,8 @@ if not cuda.available():
 def setup():
     cfg = parse_hf_config(CFG)
     rng = np.random.default_rng(0)
-    params = unflatten({n: jnp.asarray(rng.standard_normal(s) * 0.3, jnp.float32) for n, s in param_shapes(cfg).items()})
+    params = unflatten({n: jnp.asarray(rng.standard_normal(s) * 0.3, jnp.float32)
+                        for n, s in param_shapes(cfg).items()})
     banks = {b: (rng.standard_normal(s) * 0.3).astype(np.float32) for b, s in expert_bank_shapes(cfg).items()}
     pool = HostPool.from_banks(banks)
     assert pool.pin_if_cuda() and pool.pinned
