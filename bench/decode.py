@@ -37,6 +37,7 @@ from ftjax.config import parse_hf_config
 from ftjax.experts import bandwidth as bw
 from ftjax.experts.cache import STAT_KEYS
 from ftjax.experts.decode import OffloadExperts
+from ftjax.experts.plan import PLAN_IMPLS
 from ftjax.experts.resident import ResidentExperts
 from ftjax.experts.traces import ReplayRouting, synthetic_trace
 from ftjax.host import GPU_SPIN_US, calibrate, configure_workers, measure, worker_info
@@ -258,8 +259,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-stable-io", dest="stable_io", action="store_false",
                     help="ablation: fresh token/n_new/logits buffers every step (make_step_fns(stable_io=False)), so "
                          "XLA re-records the commands that use them before each launch")
-    ap.add_argument("--plan-impl", default="scatter", choices=("scatter", "dense", "auto"),
-                    help="how the plan updates the cache maps (plan_layer's impl; same results)")
+    ap.add_argument("--plan-impl", default="scatter", choices=PLAN_IMPLS,
+                    help="how the plan updates its state (plan_layer's impl; same results)")
     ap.add_argument("--tokenizer", default=str(TOKENIZER), help="the real Qwen3 tokenizer (routing text)")
     ap.add_argument("--worker-variants", nargs="*", default=[], metavar="N:SPIN_US",
                     help="also run lru-split with the CPU worker pool reconfigured (N workers, -1 = default; "

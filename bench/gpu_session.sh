@@ -9,7 +9,8 @@
 # update-mode flags, where the build has them), decode-modes 426 (8 layers, the three update modes),
 # decode-xla2 300 (8 layers, SKIP_TEMP, update log, stable step buffers vs not), decode-b1 / decode-b1-nostable 300
 # each (40 layers, batch 1, 37%, with the online row; stable step buffers or not), decode-b4 380 (40 layers, batch 4, 37% and 11%, with the online row and the sweep), decode-more 540:
-# decode-dense 560 (40 layers, b1, 37%: --plan-impl dense vs scatter), decode-profile8 300 (8 layers, b1, warm: kernels per step per policy, trace_summary),
+# decode-dense 580 (40 layers, b1, 37%: --plan-impl $PLAN_IMPLS, default "mixed dense"; scatter, the
+# default, is what the other decode steps run), decode-profile8 300 (8 layers, b1, warm: kernels per step per policy, trace_summary),
 # decode-warm 560 / decode-text 560 (session 7's warm-cache tables; one call each),
 # pick steps that fit one 10-minute call, e.g. `tests host cpu kernels`, then `tune`, then `decode`.
 # A 40-layer process spends ~35 s making the pool, ~15 s calibrating on a fresh machine, ~60-75 s on
@@ -112,9 +113,9 @@ for s in "${steps[@]}"; do
          echo "executions: $(grep -c 'Execute command buffer' "$log")"
          rm -f "$log"
        done ;;
-    decode-dense)  # 40 layers, b1, 37%, warm: the plan's dense map updates (--plan-impl dense) vs scatter, one process each
-       for impl in dense scatter; do
-         run "decode_plan_$impl" 280 python3 bench/decode.py --layers 40 --batches 1 --routing trace --fractions 0.37 \
+    decode-dense)  # 40 layers, b1, 37%, warm: the plan's other update forms (--plan-impl), one process each
+       for impl in ${PLAN_IMPLS:-mixed dense}; do
+         run "decode_plan_$impl" 290 python3 bench/decode.py --layers 40 --batches 1 --routing trace --fractions 0.37 \
            --policies lru-split lru-fill --no-sweep --no-online --steps 32 --warmup 24 --plan-impl $impl \
            --out "$OUT/decode_plan_$impl.json"
        done ;;

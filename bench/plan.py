@@ -10,8 +10,9 @@ trace, a warm cache) and prints us per layer for:
 - ``lru-split`` / ``lru-fill``: the full plan with LRU victims, as the decode step runs it;
 - the same with ``victims int32``: the LRU victims ranked by one int32 top-k (before session 7), which
   XLA:GPU lowers to a sort of every slot where the f32 age top-k of rounds of 16 is its own kernel;
-- every row in both update forms of ``plan_layer(impl=...)``: ``dense`` (selects over whole arrays
-  against the call's short id lists) and ``scatter`` (one XLA scatter per update; the default).
+- every row in the three update forms of ``plan_layer(impl=...)``: ``scatter`` (the default: one XLA
+  scatter per update), ``mixed`` (the call-sized parts as selects, the global maps by scatter) and
+  ``dense`` (selects over whole arrays against the call's short id lists).
 
 Runs on any backend (the figures mean something on the GPU).
     python bench/plan.py --slots 3788 1126 --batches 1 4
@@ -93,9 +94,10 @@ def main(argv=None) -> int:
             trace = synthetic_trace(512, L, E, k, batch=B, seed=B)
             warm = -(-5 * S // (4 * L)) + 16
             floor = time_variant(L, E, S, trace, "none", False, args.steps, 8, "scatter")
-            res = [("resident (floor)", floor),
-                   ("resident, dense", time_variant(L, E, S, trace, "none", False, args.steps, 8, "dense"))]
-            for impl in ("scatter", "dense"):
+            res = [("resident (floor)", floor)] + [
+                (f"resident, {impl}", time_variant(L, E, S, trace, "none", False, args.steps, 8, impl))
+                for impl in ("mixed", "dense")]
+            for impl in ("scatter", "mixed", "dense"):
                 for name, rule, victims in (("lru-split", "balance", original), ("lru-fill", "all", original),
                                             ("lru-split, victims int32", "balance", int32_victims)):
                     plan_mod.lru_victims = victims
@@ -103,7 +105,7 @@ def main(argv=None) -> int:
                         us = time_variant(L, E, S, trace, rule, True, args.steps, warm, impl)
                     finally:
                         plan_mod.lru_victims = original
-                    res.append((name + ("" if impl == "scatter" else ", dense"), us))
+                    res.append((name + ("" if impl == "scatter" else f", {impl}"), us))
             for name, us in res:
                 print(f"{S:6d} {B:5d} {name:35} {us:9.1f} {floor / us:9.2f}", flush=True)
                 rows.append({"slots": S, "batch": B, "variant": name, "us_per_layer": us})

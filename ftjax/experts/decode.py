@@ -55,7 +55,7 @@ class OffloadExperts:
     or ``"pallas"`` (``ftjax.experts.kernels``; bf16 caches). ``fused_handshake``: the one-kernel CPU-branch
     submit and collect (CUDA; default: on the H200 it cost 9.8 us per skipped layer and 58.5 us per
     one-task round trip, against 22.6 and 63.9 us for the memcpy-node path). ``plan_impl``: how the plan
-    updates the cache maps (``plan.plan_layer``'s ``impl``: "scatter", "dense", "auto"; same results).
+    updates its state (``plan.plan_layer``'s ``impl``: "scatter", "mixed", "dense"; same results).
     """
 
     pool: HostPool

@@ -150,8 +150,8 @@ def rebase_clock(cache: dict) -> dict:
     return dict(cache, step=cache["step"] - shift, last_use=back(cache["last_use"]), recency=back(cache["recency"]))
 
 
-PLAN_IMPLS = ("scatter", "dense", "auto")
-DENSE_MAX_ROUTES = 64  # "auto": dense updates up to this many routes per call (decode), scatters beyond
+PLAN_IMPLS = ("scatter", "mixed", "dense")
+DENSE_MAX_ROUTES = 64  # "mixed": the call-sized parts dense up to this many routes per call (decode)
 
 
 def plan_layer(cache: dict, layer: int, expert_ids: jax.Array, token_valid: jax.Array, *, num_experts: int,
@@ -162,12 +162,14 @@ def plan_layer(cache: dict, layer: int, expert_ids: jax.Array, token_valid: jax.
     ``expert_ids [T, k]`` per-layer ids; ``token_valid [T]``. ``rule``: "balance" (the miss split with
     ``cache["fill_fraction"]``), "all" (fill every miss the pool can take), "none" (no fills: every
     miss on the CPU). ``update=False`` freezes the cache (no LRU bookkeeping): the static policies.
-    ``impl``: how the maps are updated, with the same results (tested): "scatter" (an XLA scatter per
-    update; the default), "dense" (each update one select over the whole array against the call's
-    short id lists, the layer's own entries through a static slice: fewer kernels that fuse, work ~
-    array x list length; 2.5x slower than scatter on the CPU backend, bench/plan.py; for the GPU, where
-    a decode step's plan is a chain of tiny kernels, not yet measured), "auto" (dense up to
-    ``DENSE_MAX_ROUTES`` routes per call, i.e. decode steps; scatters for prefill chunks).
+    ``impl``: how the state is updated, with the same results (tested). "scatter" (default): an XLA
+    scatter per update. "dense": every update a select over the whole array against the call's short
+    lists, the layer's own entries through a static slice. "mixed": the call-sized parts dense (dedup,
+    the CPU route list, rank of the misses, statistics, recency; up to ``DENSE_MAX_ROUTES`` routes per
+    call) and the global maps (``slot_of``, ``owner_of``, ``last_use``) by scatter. A CPU-compiled
+    4-layer decode step has 382 fusions with scatter, 331 mixed, 306 dense (a fusion is a kernel in the
+    GPU's step graph, where a batch-1 plan is a chain of tiny kernels); on the CPU backend scatter is the
+    fastest at batch 1 (bench/plan.py: 29 / 43 / 54 us per layer). GPU timing: not yet run.
     """
     if rule not in FILL_RULES:
         raise ValueError(f"fill rule {rule!r} unknown; valid: {FILL_RULES}")
@@ -175,7 +177,8 @@ def plan_layer(cache: dict, layer: int, expert_ids: jax.Array, token_valid: jax.
         raise ValueError(f"plan impl {impl!r} unknown; valid: {PLAN_IMPLS}")
     T, k = expert_ids.shape
     E, R = num_experts, T * k
-    dense = impl == "dense" or (impl == "auto" and R <= DENSE_MAX_ROUTES)
+    dense = impl == "dense" or (impl == "mixed" and R <= DENSE_MAX_ROUTES)  # the call-sized parts
+    dense_maps = impl == "dense"  # the global maps
     if layer == 0 and update:
         cache = rebase_clock(cache)
     S, N = cache["owner_of"].shape[0], cache["slot_of"].shape[0]
@@ -204,7 +207,7 @@ def plan_layer(cache: dict, layer: int, expert_ids: jax.Array, token_valid: jax.
 
     slot_of, owner_of, last_use, recency = cache["slot_of"], cache["owner_of"], cache["last_use"], cache["recency"]
     if update:  # hits are used in this step: they can no longer be victims
-        last_use = set_at(last_use, slot_u, step, hit_u, dense)
+        last_use = set_at(last_use, slot_u, step, hit_u, dense_maps)
 
     if F > 0:
         if rule == "all":
@@ -223,10 +226,10 @@ def plan_layer(cache: dict, layer: int, expert_ids: jax.Array, token_valid: jax.
         take = jnp.arange(F, dtype=jnp.int32) < n_fill
         old, owner_of = lax.optimization_barrier((owner_of[victims], owner_of))
         # Evicted ids (resident) and filled ids (misses) are disjoint: the order of the two is free.
-        slot_of = set_at(slot_of, old, -1, take & (old >= 0), dense)
-        slot_of = set_at(slot_of, fill_ids, victims, take, dense)
-        owner_of = set_at(owner_of, victims, fill_ids, take, dense)
-        last_use = set_at(last_use, victims, step, take, dense)
+        slot_of = set_at(slot_of, old, -1, take & (old >= 0), dense_maps)
+        slot_of = set_at(slot_of, fill_ids, victims, take, dense_maps)
+        owner_of = set_at(owner_of, victims, fill_ids, take, dense_maps)
+        last_use = set_at(last_use, victims, step, take, dense_maps)
         fill_slots = jnp.where(take, victims, 0)
         fill_ids = jnp.where(take, fill_ids, 0)
     else:

@@ -2,7 +2,7 @@
 the CPU branch through the submit/collect handshake - equals the resident model (GPU only).
 
 The CPU-platform twin (every policy and cache size, CI) is test_offload.py; this runs a subset of its
-matrix where the GPU path differs: the fill kernel, the handshake, and both plan update forms. fp32 at
+matrix where the GPU path differs: the fill kernel, the handshake, and the three plan update forms. fp32 at
 "highest" matmul precision (tests/conftest.py).
 """
 import jax.numpy as jnp
@@ -36,9 +36,9 @@ def setup():
 
 
 @pytest.mark.parametrize("policy,size,batch,plan_impl", [
-    ("lru-split", "37%", 1, "scatter"), ("lru-split", "min", 3, "scatter"), ("lru-split", "37%", 3, "dense"),
-    ("lru-fill", "layer", 3, "scatter"), ("lru-fill", "37%", 1, "dense"), ("static", "37%", 3, "scatter"),
-    ("cpu", None, 3, "scatter")])
+    ("lru-split", "37%", 1, "mixed"), ("lru-split", "min", 3, "mixed"), ("lru-split", "37%", 3, "dense"),
+    ("lru-fill", "layer", 3, "scatter"), ("lru-fill", "37%", 1, "dense"), ("static", "37%", 3, "mixed"),
+    ("cpu", None, 3, "mixed")])
 def test_cuda_offload_equals_resident(setup, policy, size, batch, plan_impl):
     cfg, params, pool, ref = setup
     S = 0 if policy == "cpu" else SIZES[size]

@@ -155,12 +155,13 @@ def test_lru_victims_match_an_exact_integer_top_k(S, count):
 @pytest.mark.parametrize("rule,S,T,k,E,update", [("balance", 5, 1, 3, 8, True), ("all", 7, 3, 3, 8, True),
                                                  ("balance", 40, 4, 8, 64, True), ("all", 100, 3, 8, 64, True),
                                                  ("none", 20, 2, 4, 16, False), ("balance", 3, 9, 8, 16, True)])
-def test_dense_and_scatter_plans_are_identical(rule, S, T, k, E, update):
-    """impl="dense" (selects over whole arrays, static layer slices) and impl="scatter" give the same plan and
-    the same cache, step after step, with random routing and padded tokens (also T*k above the auto limit)."""
+def test_plan_impls_are_identical(rule, S, T, k, E, update):
+    """impl="mixed", "dense" (selects over whole arrays, static layer slices) and "scatter" give the same plan
+    and the same cache, step after step, with random routing and padded tokens (also T*k above the limit
+    of mixed's dense parts)."""
     L = 3
     geom = CacheGeometry(num_layers=L, num_experts=E, num_slots=S, hidden=4, inter=2)
-    caches = {impl: init_cache_state(geom, jnp.float32, fill_fraction=0.3) for impl in ("scatter", "dense")}
+    caches = {impl: init_cache_state(geom, jnp.float32, fill_fraction=0.3) for impl in ("scatter", "dense", "mixed")}
 
     def make(impl):
         @jax.jit
@@ -181,13 +182,16 @@ def test_dense_and_scatter_plans_are_identical(rule, S, T, k, E, update):
         out = {impl: steps[impl](caches[impl], jnp.asarray(ids, jnp.int32), jnp.asarray(valid)) for impl in caches}
         for impl in caches:
             caches[impl] = out[impl][1]
-        for a, b in zip(out["scatter"][0], out["dense"][0]):
-            for name in a._fields:
-                np.testing.assert_array_equal(np.asarray(getattr(a, name)), np.asarray(getattr(b, name)), name)
-        for key, (x, y) in zip(jax.tree_util.tree_flatten_with_path(caches["scatter"])[0],
-                               zip(jax.tree.leaves(caches["scatter"]), jax.tree.leaves(caches["dense"]))):
-            np.testing.assert_array_equal(np.asarray(x), np.asarray(y), str(key[0]))
+        for impl in ("dense", "mixed"):
+            for a, b in zip(out["scatter"][0], out[impl][0]):
+                for name in a._fields:
+                    np.testing.assert_array_equal(np.asarray(getattr(a, name)), np.asarray(getattr(b, name)),
+                                                  f"{impl}: {name}")
+            for key, (x, y) in zip(jax.tree_util.tree_flatten_with_path(caches["scatter"])[0],
+                                   zip(jax.tree.leaves(caches["scatter"]), jax.tree.leaves(caches[impl]))):
+                np.testing.assert_array_equal(np.asarray(x), np.asarray(y), f"{impl}: {key[0]}")
     check_invariants(caches["dense"])
+    check_invariants(caches["mixed"])
 
 
 def test_plan_impl_is_checked():
@@ -197,7 +201,7 @@ def test_plan_impl_is_checked():
         plan_layer(cache, 0, jnp.zeros((1, 2), jnp.int32), jnp.ones((1,), bool), num_experts=4, impl="fast")
 
 
-@pytest.mark.parametrize("impl", ["scatter", "dense"])
+@pytest.mark.parametrize("impl", ["mixed", "scatter", "dense"])
 def test_plan_updates_the_donated_maps_in_place(impl):
     """No whole-map copies in the compiled plan: XLA copies a donated array (twice) when a read of it and
     its in-place update have no data dependency; the plan orders such reads through a barrier. (The XLA of
