@@ -191,8 +191,10 @@ def plan_layer(cache: dict, layer: int, expert_ids: jax.Array, token_valid: jax.
     step = cache["step"] + 1
 
     # De-duplicate over the layer's E experts: ascending ids, sentinel E after the last one.
-    if dense:
-        present = ((ids[:, None] == jnp.arange(E, dtype=jnp.int32)[None, :]) & route_valid[:, None]).any(axis=0)
+    if dense:  # valid routes per expert of the layer
+        routed = jnp.sum((ids[:, None] == jnp.arange(E, dtype=jnp.int32)[None, :]) & route_valid[:, None],
+                         axis=0, dtype=jnp.int32)
+        present = routed > 0
         uniq = compact_dense(present, U, fill_value=E)
     else:
         present = jnp.zeros((E,), jnp.int32).at[ids].max(route_valid.astype(jnp.int32)) > 0
@@ -250,8 +252,6 @@ def plan_layer(cache: dict, layer: int, expert_ids: jax.Array, token_valid: jax.
         at_layer = jnp.arange(stats["calls"].shape[0]) == layer
         for key, val in counts:
             stats[key] = stats[key] + jnp.where(at_layer, val, 0)
-        routed = jnp.sum((ids[:, None] == jnp.arange(E, dtype=jnp.int32)[None, :]) & route_valid[:, None],
-                         axis=0, dtype=jnp.int32)
         lo = layer * E
         stats["hist"] = lax.dynamic_update_slice(stats["hist"], stats["hist"][lo:lo + E] + routed, (lo,))
         recency = lax.dynamic_update_slice(recency, jnp.where(present, step, recency[lo:lo + E]), (lo,))
