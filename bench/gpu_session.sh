@@ -7,11 +7,11 @@
 # decode-hlo 240 (top-level ops of the compiled step), decode-sync 150 (8 layers, each step waits for
 # its logits), decode-xla 420 (the same 8-layer step with XLA's command-buffer update log and the
 # update-mode flags, where the build has them), decode-modes 426 (8 layers, the three update modes),
-# decode-xla2 300 (8 layers, SKIP_TEMP, update log, stable step buffers vs not), decode-b1 / decode-b1-nostable 300
-# each (40 layers, batch 1, 37%, with the online row; stable step buffers or not), decode-b4 380 (40 layers, batch 4, 37% and 11%, with the online row and the sweep), decode-more 540:
-# decode-dense 580 (40 layers, b1, 37%: --plan-impl $PLAN_IMPLS, default "mixed dense"; scatter, the
+# decode-xla2 300 (8 layers, SKIP_TEMP, update log, stable step buffers vs not), decode-b1 / decode-b1-nostable 360
+# each (40 layers, batch 1, 37%, with the online row; stable step buffers or not), decode-b4 480 (40 layers, batch 4, 37% and 11%, with the online row and the sweep), decode-more 540:
+# decode-dense 560 (40 layers, b1, 37%: --plan-impl $PLAN_IMPLS, default "mixed dense"; scatter, the
 # default, is what the other decode steps run), decode-profile8 300 (8 layers, b1, warm: kernels per step per policy, trace_summary),
-# decode-warm 560 / decode-text 560 (session 7's warm-cache tables; one call each),
+# decode-warm-b1 / -b4, decode-text-b1 / -b4 400 each (session 7's warm-cache tables, one batch per step),
 # pick steps that fit one 10-minute call, e.g. `tests host cpu kernels`, then `tune`, then `decode`.
 # A 40-layer process spends ~35 s making the pool, ~15 s calibrating on a fresh machine, ~60-75 s on
 # the resident run, then ~30-40 s per further policy (session 6): budget the limits from that.
@@ -75,7 +75,7 @@ for s in "${steps[@]}"; do
     decode-sync) run decode_sync 150 python3 bench/decode.py --layers 8 --batches 1 --routing trace --fractions 0.37 \
               --policies lru-split lru-fill --no-sweep --online-warmup 48 --steps 16 --warmup 16 --sync \
               --out "$OUT/decode_sync.json" ;;
-    decode-b4) run decode_b4 380 python3 bench/decode.py --layers 40 --batches 4 --routing trace \
+    decode-b4) run decode_b4 480 python3 bench/decode.py --layers 40 --batches 4 --routing trace \
               --fractions 0.37 0.11 --policies lru-split lru-fill --steps 16 --warmup 24 --out "$OUT/decode_b4.json" ;;
     decode-xla)  # why a one-graph decode step costs 0.2-0.4 ms of host time per layer (RESULTS, session 5)
        a="--layers 8 --batches 1 --routing trace --fractions 0.37 --policies lru-split --no-sweep --no-online --steps 16 --warmup 16 --sync --no-stable-io"  # closest to session 6 call 1 (which also fed the routing per step)
@@ -98,7 +98,7 @@ for s in "${steps[@]}"; do
        done ;;
     decode-b1|decode-b1-nostable)  # 40 layers, batch 1, 37%; -nostable: the --no-stable-io ablation
        flag=""; [ $s = decode-b1-nostable ] && flag=--no-stable-io
-       run "${s//-/_}" 300 python3 bench/decode.py --layers 40 --batches 1 --routing trace --fractions 0.37 \
+       run "${s//-/_}" 360 python3 bench/decode.py --layers 40 --batches 1 --routing trace --fractions 0.37 \
          --policies lru-split lru-fill --no-sweep --online-warmup 128 --steps 32 --warmup 24 $flag --out "$OUT/${s//-/_}.json" ;;
     decode-xla2)  # SKIP_TEMP (ftjax default): commands XLA still re-records per step, stable step buffers vs not
        for io in stable no-stable-io; do
@@ -114,18 +114,20 @@ for s in "${steps[@]}"; do
          rm -f "$log"
        done ;;
     decode-dense)  # 40 layers, b1, 37%, warm: the plan's other update forms (--plan-impl), one process each
-       for impl in ${PLAN_IMPLS:-mixed dense}; do
-         run "decode_plan_$impl" 290 python3 bench/decode.py --layers 40 --batches 1 --routing trace --fractions 0.37 \
+       for impl in ${PLAN_IMPLS:-mixed dense}; do  # --no-online: ~250 s per process (one-batch decode-b1 ~265 s)
+         run "decode_plan_$impl" 280 python3 bench/decode.py --layers 40 --batches 1 --routing trace --fractions 0.37 \
            --policies lru-split lru-fill --no-sweep --no-online --steps 32 --warmup 24 --plan-impl $impl \
            --out "$OUT/decode_plan_$impl.json"
        done ;;
-    decode-warm)  # session 7 call 3: 40 layers, trace, batch 1 and 4, 37%, warm caches, online row and sweep (~420 s)
-       run decode_warm 560 python3 bench/decode.py --layers 40 --batches 1 4 --routing trace --fractions 0.37 \
-         --policies lru-split lru-fill --steps 32 --warmup 24 --online-warmup 128 --out "$OUT/decode_warm.json" ;;
-    decode-text)  # session 7 call 4: text routing (model's router, Qwen3 tokenizer), b1/b4 x 37%/11% (~560 s: cut at b4 11%)
-       run decode_text 560 python3 bench/decode.py --layers 40 --batches 1 4 --routing text --tokenizer "$tok" \
+    decode-warm-b1|decode-warm-b4)  # session 7 call 3, one batch per step: trace, 37%, warm, online row + sweep
+       b=${s##*-b}  # (call 3 ran both batches in 417 s; each process now also times the resident engine, ~+65 s)
+       run "decode_warm_b$b" 400 python3 bench/decode.py --layers 40 --batches $b --routing trace --fractions 0.37 \
+         --policies lru-split lru-fill --steps 32 --warmup 24 --online-warmup 128 --out "$OUT/decode_warm_b$b.json" ;;
+    decode-text-b1|decode-text-b4)  # session 7 call 4, one batch per step: text routing, 37% and 11% (~300 s each)
+       b=${s##*-b}
+       run "decode_text_b$b" 400 python3 bench/decode.py --layers 40 --batches $b --routing text --tokenizer "$tok" \
          --fractions 0.37 0.11 --policies lru-split lru-fill --no-sweep --no-online --steps 32 --warmup 24 \
-         --out "$OUT/decode_text.json" ;;
+         --out "$OUT/decode_text_b$b.json" ;;
     decode-more) run decode_more 540 python3 bench/decode.py --layers 40 --batches 4 1 --routing text trace \
               --tokenizer "$tok" --fractions 0.11 --policies lru-split lru-fill static --no-sweep \
               --steps 24 --warmup 24 --out "$OUT/decode_more.json" ;;
