@@ -63,9 +63,10 @@ is plain CUDA-core work (mask, convert, subtract) by one warpgroup and may bound
 
 Blocks of invalid routes issue no copy (``pl.when``) and their partials are masked out. The
 kernel is launched with at least one valid route (``max(n_valid, 1)``, slot ids clamped into the
-cache), so no launch is all-empty (Mosaic GPU hung once on one) and no ``lax.cond`` is needed:
-XLA runs a conditional by copying its predicate to the host and waiting for it, a stream sync per
-call that also splits the decode step's CUDA graph. ``n_valid == 0`` costs one expert's reads.
+cache), so no launch is all-empty (Mosaic GPU hung once on one) and no ``lax.cond`` is needed
+(XLA:GPU runs a conditional outside a command buffer by copying its predicate to the host and
+waiting: a stream sync per call; whether it does so inside this step's graph was not measured).
+``n_valid == 0`` costs one expert's reads.
 Sizes: bf16 needs ``H % 64 == 0`` and ``I % 32 == 0``; int4 needs ``H % 256 == 0`` and
 ``I % 256 == 0`` (8 groups of scales = 16 bytes, the smallest TMA row).
 """

@@ -35,13 +35,18 @@ def _on_cpu():
         yield
 
 
-@pytest.fixture(scope="module")
-def model():
+def make_model():
+    """``(cfg, params, banks, pool)``: the tiny model of these tests, random fp32 weights (also the GPU tests)."""
     cfg = parse_hf_config(CFG)
     rng = np.random.default_rng(0)
     params = unflatten({n: jnp.asarray(rng.standard_normal(s) * 0.3, jnp.float32) for n, s in param_shapes(cfg).items()})
     banks = {b: (rng.standard_normal(s) * 0.3).astype(np.float32) for b, s in expert_bank_shapes(cfg).items()}
     return cfg, params, banks, HostPool.from_banks(banks)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return make_model()
 
 
 def run(cfg, params, backend, expert_state, batch, check=None, freeze=None):

@@ -5,17 +5,14 @@ The CPU-platform twin (every policy and cache size, CI) is test_offload.py; this
 matrix where the GPU path differs: the fill kernel, the handshake, and the three plan update forms. fp32 at
 "highest" matmul precision (tests/conftest.py).
 """
-import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_offload import CFG, SIZES, E, L, run  # tests/experts is on sys.path under pytest
+from test_offload import SIZES, E, L, make_model, run  # tests/experts is on sys.path under pytest
 
-from ftjax.config import parse_hf_config
 from ftjax.experts.cache import check_invariants
 from ftjax.experts.decode import OffloadExperts
 from ftjax.experts.resident import ResidentExperts
-from ftjax.host import HostPool, cuda
-from ftjax.models.params import expert_bank_shapes, param_shapes, unflatten
+from ftjax.host import cuda
 
 pytestmark = pytest.mark.gpu
 if not cuda.available():
@@ -24,12 +21,7 @@ if not cuda.available():
 
 @pytest.fixture(scope="module")
 def setup():
-    cfg = parse_hf_config(CFG)
-    rng = np.random.default_rng(0)
-    params = unflatten({n: jnp.asarray(rng.standard_normal(s) * 0.3, jnp.float32)
-                        for n, s in param_shapes(cfg).items()})
-    banks = {b: (rng.standard_normal(s) * 0.3).astype(np.float32) for b, s in expert_bank_shapes(cfg).items()}
-    pool = HostPool.from_banks(banks)
+    cfg, params, banks, pool = make_model()
     assert pool.pin_if_cuda() and pool.pinned
     ref = {b: run(cfg, params, ResidentExperts(E), ResidentExperts.init_state(banks), b)[0] for b in (1, 3)}
     return cfg, params, pool, ref

@@ -97,7 +97,7 @@ def test_decode_bytes_read():
 @pytest.mark.parametrize("n_valid", [0, 2])
 def test_decode_experts_unused_entries_may_be_negative(n_valid, mgpu_interpret):
     """Entries past n_valid hold -1 (as the offload plan leaves them); count 0 launches with one
-    clamped route and returns zeros (no lax.cond: it would sync the host)."""
+    clamped route and returns zeros, without a lax.cond around the kernel (see decode_gemv's docstring)."""
     x, slots, tokens, gate_up, down = _inputs(2, T=2, H=64, I=32, S=3, R=4)
     slots = jnp.where(jnp.arange(4) < n_valid, slots, -1)
     tokens = jnp.where(jnp.arange(4) < n_valid, tokens, -1)
