@@ -69,6 +69,15 @@ for s in "${steps[@]}"; do
          --policies lru-split lru-fill --no-sweep --no-online --steps 32 --warmup 24 --profile /tmp/prof8 \
          --out "$OUT/decode_profile8.json"
        run trace_summary8 60 python3 bench/trace_summary.py /tmp/prof8 --top 30 ;;
+    decode-profile40)  # 40 layers, batch 1, 37%, warm: where the per-layer cost beyond the transfers goes (~5 min)
+       run decode_profile40 330 python3 bench/decode.py --layers 40 --batches 1 --routing trace --fractions 0.37 \
+         --policies lru-split lru-fill --no-sweep --no-online --steps 32 --warmup 24 --profile /tmp/prof40 \
+         --out "$OUT/decode_profile40.json"
+       run trace_summary40 90 python3 bench/trace_summary.py /tmp/prof40 --top 30 ;;
+    kernels-profile)  # decode GEMV, Qwen bf16, 1-8 tokens: the scan's per-call time and the kernels' own (~2 min)
+       run kernels_profile 200 python3 bench/kernels.py --only decode --shapes 2048x512 --dtypes bf16 \
+         --decode-tokens 1 2 4 8 --iters 5 --profile /tmp/kprof --out "$OUT/kernels_profile.json"
+       run trace_summary_k 60 python3 bench/trace_summary.py /tmp/kprof --top 8 --steps 64 ;;
     decode-hlo) run decode_hlo 240 python3 bench/decode.py --layers 8 --batches 1 4 --routing trace --fractions 0.37 \
               --policies lru-split lru-fill --no-sweep --online-warmup 48 --steps 16 --warmup 16 --hlo-stats \
               --out "$OUT/decode_hlo.json" ;;

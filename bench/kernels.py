@@ -99,16 +99,22 @@ def _decode_inputs(key, T, k, H, I, S, int4):
     return x, slots, tokens, banks
 
 
-def time_per_call_us(fn, x, slot_sets, tokens, n, banks, iters):
+def time_per_call_us(fn, x, slot_sets, tokens, n, banks, iters, profile_dir=None):
     """Device time of one call: ``fn`` over ``len(slot_sets)`` different slot lists back to back inside
-    one jitted scan (fresh experts each call, so no L2 reuse; no per-call dispatch or host sync)."""
+    one jitted scan (fresh experts each call, so no L2 reuse; no per-call dispatch or host sync).
+    With ``profile_dir``, one more scan runs under the profiler (``bench/trace_summary.py DIR --steps
+    1`` then lists the kernels of all the calls: their own time without the scan's loop)."""
     @jax.jit
     def many(x, slot_sets, tokens, n, *banks):
         def body(acc, slots):
             return acc + fn(x, slots, tokens, n, *banks)[0, 0], None
         return jax.lax.scan(body, jnp.float32(0), slot_sets)[0]
 
-    return 1e3 * _time_ms(many, x, slot_sets, tokens, n, *banks, iters=iters) / slot_sets.shape[0]
+    us = 1e3 * _time_ms(many, x, slot_sets, tokens, n, *banks, iters=iters) / slot_sets.shape[0]
+    if profile_dir is not None:
+        with jax.profiler.trace(str(profile_dir), create_perfetto_trace=True):
+            jax.block_until_ready(many(x, slot_sets, tokens, n, *banks))
+    return us
 
 
 def gather_decode(x, slots, tokens, n_valid, gate_up, down):
@@ -148,6 +154,9 @@ def bench_decode(args, copy_gbps, read_gbps, rows):
                     return fn, time_per_call_us(fn, x, slot_sets, tokens, n, banks, args.iters)
 
                 fn, us = timed()
+                if args.profile:  # the kernels' own device time, beside the scan's per-call figure
+                    time_per_call_us(fn, x, slot_sets, tokens, n, banks, 1,
+                                     profile_dir=args.profile / f"decode-{shape}-{dtype}-T{T}")
                 got = fn(x, slots, tokens, n, *banks)
                 ref_fn = dg.reference_decode_experts_int4 if int4 else dg.reference_decode_experts
                 ref = jax.jit(ref_fn)(x, slots, tokens, n, *banks)
@@ -257,6 +266,8 @@ def main():
     ap.add_argument("--tune-shapes", nargs="+", default=["2048x512"], help="shapes the decode sweep covers")
     ap.add_argument("--tune-tokens", type=int, nargs="+", default=[1, 8], help="token counts the sweep covers")
     ap.add_argument("--tune-prefill", metavar="HxI", help="sweep the prefill tiles at this shape, max(--tokens)")
+    ap.add_argument("--profile", type=Path, metavar="DIR",
+                    help="also trace one scan of each default decode kernel (bench/trace_summary.py DIR --steps 1)")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "out" / "kernels.json")
     args = ap.parse_args()
 
