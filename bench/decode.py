@@ -37,7 +37,7 @@ from ftjax.config import parse_hf_config
 from ftjax.experts import bandwidth as bw
 from ftjax.experts.cache import STAT_KEYS
 from ftjax.experts.decode import OffloadExperts
-from ftjax.experts.plan import PLAN_IMPLS
+from ftjax.experts.plan import PLAN_IMPLS, VICTIM_METHODS
 from ftjax.experts.resident import ResidentExperts
 from ftjax.experts.traces import ReplayRouting, synthetic_trace
 from ftjax.host import GPU_SPIN_US, calibrate, configure_workers, measure, worker_info
@@ -80,14 +80,14 @@ class Run:
     """One backend at one batch size: a decode step function and its states."""
 
     def __init__(self, cfg, params, pool, policy, slots, batch, routing, trace, max_len, fill_fraction, tokens=None,
-                 fused_handshake=True, stable_io=True, plan_impl="scatter", resident_banks=None):
+                 fused_handshake=True, stable_io=True, plan=None, resident_banks=None):
         L, E = cfg.num_layers, cfg.num_experts
         self.cfg, self.params, self.batch, self.routing = cfg, params, batch, routing
         if resident_banks is not None:  # the resident engine's backend: banks indexed by flat id, no maps, no plan
             self.backend, inner = ResidentExperts(E), dict(resident_banks)
         else:
             self.backend = OffloadExperts(pool, L, E, slots, policy, platform="cuda", max_tokens=max(batch, 16),
-                                          fused_handshake=fused_handshake, plan_impl=plan_impl)
+                                          fused_handshake=fused_handshake, **(plan or {}))
             inner = self.backend.init_state(fill_fraction=fill_fraction)
         if routing == "trace":
             wrapped = ReplayRouting(self.backend)
@@ -261,6 +261,8 @@ def main(argv=None) -> int:
                          "XLA re-records the commands that use them before each launch")
     ap.add_argument("--plan-impl", default="scatter", choices=PLAN_IMPLS,
                     help="how the plan updates its state (plan_layer's impl; same results)")
+    ap.add_argument("--victims-by", default="topk", choices=tuple(VICTIM_METHODS),
+                    help="how the plan ranks the LRU victims (plan_layer's victims_by; same slots)")
     ap.add_argument("--tokenizer", default=str(TOKENIZER), help="the real Qwen3 tokenizer (routing text)")
     ap.add_argument("--worker-variants", nargs="*", default=[], metavar="N:SPIN_US",
                     help="also run lru-split with the CPU worker pool reconfigured (N workers, -1 = default; "
@@ -296,7 +298,8 @@ def main(argv=None) -> int:
                + len(args.worker_variants) * (args.warmup // 2 + args.steps)
                + (0 if args.no_online else args.online_warmup + args.steps)
                + (0 if args.no_sweep else len(SWEEP) * (8 + args.steps)) + (4 if args.profile else 0))
-    results = {"sync": args.sync, "stable_io": args.stable_io, "plan_impl": args.plan_impl,
+    plan_kw = dict(plan_impl=args.plan_impl, victims_by=args.victims_by)
+    results = {"sync": args.sync, "stable_io": args.stable_io, **plan_kw,
                "xla_update_mode": ftjax.XLA_UPDATE_MODE,
                "b_dram_gbps": b_dram, "bandwidth": band.to_dict(), "expert_bytes": expert_bytes, "rows": []}
     print(f"B_DRAM {b_dram:.1f} GB/s | in use: B_P {band.b_pcie_gbps:.1f} GB/s, B_H {band.b_host_gbps:.1f} GB/s "
@@ -304,7 +307,8 @@ def main(argv=None) -> int:
 
     print(f"CPU worker pool: {worker_info()}")
     print(f"XLA command-buffer update mode: {ftjax.XLA_UPDATE_MODE or 'XLA default'} (ftjax.xla_flags); "
-          f"stable step buffers: {'yes' if args.stable_io else 'no (--no-stable-io)'}; plan impl {args.plan_impl}")
+          f"stable step buffers: {'yes' if args.stable_io else 'no (--no-stable-io)'}; plan impl {args.plan_impl}, "
+          f"victims by {args.victims_by}")
     print("steps: " + ("each waits for the previous step's logits (--sync)" if args.sync else
                        "dispatched back to back (the host runs ahead of the GPU)"))
     for routing in args.routing:
@@ -312,7 +316,7 @@ def main(argv=None) -> int:
             trace = synthetic_trace(max_len, L, E, cfg.num_experts_per_tok, batch=B, seed=B) if routing == "trace" else None
             tokens = text_tokens(max_len, B, args.tokenizer) if routing == "text" else None
             res = Run(cfg, params, pool, "resident", L * E, B, routing, trace, max_len, band.fill_fraction, tokens,
-                      fused_handshake=args.fused_handshake, stable_io=args.stable_io, plan_impl=args.plan_impl)
+                      fused_handshake=args.fused_handshake, stable_io=args.stable_io, plan=plan_kw)
             res.sync, res.fixed_inputs = args.sync, args.fixed_inputs
             t_offload_resident = res.timed(args.warmup // 4, args.steps)
             progress(f"{routing} b{B} resident (offload path: plan, no misses)", t_offload_resident)
@@ -334,7 +338,7 @@ def main(argv=None) -> int:
                 for pol in args.policies:
                     run = Run(cfg, params, pool, pol, 0 if pol == "cpu" else S, B, routing, trace, max_len,
                               band.fill_fraction, tokens, fused_handshake=args.fused_handshake,
-                              stable_io=args.stable_io, plan_impl=args.plan_impl)
+                              stable_io=args.stable_io, plan=plan_kw)
                     run.sync, run.fixed_inputs = args.sync, args.fixed_inputs
                     rows[pol] = run.timed(args.warmup, args.steps)
                     progress(f"{routing} b{B} {pol} {frac:.0%}", rows[pol])

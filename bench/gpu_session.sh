@@ -18,8 +18,9 @@
 # cpu = the CPU kernel tests and table (best tier, weight-row prefetch distances $PREFETCH, default
 # 0 512 2048 8192 16384 B: on the dev box, one thread, int4 ran +39% at 8-16 KiB, session 6) and the
 # per-core compute rate;
-# plan 150 = the expert-cache plan alone, us per layer per policy, LRU victims by f32 top-k rounds vs one
-# int32 top-k (a sort of every slot on XLA:GPU; session 7 changed it, not yet measured there);
+# plan 170 = the expert-cache plan alone, us per layer per policy, LRU victims by f32 top-k rounds vs one
+# int32 top-k vs counting ("rank"); $PLAN_ARGS (default: 3,788 slots, batch 1 and 4, scatter; the three
+# update forms at one batch took > 150 s in session 8);
 # cpu-tiers = the table on every ISA tier of the GPU host (AMX is there, not on the dev box).
 # Text routing needs the Qwen3 tokenizer inside the repo: copy ../shared/data/qwen3-tokenizer to
 # .carry/qwen3-tokenizer (git-ignored) and carry `.carry`.
@@ -50,7 +51,14 @@ for s in "${steps[@]}"; do
     cpu-core) run cpu_core 120 python3 bench/host_runtime.py --no-gpu --per-core --calls 10 --out "$OUT/cpu_core.json" ;;
     cpu-tiers) run cpu_tiers 150 python3 bench/host_runtime.py --all-tiers --no-gpu --calls 10 --out "$OUT/cpu_tiers.json" ;;
     calibrate) run calibrate 120 python3 -m ftjax calibrate --window-gib 2 ;;
-    plan) run plan 150 python3 bench/plan.py --out "$OUT/plan.json" ;;
+    plan) run plan 170 python3 bench/plan.py ${PLAN_ARGS:---slots 3788 --batches 1 4 --impls scatter --steps 100} \
+            --out "$OUT/plan.json" ;;
+    decode-rank-b1|decode-rank-b4)  # 40 layers, 37%, warm, the LRU victims by counting (plan_layer victims_by="rank")
+       b=${s##*-b}
+       run "decode_rank_b$b" 300 python3 bench/decode.py --layers 40 --batches $b --routing trace --fractions 0.37 \
+         --policies lru-split lru-fill --no-sweep --no-online --steps 32 --warmup 24 --victims-by rank \
+         --out "$OUT/decode_rank_b$b.json" ;;
+    tests-offload) run gpu_tests_offload 150 python3 -m pytest -q -m gpu tests/experts/test_offload_cuda.py ;;
     kernels) run kernels 240 python3 bench/kernels.py --tokens 1024 8192 --ragged --iters 5 --out "$OUT/kernels.json" ;;
     tune) run tune_decode 150 python3 bench/kernels.py --only decode --shapes 2048x512 --dtypes bf16 --decode-tokens 1 8 \
             --tune-decode --iters 3 --out "$OUT/tune_decode.json"

@@ -10,6 +10,8 @@ trace, a warm cache) and prints us per layer for:
 - ``lru-split`` / ``lru-fill``: the full plan with LRU victims, as the decode step runs it;
 - the same with ``victims int32``: the LRU victims ranked by one int32 top-k (before session 7), which
   XLA:GPU lowers to a sort of every slot where the f32 age top-k of rounds of 16 is its own kernel;
+- the same with ``victims rank`` (``plan_layer(victims_by="rank")``): ranked by counting over all slot
+  pairs, two reduction kernels instead of top-k (16 us per layer on the H200 at 3,788 slots, session 8);
 - every row in the three update forms of ``plan_layer(impl=...)``: ``scatter`` (the default: one XLA
   scatter per update), ``mixed`` (the call-sized parts as selects, the global maps by scatter) and
   ``dense`` (selects over whole arrays against the call's short id lists).
@@ -41,13 +43,14 @@ def int32_victims(last_use, step, count):
     return idx.astype(jnp.int32), jnp.minimum(jnp.sum(last_use < step, dtype=jnp.int32), count)
 
 
-def make_step(L, E, rule, update, impl):
+def make_step(L, E, rule, update, impl, victims_by="topk"):
     @functools.partial(jax.jit, donate_argnums=0)
     def step(cache, ids):  # ids [L, T, k]
         out = jnp.zeros((), jnp.int32)
         for layer in range(L):
             p, cache = plan_mod.plan_layer(cache, layer, ids[layer], jnp.ones((ids.shape[1],), bool),
-                                           num_experts=E, rule=rule, update=update, impl=impl)
+                                           num_experts=E, rule=rule, update=update, impl=impl,
+                                           victims_by=victims_by)
             # consume the plan's outputs so none is dead code
             out = out + p.n_fill + p.n_cpu_routes + p.fill_slots.sum() + p.route_slot.sum() + p.cpu_routes[0]
         return out, cache
@@ -55,12 +58,12 @@ def make_step(L, E, rule, update, impl):
     return step
 
 
-def time_variant(L, E, S, trace, rule, update, steps, warm, impl):
+def time_variant(L, E, S, trace, rule, update, steps, warm, impl, victims_by="topk"):
     geom = CacheGeometry(L, E, S, hidden=1, inter=1)  # banks are not touched by the plan
     cache = init_cache_state(geom, jnp.float32, fill_fraction=0.35)
     n = trace.ids.shape[0]  # [n, L, B, k]
     feed = jax.block_until_ready([jnp.asarray(trace.ids[i % n]) for i in range(warm + steps)])  # on the device
-    step = make_step(L, E, rule, update, impl)
+    step = make_step(L, E, rule, update, impl, victims_by)
     for i in range(warm):  # fill the cache (the plan alone: every miss it fills takes a slot)
         _, cache = step(cache, feed[i])
     jax.block_until_ready(cache)
@@ -79,6 +82,8 @@ def main(argv=None) -> int:
     ap.add_argument("--slots", type=int, nargs="+", default=[3788, 1126], help="cache sizes (37%%, 11%% of 40 x 256)")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--impls", nargs="+", default=list(plan_mod.PLAN_IMPLS), choices=plan_mod.PLAN_IMPLS,
+                    help="plan_layer update forms to time")
     ap.add_argument("--out", default=str(Path(__file__).parent / "out" / "plan.json"))
     args = ap.parse_args(argv)
     L, E, k = args.layers, args.experts, args.top_k
@@ -96,15 +101,18 @@ def main(argv=None) -> int:
             floor = time_variant(L, E, S, trace, "none", False, args.steps, 8, "scatter")
             res = [("resident (floor)", floor)] + [
                 (f"resident, {impl}", time_variant(L, E, S, trace, "none", False, args.steps, 8, impl))
-                for impl in ("mixed", "dense")]
-            for impl in ("scatter", "mixed", "dense"):
-                for name, rule, victims in (("lru-split", "balance", original), ("lru-fill", "all", original),
-                                            ("lru-split, victims int32", "balance", int32_victims)):
-                    plan_mod.lru_victims = victims
+                for impl in args.impls if impl != "scatter"]
+            for impl in args.impls:
+                for name, rule, victims, by in (
+                        ("lru-split", "balance", original, "topk"), ("lru-fill", "all", original, "topk"),
+                        ("lru-split, victims int32", "balance", int32_victims, "topk"),
+                        ("lru-split, victims rank", "balance", original, "rank"),
+                        ("lru-fill, victims rank", "all", original, "rank")):
+                    plan_mod.VICTIM_METHODS["topk"] = victims
                     try:
-                        us = time_variant(L, E, S, trace, rule, True, args.steps, warm, impl)
+                        us = time_variant(L, E, S, trace, rule, True, args.steps, warm, impl, by)
                     finally:
-                        plan_mod.lru_victims = original
+                        plan_mod.VICTIM_METHODS["topk"] = original
                     res.append((name + ("" if impl == "scatter" else f", {impl}"), us))
             for name, us in res:
                 print(f"{S:6d} {B:5d} {name:35} {us:9.1f} {floor / us:9.2f}", flush=True)

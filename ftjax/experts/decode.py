@@ -27,7 +27,7 @@ import numpy as np
 from ftjax.experts.cache import CacheGeometry, init_cache_state, preload
 from ftjax.experts.interface import combine_routes, expert_mlp
 from ftjax.experts.kernels import check_kernel, decode_routes, prefill_layer
-from ftjax.experts.plan import PLAN_IMPLS, plan_layer
+from ftjax.experts.plan import PLAN_IMPLS, VICTIM_METHODS, plan_layer
 from ftjax.experts.policies import Policy, get_policy, min_slots
 from ftjax.experts.resident import _ragged_routes
 from ftjax.host import quant, tune_workers_for_gpu
@@ -56,6 +56,7 @@ class OffloadExperts:
     submit and collect (CUDA; default: on the H200 it cost 9.8 us per skipped layer and 58.5 us per
     one-task round trip, against 22.6 and 63.9 us for the memcpy-node path). ``plan_impl``: how the plan
     updates its state (``plan.plan_layer``'s ``impl``: "scatter", "mixed", "dense"; same results).
+    ``victims_by``: how the plan ranks the LRU victims (``plan.plan_layer``: "topk", "rank"; same slots).
     """
 
     pool: HostPool
@@ -70,6 +71,7 @@ class OffloadExperts:
     kernel: str = "jnp"
     fused_handshake: bool = True
     plan_impl: str = "scatter"
+    victims_by: str = "topk"
     channel_base: int = -1
 
     def __post_init__(self):
@@ -87,6 +89,8 @@ class OffloadExperts:
         check_kernel(self.kernel, self.pool.hidden, self.pool.inter, cache_dtype(self.pool) if self.num_slots else None)
         if self.plan_impl not in PLAN_IMPLS:
             raise ValueError(f"plan_impl {self.plan_impl!r} unknown; valid: {PLAN_IMPLS}")
+        if self.victims_by not in VICTIM_METHODS:
+            raise ValueError(f"victims_by {self.victims_by!r} unknown; valid: {tuple(VICTIM_METHODS)}")
         if self.fill_cap is not None and self.fill_cap < 1:
             raise ValueError(f"fill_cap must be >= 1 or None, got {self.fill_cap}")
         if self.platform == "cuda":
@@ -142,7 +146,8 @@ class OffloadExperts:
             raise ValueError(f"layer {layer} outside the pool's {self.num_layers} layers")
         rule = self.policy.rule(decode)
         plan, state = plan_layer(state, layer, expert_ids, token_valid, num_experts=E, rule=rule,
-                                 fill_cap=self.fill_cap, update=self.policy.update, impl=self.plan_impl)
+                                 fill_cap=self.fill_cap, update=self.policy.update, impl=self.plan_impl,
+                                 victims_by=self.victims_by)
 
         flat = layer * E + expert_ids.reshape(-1).astype(jnp.int32)
         tasks = plan.cpu_routes

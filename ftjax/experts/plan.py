@@ -132,6 +132,28 @@ def lru_victims(last_use: jax.Array, step: jax.Array, count: int) -> tuple[jax.A
     return slots, jnp.sum(ages > 0, dtype=jnp.int32)
 
 
+def lru_victims_rank(last_use: jax.Array, step: jax.Array, count: int) -> tuple[jax.Array, jax.Array]:
+    """`lru_victims` by counting, without top-k or sort: same slots, same order (tested).
+
+    Each slot's rank is the number of slots before it in LRU order (older ``last_use``, ties to the
+    lower slot): one compare-and-count over ``S x S`` pairs, a single reduction kernel with no memory
+    traffic beyond ``last_use``; victim ``j`` is the slot of rank ``j`` (a ``[count, S]`` reduction).
+    Two kernels whatever ``count`` is, where the top-k form runs one XLA:GPU top-k kernel per 16
+    victims (16 us each on the H200 over 3,788 slots, session 8). ``S^2`` compares: meant for the GPU,
+    on the CPU backend the top-k form is the faster one."""
+    S = last_use.shape[0]
+    lu = last_use.astype(jnp.int32)
+    slot = jnp.arange(S, dtype=jnp.int32)
+    before = (lu[None, :] < lu[:, None]) | ((lu[None, :] == lu[:, None]) & (slot[None, :] < slot[:, None]))
+    rank = jnp.sum(before, axis=1, dtype=jnp.int32)
+    pick = rank[None, :] == jnp.arange(count, dtype=jnp.int32)[:, None]
+    victims = jnp.sum(jnp.where(pick, slot[None, :], 0), axis=1, dtype=jnp.int32)
+    return victims, jnp.minimum(jnp.sum(lu < step, dtype=jnp.int32), count)
+
+
+VICTIM_METHODS = {"topk": lru_victims, "rank": lru_victims_rank}
+
+
 # The LRU clock (``step``, one tick per MoE layer call) is int32: 40 layers at 100 steps/s reach 2^31 in
 # six days. Layer 0 of a step rebases it once it passes REBASE_AT: every stamp moves back by REBASE_BY,
 # stamps older than that collapse to 0 (still "used once", still after the never-used -1), so the order
@@ -156,7 +178,7 @@ DENSE_MAX_ROUTES = 64  # "mixed": the call-sized parts dense up to this many rou
 
 def plan_layer(cache: dict, layer: int, expert_ids: jax.Array, token_valid: jax.Array, *, num_experts: int,
                rule: str = "balance", fill_cap: int | None = None, update: bool = True,
-               impl: str = "scatter") -> tuple[LayerPlan, dict]:
+               impl: str = "scatter", victims_by: str = "topk") -> tuple[LayerPlan, dict]:
     """Plan one MoE layer call and return the updated cache maps (banks untouched: the caller fills).
 
     ``expert_ids [T, k]`` per-layer ids; ``token_valid [T]``. ``rule``: "balance" (the miss split with
@@ -169,12 +191,16 @@ def plan_layer(cache: dict, layer: int, expert_ids: jax.Array, token_valid: jax.
     call) and the global maps (``slot_of``, ``owner_of``, ``last_use``) by scatter. A CPU-compiled
     4-layer decode step has 382 fusions with scatter, 331 mixed, 306 dense (a fusion is a kernel in the
     GPU's step graph, where a batch-1 plan is a chain of tiny kernels); on the CPU backend scatter is the
-    fastest at batch 1 (bench/plan.py: 29 / 43 / 54 us per layer). GPU timing: not yet run.
+    fastest at batch 1 (bench/plan.py: 29 / 43 / 54 us per layer); on the H200 (session 8, 40 layers,
+    3,788 slots, batch 1) lru-split 36.6 / 40.5 / 61.6 us. ``victims_by``: how the LRU victims are ranked,
+    "topk" (`lru_victims`) or "rank" (`lru_victims_rank`); same slots.
     """
     if rule not in FILL_RULES:
         raise ValueError(f"fill rule {rule!r} unknown; valid: {FILL_RULES}")
     if impl not in PLAN_IMPLS:
         raise ValueError(f"plan impl {impl!r} unknown; valid: {PLAN_IMPLS}")
+    if victims_by not in VICTIM_METHODS:
+        raise ValueError(f"victims_by {victims_by!r} unknown; valid: {tuple(VICTIM_METHODS)}")
     T, k = expert_ids.shape
     E, R = num_experts, T * k
     dense = impl == "dense" or (impl == "mixed" and R <= DENSE_MAX_ROUTES)  # the call-sized parts
@@ -217,7 +243,7 @@ def plan_layer(cache: dict, layer: int, expert_ids: jax.Array, token_valid: jax.
         else:
             want = balance_fill(m, cache["fill_fraction"])
         # Victims: the F least recently used slots of the whole pool (used slots carry `step`).
-        victims, evictable = lru_victims(last_use, step, F)  # evictable: min(F, slots not used this step)
+        victims, evictable = VICTIM_METHODS[victims_by](last_use, step, F)  # evictable: min(F, slots not used this step)
         n_fill = jnp.minimum(jnp.minimum(want, F), evictable)
         # Misses first, most recently routed first, ties to the lower id (lexsort: last key is primary).
         # Reads of arrays updated in place further down go through a barrier with the array: XLA copies a

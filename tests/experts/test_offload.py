@@ -98,11 +98,14 @@ def test_offload_equals_resident(model, reference, policy, size, batch):
         assert stats["cpu_experts"].sum() > 0
 
 
-@pytest.mark.parametrize("policy,plan_impl", [("lru-split", "dense"), ("lru-fill", "mixed"), ("lru-split", "mixed")])
-def test_plan_impls_equal_resident(model, reference, policy, plan_impl):
-    """The other plan update forms (the matrix above runs the default, scatter) give the resident logits too."""
+@pytest.mark.parametrize("policy,plan_impl,victims_by", [("lru-split", "dense", "topk"), ("lru-fill", "mixed", "topk"),
+                                                         ("lru-split", "mixed", "topk"), ("lru-split", "scatter", "rank"),
+                                                         ("lru-fill", "mixed", "rank")])
+def test_plan_impls_equal_resident(model, reference, policy, plan_impl, victims_by):
+    """The other plan update forms and victim rankings (the matrix above runs the defaults, scatter and
+    top-k) give the resident logits too."""
     cfg, params, banks, pool = model
-    backend = OffloadExperts(pool, L, E, SIZES["37%"], policy, plan_impl=plan_impl)
+    backend = OffloadExperts(pool, L, E, SIZES["37%"], policy, plan_impl=plan_impl, victims_by=victims_by)
     got, _ = run(cfg, params, backend, backend.init_state(fill_fraction=0.4), 3, check=check_invariants)
     want = reference[3]
     assert np.abs(got - want).max() / np.abs(want).max() < 1e-5
@@ -120,3 +123,5 @@ def test_bad_sizes(model):
         OffloadExperts(pool, 3, E, 3)
     with pytest.raises(ValueError, match="plan_impl"):
         OffloadExperts(pool, L, E, 3, plan_impl="sparse")
+    with pytest.raises(ValueError, match="victims_by"):
+        OffloadExperts(pool, L, E, 3, victims_by="sort")

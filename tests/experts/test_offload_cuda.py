@@ -27,14 +27,15 @@ def setup():
     return cfg, params, pool, ref
 
 
-@pytest.mark.parametrize("policy,size,batch,plan_impl", [
-    ("lru-split", "37%", 1, "mixed"), ("lru-split", "min", 3, "mixed"), ("lru-split", "37%", 3, "dense"),
-    ("lru-fill", "layer", 3, "scatter"), ("lru-fill", "37%", 1, "dense"), ("static", "37%", 3, "mixed"),
-    ("cpu", None, 3, "mixed")])
-def test_cuda_offload_equals_resident(setup, policy, size, batch, plan_impl):
+@pytest.mark.parametrize("policy,size,batch,plan_impl,victims_by", [
+    ("lru-split", "37%", 1, "mixed", "topk"), ("lru-split", "min", 3, "mixed", "rank"),
+    ("lru-split", "37%", 3, "dense", "topk"), ("lru-fill", "layer", 3, "scatter", "rank"),
+    ("lru-fill", "37%", 1, "dense", "topk"), ("lru-split", "37%", 1, "scatter", "rank"),
+    ("static", "37%", 3, "mixed", "topk"), ("cpu", None, 3, "mixed", "topk")])
+def test_cuda_offload_equals_resident(setup, policy, size, batch, plan_impl, victims_by):
     cfg, params, pool, ref = setup
     S = 0 if policy == "cpu" else SIZES[size]
-    backend = OffloadExperts(pool, L, E, S, policy, platform="cuda", plan_impl=plan_impl)
+    backend = OffloadExperts(pool, L, E, S, policy, platform="cuda", plan_impl=plan_impl, victims_by=victims_by)
     got, st = run(cfg, params, backend, backend.init_state(fill_fraction=0.4), batch, check=check_invariants,
                   freeze=backend.freeze_hot_set)
     want = ref[batch]

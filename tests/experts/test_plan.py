@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from ftjax.experts.cache import CacheGeometry, check_invariants, init_cache_state
-from ftjax.experts.plan import balance_fill, lru_victims, plan_layer
+from ftjax.experts.plan import balance_fill, lru_victims, lru_victims_rank, plan_layer
 
 
 @pytest.fixture(autouse=True)
@@ -135,8 +135,8 @@ def test_lru_clock_rebases_before_int32_overflow():
 
 @pytest.mark.parametrize("S,count", [(5, 1), (40, 16), (40, 17), (2048, 8), (2048, 40), (64, 64)])
 def test_lru_victims_match_an_exact_integer_top_k(S, count):
-    """The f32 age top-k in rounds of 16 picks the same slots, in the same order, as one int32 top-k of
-    -last_use (ties to the lower slot), and counts the evictable ones among them."""
+    """The f32 age top-k in rounds of 16 and the ranking by counting pick the same slots, in the same order,
+    as one int32 top-k of -last_use (ties to the lower slot), and count the evictable ones among them."""
     rng = np.random.default_rng(S + count)
     for trial in range(20):
         step = int(rng.integers(50, 5000))
@@ -145,11 +145,12 @@ def test_lru_victims_match_an_exact_integer_top_k(S, count):
             last_use[rng.random(S) < 0.5] = step  # many slots used in this step
         if trial % 5 == 0:
             last_use[:] = rng.choice([-1, step // 2, step], S)  # heavy ties
-        victims, evictable = lru_victims(jnp.asarray(last_use), jnp.asarray(step, jnp.int32), count)
         _, ref = jax.lax.top_k(-jnp.asarray(last_use), count)
-        np.testing.assert_array_equal(np.asarray(victims), np.asarray(ref))
-        assert int(evictable) == min(count, int((last_use < step).sum()))
-        assert victims.dtype == jnp.int32
+        for method in (lru_victims, lru_victims_rank):
+            victims, evictable = method(jnp.asarray(last_use), jnp.asarray(step, jnp.int32), count)
+            np.testing.assert_array_equal(np.asarray(victims), np.asarray(ref), method.__name__)
+            assert int(evictable) == min(count, int((last_use < step).sum())), method.__name__
+            assert victims.dtype == jnp.int32
 
 
 @pytest.mark.parametrize("rule,S,T,k,E,update", [("balance", 5, 1, 3, 8, True), ("all", 7, 3, 3, 8, True),
@@ -161,15 +162,19 @@ def test_plan_impls_are_identical(rule, S, T, k, E, update):
     of mixed's dense parts)."""
     L = 3
     geom = CacheGeometry(num_layers=L, num_experts=E, num_slots=S, hidden=4, inter=2)
-    caches = {impl: init_cache_state(geom, jnp.float32, fill_fraction=0.3) for impl in ("scatter", "dense", "mixed")}
+    variants = {"scatter": ("scatter", "topk"), "dense": ("dense", "topk"), "mixed": ("mixed", "topk"),
+                "rank": ("scatter", "rank")}  # "rank": the LRU victims by counting (plan_layer's victims_by)
+    caches = {v: init_cache_state(geom, jnp.float32, fill_fraction=0.3) for v in variants}
 
-    def make(impl):
+    def make(variant):
+        impl, victims_by = variants[variant]
+
         @jax.jit
         def step(cache, ids, valid):
             plans = []
             for layer in range(L):
                 p, cache = plan_layer(cache, layer, ids[layer], valid, num_experts=E, rule=rule, update=update,
-                                      impl=impl)
+                                      impl=impl, victims_by=victims_by)
                 plans.append(p)
             return plans, cache
         return step
@@ -182,7 +187,7 @@ def test_plan_impls_are_identical(rule, S, T, k, E, update):
         out = {impl: steps[impl](caches[impl], jnp.asarray(ids, jnp.int32), jnp.asarray(valid)) for impl in caches}
         for impl in caches:
             caches[impl] = out[impl][1]
-        for impl in ("dense", "mixed"):
+        for impl in ("dense", "mixed", "rank"):
             for a, b in zip(out["scatter"][0], out[impl][0]):
                 for name in a._fields:
                     np.testing.assert_array_equal(np.asarray(getattr(a, name)), np.asarray(getattr(b, name)),
@@ -190,8 +195,8 @@ def test_plan_impls_are_identical(rule, S, T, k, E, update):
             for key, (x, y) in zip(jax.tree_util.tree_flatten_with_path(caches["scatter"])[0],
                                    zip(jax.tree.leaves(caches["scatter"]), jax.tree.leaves(caches[impl]))):
                 np.testing.assert_array_equal(np.asarray(x), np.asarray(y), f"{impl}: {key[0]}")
-    check_invariants(caches["dense"])
-    check_invariants(caches["mixed"])
+    for v in ("dense", "mixed", "rank"):
+        check_invariants(caches[v])
 
 
 def test_plan_impl_is_checked():
@@ -199,6 +204,8 @@ def test_plan_impl_is_checked():
     cache = init_cache_state(geom, jnp.float32)
     with pytest.raises(ValueError, match="plan impl"):
         plan_layer(cache, 0, jnp.zeros((1, 2), jnp.int32), jnp.ones((1,), bool), num_experts=4, impl="fast")
+    with pytest.raises(ValueError, match="victims_by"):
+        plan_layer(cache, 0, jnp.zeros((1, 2), jnp.int32), jnp.ones((1,), bool), num_experts=4, victims_by="sort")
 
 
 @pytest.mark.parametrize("impl", ["mixed", "scatter", "dense"])
