@@ -261,8 +261,9 @@ def main(argv=None) -> int:
                          "XLA re-records the commands that use them before each launch")
     ap.add_argument("--plan-impl", default="scatter", choices=PLAN_IMPLS,
                     help="how the plan updates its state (plan_layer's impl; same results)")
-    ap.add_argument("--victims-by", default="topk", choices=tuple(VICTIM_METHODS),
-                    help="how the plan ranks the LRU victims (plan_layer's victims_by; same slots)")
+    ap.add_argument("--victims-by", choices=tuple(VICTIM_METHODS),
+                    help="how the plan ranks the LRU victims (plan_layer's victims_by; same slots); default: the "
+                         "backend's choice for the platform and cache size (default_victims_by: rank on the GPU)")
     ap.add_argument("--tokenizer", default=str(TOKENIZER), help="the real Qwen3 tokenizer (routing text)")
     ap.add_argument("--worker-variants", nargs="*", default=[], metavar="N:SPIN_US",
                     help="also run lru-split with the CPU worker pool reconfigured (N workers, -1 = default; "
@@ -308,7 +309,7 @@ def main(argv=None) -> int:
     print(f"CPU worker pool: {worker_info()}")
     print(f"XLA command-buffer update mode: {ftjax.XLA_UPDATE_MODE or 'XLA default'} (ftjax.xla_flags); "
           f"stable step buffers: {'yes' if args.stable_io else 'no (--no-stable-io)'}; plan impl {args.plan_impl}, "
-          f"victims by {args.victims_by}")
+          f"victims by {args.victims_by or 'the backend default (default_victims_by)'}")
     print("steps: " + ("each waits for the previous step's logits (--sync)" if args.sync else
                        "dispatched back to back (the host runs ahead of the GPU)"))
     for routing in args.routing:
@@ -341,6 +342,7 @@ def main(argv=None) -> int:
                               stable_io=args.stable_io, plan=plan_kw)
                     run.sync, run.fixed_inputs = args.sync, args.fixed_inputs
                     rows[pol] = run.timed(args.warmup, args.steps)
+                    rows[pol]["victims_by"] = run.backend.victims_by
                     progress(f"{routing} b{B} {pol} {frac:.0%}", rows[pol])
                     if args.hlo_stats:
                         rows[pol]["hlo_ops"] = run.hlo_ops()

@@ -44,6 +44,18 @@ def cache_dtype(pool: HostPool):
     return jnp.float32 if pool.format == "f32" else jnp.bfloat16
 
 
+RANK_MAX_SLOTS = 8192  # victims_by="rank" counts over S^2 slot pairs: measured at 3,788 slots only
+
+
+def default_victims_by(platform: str, num_slots: int) -> str:
+    """The LRU-victim ranking a backend uses unless told: on the GPU "rank" (two reductions) up to
+    RANK_MAX_SLOTS slots, where XLA:GPU's top-k kernels cost 16 us per 16 victims (H200, 40 layers,
+    3,788 slots: plan 37.4 -> 26.5 us per layer at batch 1, 118.7 -> 27.3 at batch 4; decode 40 layers,
+    37%: lru-split +4% at batch 1, +27% at batch 4; bench/RESULTS.md session 8); "topk" on the CPU
+    backend (there the S^2 count is the slower: 94 vs 36 us per layer at 700 slots) and above that size."""
+    return "rank" if platform == "cuda" and num_slots <= RANK_MAX_SLOTS else "topk"
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class OffloadExperts:
     """Experts in ``pool`` (flat ids ``l*E + e``) served through a global slot cache of ``num_slots``.
@@ -56,7 +68,8 @@ class OffloadExperts:
     submit and collect (CUDA; default: on the H200 it cost 9.8 us per skipped layer and 58.5 us per
     one-task round trip, against 22.6 and 63.9 us for the memcpy-node path). ``plan_impl``: how the plan
     updates its state (``plan.plan_layer``'s ``impl``: "scatter", "mixed", "dense"; same results).
-    ``victims_by``: how the plan ranks the LRU victims (``plan.plan_layer``: "topk", "rank"; same slots).
+    ``victims_by``: how the plan ranks the LRU victims (``plan.plan_layer``: "topk", "rank"; same slots);
+    None picks `default_victims_by` for the platform and cache size.
     """
 
     pool: HostPool
@@ -71,7 +84,7 @@ class OffloadExperts:
     kernel: str = "jnp"
     fused_handshake: bool = True
     plan_impl: str = "scatter"
-    victims_by: str = "topk"
+    victims_by: str | None = None
     channel_base: int = -1
 
     def __post_init__(self):
@@ -89,6 +102,8 @@ class OffloadExperts:
         check_kernel(self.kernel, self.pool.hidden, self.pool.inter, cache_dtype(self.pool) if self.num_slots else None)
         if self.plan_impl not in PLAN_IMPLS:
             raise ValueError(f"plan_impl {self.plan_impl!r} unknown; valid: {PLAN_IMPLS}")
+        if self.victims_by is None:
+            object.__setattr__(self, "victims_by", default_victims_by(self.platform, self.num_slots))
         if self.victims_by not in VICTIM_METHODS:
             raise ValueError(f"victims_by {self.victims_by!r} unknown; valid: {tuple(VICTIM_METHODS)}")
         if self.fill_cap is not None and self.fill_cap < 1:

@@ -125,3 +125,15 @@ def test_bad_sizes(model):
         OffloadExperts(pool, L, E, 3, plan_impl="sparse")
     with pytest.raises(ValueError, match="victims_by"):
         OffloadExperts(pool, L, E, 3, victims_by="sort")
+
+
+def test_default_victims_by(model):
+    """The CPU backend ranks LRU victims by top-k, the GPU by counting up to RANK_MAX_SLOTS slots."""
+    from ftjax.experts.decode import RANK_MAX_SLOTS, default_victims_by
+
+    pool = model[3]
+    assert OffloadExperts(pool, L, E, 3).victims_by == "topk"
+    assert OffloadExperts(pool, L, E, 3, victims_by="rank").victims_by == "rank"
+    assert default_victims_by("cuda", RANK_MAX_SLOTS) == "rank"
+    assert default_victims_by("cuda", RANK_MAX_SLOTS + 1) == "topk"
+    assert default_victims_by("cpu", 16) == "topk"
