@@ -117,6 +117,15 @@ def time_per_call_us(fn, x, slot_sets, tokens, n, banks, iters, profile_dir=None
     return us
 
 
+def mosaic_kernel_us(profile_dir, calls):
+    """Mean device time of the Mosaic GPU kernel per call in a profiler trace (None if none found)."""
+    from trace_summary import gpu_kernels, load  # bench/ is the script's directory
+
+    durs = [e["dur"] for p in Path(profile_dir).rglob("perfetto_trace.json.gz") for e in gpu_kernels(load(p))
+            if "mosaic" in e["name"]]
+    return sum(durs) / calls if durs else None
+
+
 def gather_decode(x, slots, tokens, n_valid, gate_up, down):
     """Baseline: the jnp gather path (gather the routed slots' weights, batched GEMVs)."""
     y = expert_mlp(x[tokens], gate_up[slots], down[slots]).astype(jnp.float32)
@@ -131,7 +140,11 @@ def bench_decode(args, copy_gbps, read_gbps, rows):
     print(f"\ndecode grouped GEMV: cache {args.slots_decode} slots, top-{args.top_k}; copy ceiling "
           f"{copy_gbps:.0f} GB/s (read + write), read ceiling {read_gbps:.0f} GB/s")
     print(f"{'H':>5} {'I':>5} {'T':>3} {'dtype':>5} {'us':>8} {'GB/s':>7} {'/copy':>6} {'/read':>6} "
-          f"{'gather us':>10} {'err':>8}  best of sweep")
+          f"{'gather us':>10} {'err':>8}" + (f" {'kernel us':>9} {'/copy':>6}" if args.profile else "")
+          + "  best of sweep")
+    if args.profile:
+        print("us: per call in a jitted scan (the kernel, its XLA glue - slot clamps, x operand, the sum over "
+              "chunks - and the loop); kernel us: the Mosaic GPU kernel alone (profiler)")
     kw = dict(interpret=True) if args.smoke else {}
     for shape in args.shapes:
         H, I = map(int, shape.split("x"))
@@ -154,9 +167,11 @@ def bench_decode(args, copy_gbps, read_gbps, rows):
                     return fn, time_per_call_us(fn, x, slot_sets, tokens, n, banks, args.iters)
 
                 fn, us = timed()
-                if args.profile:  # the kernels' own device time, beside the scan's per-call figure
-                    time_per_call_us(fn, x, slot_sets, tokens, n, banks, 1,
-                                     profile_dir=args.profile / f"decode-{shape}-{dtype}-T{T}")
+                kernel_us = None
+                if args.profile:  # the kernel's own device time, beside the scan's per-call figure
+                    pdir = args.profile / f"decode-{shape}-{dtype}-T{T}"
+                    time_per_call_us(fn, x, slot_sets, tokens, n, banks, 1, profile_dir=pdir)
+                    kernel_us = mosaic_kernel_us(pdir, args.decode_calls)
                 got = fn(x, slots, tokens, n, *banks)
                 ref_fn = dg.reference_decode_experts_int4 if int4 else dg.reference_decode_experts
                 ref = jax.jit(ref_fn)(x, slots, tokens, n, *banks)
@@ -165,6 +180,8 @@ def bench_decode(args, copy_gbps, read_gbps, rows):
                 row = dict(kind="decode", H=H, I=I, T=T, routes=R, slots=S, dtype=dtype, us=us, gbps=gbps,
                            ratio=gbps / copy_gbps, read_ratio=gbps / read_gbps, rel_err=err,
                            copy_ceiling_gbps=copy_gbps, read_ceiling_gbps=read_gbps)
+                if kernel_us:
+                    row.update(kernel_us=kernel_us, kernel_ratio=nbytes / kernel_us / 1e3 / copy_gbps)
                 if not int4:
                     row["gather_us"] = time_per_call_us(gather_decode, x, slot_sets, tokens, n, banks, args.iters)
                 best = ""
@@ -185,9 +202,10 @@ def bench_decode(args, copy_gbps, read_gbps, rows):
                         best = (f"  {b['us']:.1f} us = {nbytes / b['us'] / 1e3 / copy_gbps:.2f} of copy "
                                 f"(bi {b['block_i']}, bk {b['block_k']}, stages {b['num_stages']})")
                 rows.append(row)
+                kern = (f" {kernel_us:>9.1f} {row['kernel_ratio']:>6.2f}" if kernel_us else "") if args.profile else ""
                 print(f"{H:>5} {I:>5} {T:>3} {dtype:>5} {us:>8.1f} {gbps:>7.0f} {row['ratio']:>6.2f} "
-                      f"{row['read_ratio']:>6.2f} {row.get('gather_us', float('nan')):>10.1f} {err:>8.1e}" + best,
-                      flush=True)
+                      f"{row['read_ratio']:>6.2f} {row.get('gather_us', float('nan')):>10.1f} {err:>8.1e}" + kern
+                      + best, flush=True)
                 del banks
 
 
