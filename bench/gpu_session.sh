@@ -86,6 +86,9 @@ for s in "${steps[@]}"; do
        run kernels_profile 200 python3 bench/kernels.py --only decode --shapes 2048x512 --dtypes bf16 \
          --decode-tokens 1 2 4 8 --iters 5 --profile /tmp/kprof --out "$OUT/kernels_profile.json"
        run trace_summary_k 60 python3 bench/trace_summary.py /tmp/kprof --top 8 --steps 64 ;;
+    overlap)  # can a fill run beside other GPU work in one jitted step (compute_on gpu_stream:1)? (~2 min)
+       run overlap 180 python3 bench/overlap.py --layers 40 --profile /tmp/ov --out "$OUT/overlap.json"
+       run trace_summary_ov 60 python3 bench/trace_summary.py /tmp/ov --top 6 --steps 3 ;;
     decode-hlo) run decode_hlo 240 python3 bench/decode.py --layers 8 --batches 1 4 --routing trace --fractions 0.37 \
               --policies lru-split lru-fill --no-sweep --online-warmup 48 --steps 16 --warmup 16 --hlo-stats \
               --out "$OUT/decode_hlo.json" ;;

@@ -1,0 +1,164 @@
+"""Can an expert fill run beside other GPU work inside one jitted step? (GPU machine)
+
+At batch 1 a layer that misses one expert waits for one PCIe fill (6.3 MB, ~129 us on the H200) on its
+critical path: every kernel of the step runs on XLA's one compute stream (bench/RESULTS.md, session 8).
+This measures whether the fill can run beside independent GPU work of the same step, so a fill could be
+hidden behind compute (a fill issued early, used later).
+
+Per layer ``l`` of one jitted step of ``--layers`` layers:
+- fill: the product's `expert_fill` FFI kernel copies ``--fill-experts`` experts (Qwen3.6 shape, bf16)
+  from the pinned host pool into a staging bank, zero-copy over PCIe; fills chain through the staging
+  bank only, never through the work;
+- work: a chain of GPU compute of about a fill's length that does not touch the staging bank (a gather
+  GEMV over 8 cached experts and ``--matmuls`` [B, H] x [H, H] matmuls, each layer's input the last
+  layer's output).
+
+Variants (each its own executable, same inputs): work only; fills only; both in program order on one
+stream (XLA's default); both with every fill under ``compute_on('gpu_stream:1')`` (XLA's stream
+annotation: the fill on a second stream, joined where its result is used). ``overlap = (work + fill -
+both) / min(work, fill)``: 0 means the two ran one after the other, 1 means the shorter one was hidden.
+``--profile DIR`` also traces 3 steps of each (``bench/trace_summary.py DIR --steps 3``: a busy union
+below the kernel sum means kernels ran at the same time).
+
+    python bench/overlap.py [--layers 40] [--fill-experts 1] [--matmuls 4] [--profile /tmp/ov]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from ftjax.experts.interface import expert_mlp  # noqa: E402
+from ftjax.host import cuda, measure  # noqa: E402
+
+
+def make_steps(pool, args):
+    L, F = args.layers, args.fill_experts
+    n_pool = pool.n_experts
+
+    def fill(stage_gu, stage_dn, layer):
+        ids = (jnp.arange(F, dtype=jnp.int32) + layer * F) % n_pool
+        return cuda.expert_fill(ids, jnp.arange(F, dtype=jnp.int32), jnp.int32(F), stage_gu, stage_dn, pool)
+
+    def work(x, gu, dn, w, layer):
+        slots = (jnp.arange(8, dtype=jnp.int32) * 7 + layer) % gu.shape[0]
+        y = expert_mlp(jnp.broadcast_to(x[:1], (8, x.shape[1])), gu[slots], dn[slots]).sum(0, keepdims=True)
+        h = x + y.astype(x.dtype)
+        for _ in range(args.matmuls):
+            h = jnp.tanh(h @ w).astype(x.dtype)
+        return h
+
+    from jax.experimental.compute_on import compute_on
+
+    side = compute_on(compute_type="gpu_stream:1",
+                      out_memory_spaces=(jax.memory.Space.Device, jax.memory.Space.Device))(
+        lambda a, b, layer: fill(a, b, layer))
+
+    def step(mode):
+        def f(x, gu, dn, w, stage_gu, stage_dn):
+            for layer in range(L):
+                if mode in ("fill", "both", "side"):
+                    stage_gu, stage_dn = (side if mode == "side" else fill)(stage_gu, stage_dn, layer)
+                if mode in ("work", "both", "side"):
+                    x = work(x, gu, dn, w, layer)
+            return x, stage_gu, stage_dn
+        return jax.jit(f, donate_argnums=(4, 5))
+
+    return {m: step(m) for m in ("work", "fill", "both", "side")}
+
+
+def time_step(fn, inputs, reps):
+    x, gu, dn, w, sgu, sdn = inputs
+    for _ in range(3):
+        x_out, sgu, sdn = fn(x, gu, dn, w, sgu, sdn)
+    jax.block_until_ready((x_out, sgu, sdn))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        x_out, sgu, sdn = fn(x, gu, dn, w, sgu, sdn)
+        jax.block_until_ready((x_out, sgu, sdn))
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times)) * 1e3, (x, gu, dn, w, sgu, sdn)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=40)
+    ap.add_argument("--fill-experts", type=int, default=1, help="experts filled per layer")
+    ap.add_argument("--matmuls", type=int, default=4, help="[B, H] x [H, H] matmuls per layer of work")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--slots", type=int, default=256, help="cached experts the work's GEMV reads")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--profile", type=Path, metavar="DIR")
+    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "out" / "overlap.json")
+    args = ap.parse_args(argv)
+    if not cuda.available():
+        print("needs the CUDA build of ftjax._host, a GPU and JAX's GPU backend", file=sys.stderr)
+        return 2
+    shape = measure.ExpertShape(2048, 512)
+    H, I, F = shape.hidden, shape.inter, args.fill_experts
+    pool = measure.make_pool(shape, "bf16", 2 * args.layers * F * shape.expert_bytes("bf16"))
+    pool.pin()
+    key = jax.random.key(0)
+    k1, k2, k3, k4 = jax.random.split(key, 4)
+    inputs = (jax.random.normal(k1, (args.batch, H), jnp.bfloat16),
+              (0.02 * jax.random.normal(k2, (args.slots, 2 * I, H))).astype(jnp.bfloat16),
+              (0.02 * jax.random.normal(k3, (args.slots, H, I))).astype(jnp.bfloat16),
+              (0.02 * jax.random.normal(k4, (H, H))).astype(jnp.bfloat16),
+              jnp.zeros((F, 2 * I, H), jnp.bfloat16), jnp.zeros((F, H, I), jnp.bfloat16))
+    steps = make_steps(pool, args)
+    ms, errors = {}, {}
+    for mode, fn in steps.items():
+        try:
+            ms[mode], inputs = time_step(fn, inputs, args.reps)
+        except Exception as e:  # noqa: BLE001  (an experiment: report what XLA refused, go on)
+            errors[mode] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+            inputs = inputs[:4] + (jnp.zeros((F, 2 * I, H), jnp.bfloat16), jnp.zeros((F, H, I), jnp.bfloat16))
+            continue
+        if args.profile:
+            x, gu, dn, w, sgu, sdn = inputs
+            with jax.profiler.trace(str(args.profile / mode), create_perfetto_trace=True):
+                for _ in range(3):
+                    x_out, sgu, sdn = fn(x, gu, dn, w, sgu, sdn)
+                jax.block_until_ready((x_out, sgu, sdn))
+            inputs = (x, gu, dn, w, sgu, sdn)
+    # the staging bank holds the last layer's expert: the fill really ran
+    ok = bool(np.array_equal(np.asarray(jax.lax.bitcast_convert_type(inputs[4][0], jnp.uint16)).ravel()[:64],
+                             pool.raw("gate_up").view(np.uint16).reshape(pool.n_experts, -1)
+                             [((args.layers - 1) * F) % pool.n_experts, :64]))
+    fill_gbps = (F * args.layers * shape.expert_bytes("bf16") / (ms["fill"] * 1e-3) / 1e9) if "fill" in ms else None
+    print(f"{args.layers} layers; per layer: fill {F} x {shape.expert_bytes('bf16') / 1e6:.1f} MB (expert_fill, "
+          f"pinned pool, zero-copy), work = 8-expert gather GEMV + {args.matmuls} matmuls [{args.batch}, {H}] x "
+          f"[{H}, {H}]; staging bank holds the last fill: {'yes' if ok else 'NO'}")
+    print(f"{'variant':42} {'ms/step':>8} {'us/layer':>9}")
+    names = {"work": "work only", "fill": f"fills only ({fill_gbps:.1f} GB/s)" if fill_gbps else "fills only",
+             "both": "both, one stream (program order)", "side": "both, fills on compute_on('gpu_stream:1')"}
+    for mode in steps:
+        if mode in ms:
+            print(f"{names[mode]:42} {ms[mode]:8.3f} {ms[mode] * 1e3 / args.layers:9.1f}")
+        else:
+            print(f"{names[mode]:42} failed: {errors[mode]}")
+    result = {"ms": ms, "errors": errors, "fill_ok": ok, "args": {k: str(v) for k, v in vars(args).items()}}
+    if {"work", "fill"} <= ms.keys():
+        shorter = min(ms["work"], ms["fill"])
+        for mode in ("both", "side"):
+            if mode in ms:
+                ov = (ms["work"] + ms["fill"] - ms[mode]) / shorter
+                result[f"overlap_{mode}"] = ov
+                print(f"overlap ({names[mode]}): {ov:.2f}  (0 = serial, 1 = the shorter one hidden)")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {args.out}")
+    return 0 if ok or "fill" not in ms else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
