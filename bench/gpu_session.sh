@@ -89,6 +89,10 @@ for s in "${steps[@]}"; do
     overlap)  # can a fill run beside other GPU work in one jitted step (compute_on gpu_stream:1)? (~2 min)
        run overlap 180 python3 bench/overlap.py --layers 40 --profile /tmp/ov --out "$OUT/overlap.json"
        run trace_summary_ov 60 python3 bench/trace_summary.py /tmp/ov --top 6 --steps 3 ;;
+    prefill-profile)  # prefill, 8K tokens, both shapes, bf16: the Mosaic GPU kernels alone vs the call (~2 min)
+       run prefill_profile 200 python3 bench/kernels.py --only prefill --shapes 2048x512 4096x2048 --dtypes bf16 \
+         --tokens 8192 --iters 5 --profile /tmp/pprof --out "$OUT/prefill_profile.json"
+       run trace_summary_p 60 python3 bench/trace_summary.py /tmp/pprof --top 12 --steps 1 ;;
     decode-hlo) run decode_hlo 240 python3 bench/decode.py --layers 8 --batches 1 4 --routing trace --fractions 0.37 \
               --policies lru-split lru-fill --no-sweep --online-warmup 48 --steps 16 --warmup 16 --hlo-stats \
               --out "$OUT/decode_hlo.json" ;;

@@ -117,13 +117,18 @@ def time_per_call_us(fn, x, slot_sets, tokens, n, banks, iters, profile_dir=None
     return us
 
 
-def mosaic_kernel_us(profile_dir, calls):
-    """Mean device time of the Mosaic GPU kernel per call in a profiler trace (None if none found)."""
+def gpu_kernel_us(profile_dir):
+    """(Mosaic GPU kernels, every GPU kernel): summed device us in the profiler traces under the dir."""
     from trace_summary import gpu_kernels, load  # bench/ is the script's directory
 
-    durs = [e["dur"] for p in Path(profile_dir).rglob("perfetto_trace.json.gz") for e in gpu_kernels(load(p))
-            if "mosaic" in e["name"]]
-    return sum(durs) / calls if durs else None
+    ks = [e for p in Path(profile_dir).rglob("perfetto_trace.json.gz") for e in gpu_kernels(load(p))]
+    return sum(e["dur"] for e in ks if "mosaic" in e["name"]), sum(e["dur"] for e in ks)
+
+
+def mosaic_kernel_us(profile_dir, calls):
+    """Mean device time of the Mosaic GPU kernel per call in a profiler trace (None if none found)."""
+    us = gpu_kernel_us(profile_dir)[0]
+    return us / calls if us else None
 
 
 def gather_decode(x, slots, tokens, n_valid, gate_up, down):
@@ -285,7 +290,8 @@ def main():
     ap.add_argument("--tune-tokens", type=int, nargs="+", default=[1, 8], help="token counts the sweep covers")
     ap.add_argument("--tune-prefill", metavar="HxI", help="sweep the prefill tiles at this shape, max(--tokens)")
     ap.add_argument("--profile", type=Path, metavar="DIR",
-                    help="also trace one scan of each default decode kernel (bench/trace_summary.py DIR --steps 1)")
+                    help="also trace one scan of each default decode kernel and one call of each prefill "
+                         "(bench/trace_summary.py DIR): the kernels' own time beside the per-call figures")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "out" / "kernels.json")
     args = ap.parse_args()
 
@@ -321,6 +327,12 @@ def main():
                 route, banks, slots = _inputs(jax.random.key(T), T, args.top_k, H, I,
                                               args.experts, args.slots, int4)
                 ms = _time_ms(fn, *route, *banks, slots, iters=args.iters)
+                split = ""
+                if args.profile:  # the Mosaic GPU kernels alone vs every GPU kernel of the call
+                    pdir = args.profile / f"prefill-{shape}-{dtype}-T{T}"
+                    with jax.profiler.trace(str(pdir), create_perfetto_trace=True):
+                        jax.block_until_ready(fn(*route, *banks, slots))
+                    kern_us, all_us = gpu_kernel_us(pdir)
                 hit = int(jnp.unique(route[1]).size)
                 flops = pg.prefill_flops(T, args.top_k, H, I)
                 nbytes = pg.prefill_bytes(T, args.top_k, H, I, hit, int4=int4)
@@ -338,9 +350,14 @@ def main():
                     except jax.errors.JaxRuntimeError as e:  # XLA's dense lowering can ask for > HBM
                         row["ragged_dot_error"] = str(e).splitlines()[0][:200]
                         ragged = "  ragged_dot failed: " + row["ragged_dot_error"][:80]
+                if args.profile and kern_us:
+                    row.update(kernel_ms=kern_us / 1e3, gpu_ms=all_us / 1e3,
+                               kernel_ratio=flops / kern_us / 1e6 / ceiling)
+                    split = (f"  kernels alone {kern_us / 1e3:.3f} ms = {row['kernel_ratio']:.2f}, all GPU work "
+                             f"{all_us / 1e3:.3f} ms")
                 rows.append(row)
                 print(f"{H:>5} {I:>5} {T:>6} {dtype:>5} {ms:>8.3f} {row['tflops']:>8.1f} "
-                      f"{row['ratio']:>6.2f} {row['gbps']:>7.0f}" + ragged, flush=True)
+                      f"{row['ratio']:>6.2f} {row['gbps']:>7.0f}" + ragged + split, flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(dict(device=str(jax.devices()[0]), matmul_tflops=ceiling,
                                         copy_gbps=copy_gbps, read_gbps=read_gbps, rows=rows), indent=1))
