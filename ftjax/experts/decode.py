@@ -51,7 +51,7 @@ def default_victims_by(platform: str, num_slots: int) -> str:
     """The LRU-victim ranking a backend uses unless told: on the GPU "rank" (two reductions) up to
     RANK_MAX_SLOTS slots, where XLA:GPU's top-k kernels cost 16 us per 16 victims (H200, 40 layers,
     3,788 slots: plan 37.4 -> 26.5 us per layer at batch 1, 118.7 -> 27.3 at batch 4; decode 40 layers,
-    37%: lru-split +4% at batch 1, +27% at batch 4; bench/RESULTS.md session 8); "topk" on the CPU
+    37%, batch 4: lru-split 206.0 -> 262.1 tok/s; bench/RESULTS.md session 8); "topk" on the CPU
     backend (there the S^2 count is the slower: 94 vs 36 us per layer at 700 slots) and above that size."""
     return "rank" if platform == "cuda" and num_slots <= RANK_MAX_SLOTS else "topk"
 
