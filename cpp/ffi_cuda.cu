@@ -3,6 +3,8 @@
 // cache arrays (aliased in place). n_valid is read on the device, so the call needs no host sync
 // and replays correctly inside command buffers; blocks of entries past n_valid exit at once.
 #include <algorithm>
+#include <map>
+#include <mutex>
 #include <string>
 
 #include "cuda_common.h"
@@ -72,10 +74,11 @@ void launch_fill(cudaStream_t stream, const ExpertPool& pool, const int32_t* ids
 }
 
 namespace {
-ffi::Error ExpertFillImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::S32> slots,
-                          ffi::Buffer<ffi::S32> n_valid, ffi::AnyBuffer gate_up, ffi::AnyBuffer down,
-                          ffi::Result<ffi::AnyBuffer> gate_up_out, ffi::Result<ffi::AnyBuffer> down_out,
-                          uint64_t pool_id) {
+// Checks the call and launches the fill on `stream` (XLA's, or a fork's side stream).
+ffi::Error FillOn(cudaStream_t stream, ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::S32> slots,
+                  ffi::Buffer<ffi::S32> n_valid, ffi::AnyBuffer gate_up, ffi::AnyBuffer down,
+                  ffi::Result<ffi::AnyBuffer> gate_up_out, ffi::Result<ffi::AnyBuffer> down_out,
+                  uint64_t pool_id) {
   auto pool = find_pool(pool_id);
   if (!pool) return ffi::Error::InvalidArgument("expert_fill: no host pool with id " + std::to_string(pool_id));
   const int64_t cap = static_cast<int64_t>(ids.element_count());
@@ -102,6 +105,67 @@ ffi::Error ExpertFillImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> ids, ffi::B
   return ffi::Error::Success();
 }
 
+ffi::Error ExpertFillImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::S32> slots,
+                          ffi::Buffer<ffi::S32> n_valid, ffi::AnyBuffer gate_up, ffi::AnyBuffer down,
+                          ffi::Result<ffi::AnyBuffer> gate_up_out, ffi::Result<ffi::AnyBuffer> down_out,
+                          uint64_t pool_id) {
+  return FillOn(stream, ids, slots, n_valid, gate_up, down, gate_up_out, down_out, pool_id);
+}
+
+// Experimental fork / join (bench/overlap.py): the fill runs on a side stream of its "lane", ordered
+// after the work XLA's stream has so far and joined only where `ftjax_stream_join` is called, so the
+// GPU work issued in between can run beside it. Outside command buffers only (events across calls do
+// not survive graph capture). The fill's outputs are not ready until the join: every reader of the
+// filled arrays must take them through the join's output. One lane = one side stream and two events,
+// made on first use on the current device (single-GPU experiment).
+struct Lane {
+  cudaStream_t stream = nullptr;
+  cudaEvent_t forked = nullptr, done = nullptr;
+};
+
+Lane* lane(int64_t id) {
+  static std::mutex mu;
+  static std::map<int64_t, Lane> lanes;
+  std::lock_guard<std::mutex> lock(mu);
+  Lane& l = lanes[id];
+  if (!l.stream) {
+    cuda_check(cudaStreamCreateWithFlags(&l.stream, cudaStreamNonBlocking), "fork lane stream");
+    cuda_check(cudaEventCreateWithFlags(&l.forked, cudaEventDisableTiming), "fork lane event");
+    cuda_check(cudaEventCreateWithFlags(&l.done, cudaEventDisableTiming), "fork lane event");
+  }
+  return &l;
+}
+
+ffi::Error FillForkImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::S32> slots,
+                        ffi::Buffer<ffi::S32> n_valid, ffi::AnyBuffer gate_up, ffi::AnyBuffer down,
+                        ffi::Result<ffi::AnyBuffer> gate_up_out, ffi::Result<ffi::AnyBuffer> down_out,
+                        uint64_t pool_id, int64_t lane_id) {
+  Lane* l = nullptr;
+  try {
+    l = lane(lane_id);
+    cuda_check(cudaEventRecord(l->forked, stream), "fill fork: record");
+    cuda_check(cudaStreamWaitEvent(l->stream, l->forked, 0), "fill fork: wait");
+  } catch (const std::exception& e) {
+    return ffi::Error::Internal(std::string("expert_fill_fork: ") + e.what());
+  }
+  ffi::Error err = FillOn(l->stream, ids, slots, n_valid, gate_up, down, gate_up_out, down_out, pool_id);
+  if (err.failure()) return err;
+  if (cudaEventRecord(l->done, l->stream) != cudaSuccess)
+    return ffi::Error::Internal("expert_fill_fork: record done");
+  return ffi::Error::Success();
+}
+
+ffi::Error StreamJoinImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> out, int64_t lane_id) {
+  if (out->untyped_data() != x.untyped_data())
+    return ffi::Error::InvalidArgument("stream_join: the operand must be aliased to the output");
+  try {
+    cuda_check(cudaStreamWaitEvent(stream, lane(lane_id)->done, 0), "stream join: wait");
+  } catch (const std::exception& e) {
+    return ffi::Error::Internal(std::string("stream_join: ") + e.what());
+  }
+  return ffi::Error::Success();
+}
+
 #define FTJAX_FILL_BINDING                        \
   ffi::Ffi::Bind()                                \
       .Ctx<ffi::PlatformStream<cudaStream_t>>()   \
@@ -118,6 +182,16 @@ ffi::Error ExpertFillImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> ids, ffi::B
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FtjaxExpertFill, ExpertFillImpl, FTJAX_FILL_BINDING,
                               {ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FtjaxExpertFillNoCmdBuffer, ExpertFillImpl, FTJAX_FILL_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FtjaxExpertFillFork, FillForkImpl, FTJAX_FILL_BINDING.Attr<int64_t>("lane"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FtjaxStreamJoin, StreamJoinImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("lane"));
+
+void* expert_fill_fork_handler() { return reinterpret_cast<void*>(FtjaxExpertFillFork); }
+void* stream_join_handler() { return reinterpret_cast<void*>(FtjaxStreamJoin); }
 
 void* expert_fill_handler(bool cmd_buffer) {
   return cmd_buffer ? reinterpret_cast<void*>(FtjaxExpertFill) : reinterpret_cast<void*>(FtjaxExpertFillNoCmdBuffer);

@@ -71,6 +71,31 @@ def expert_fill(ids, slots, n_valid, gate_up_cache, down_cache, pool, *, cmd_buf
                 jnp.asarray(n_valid, jnp.int32).reshape(()), gate_up_cache, down_cache, pool=np.uint64(pool.id))
 
 
+def expert_fill_fork(ids, slots, n_valid, gate_up_cache, down_cache, pool, *, lane: int = 0):
+    """Experimental (bench/overlap.py): `expert_fill` on the side stream of ``lane``, forked from XLA's
+    stream after the work issued so far, so GPU work issued after it can run beside it. The returned
+    caches are NOT filled until `join_banks` on the same lane: read them only through its outputs.
+    Runs outside XLA's command buffers (the events do not survive graph capture)."""
+    register_targets()
+    call = jax.ffi.ffi_call("ftjax_expert_fill_fork_nocb",
+                            (jax.ShapeDtypeStruct(gate_up_cache.shape, gate_up_cache.dtype),
+                             jax.ShapeDtypeStruct(down_cache.shape, down_cache.dtype)),
+                            input_output_aliases={3: 0, 4: 1})
+    return call(jnp.asarray(ids, jnp.int32), jnp.asarray(slots, jnp.int32),
+                jnp.asarray(n_valid, jnp.int32).reshape(()), gate_up_cache, down_cache,
+                pool=np.uint64(pool.id), lane=np.int64(lane))
+
+
+def join_banks(gate_up_cache, down_cache, *, lane: int = 0):
+    """Experimental: XLA's stream waits for every fill forked on ``lane`` so far; returns the two
+    caches, ordered after the wait (readers must use these)."""
+    register_targets()
+    call = jax.ffi.ffi_call("ftjax_stream_join_nocb", jax.ShapeDtypeStruct(gate_up_cache.shape, gate_up_cache.dtype),
+                            input_output_aliases={0: 0})
+    gate_up_cache = call(gate_up_cache, lane=np.int64(lane))
+    return jax.lax.optimization_barrier((gate_up_cache, down_cache))
+
+
 def cpu_experts_submit(x, token_idx, expert_ids, weights, n_valid, channel: int, *, cmd_buffer: bool = True,
                        fused: bool = True):
     """``fused``: one kernel stages x and the valid tasks into the mapped staging and publishes

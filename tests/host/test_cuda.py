@@ -44,6 +44,32 @@ def test_fill_copies_valid_entries_only(pool):
     assert np.all(gh[untouched] == -3.0) and np.all(dh[untouched] == -3.0)
 
 
+def test_fill_fork_join_equals_fill(pool):
+    """The experimental side-stream fill (bench/overlap.py), read through its join, fills what expert_fill
+    fills, with GPU work issued between the fork and the join."""
+    S = 16
+
+    @jax.jit
+    def step(i, s, n, g, d, m):
+        g, d = cuda.expert_fill_fork(i, s, n, g, d, pool, lane=3)
+        for _ in range(4):
+            m = jnp.tanh(m @ m)
+        g, d = cuda.join_banks(g, d, lane=3)
+        return g, d, m
+
+    ids = np.array([5, 31, 0, 7, 9, 2], np.int32)
+    slots = np.array([3, 0, 15, 6, 1, 2], np.int32)
+    m = jnp.full((512, 512), 0.001, jnp.float32)
+    g = jnp.full((S, 256, 128), -3.0, jnp.bfloat16)
+    d = jnp.full((S, 128, 128), -3.0, jnp.bfloat16)
+    g, d, m = step(ids, slots, jnp.int32(5), g, d, m)
+    gh, dh = np.asarray(g.astype(jnp.float32)), np.asarray(d.astype(jnp.float32))
+    for q in range(5):
+        np.testing.assert_array_equal(gh[slots[q]], pool.bank("gate_up")[ids[q]].astype(np.float32))
+        np.testing.assert_array_equal(dh[slots[q]], pool.bank("down")[ids[q]].astype(np.float32))
+    assert np.all(gh[slots[5]] == -3.0) and np.all(dh[slots[5]] == -3.0)
+
+
 def test_fill_rejects_wrong_cache_size(pool):
     with pytest.raises(Exception, match="cache sizes do not match"):
         cuda.expert_fill(np.zeros(2, np.int32), np.zeros(2, np.int32), 1, jnp.zeros((4, 256, 64), jnp.bfloat16),
