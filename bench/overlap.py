@@ -47,9 +47,13 @@ def make_steps(pool, args):
     L, F = args.layers, args.fill_experts
     n_pool = pool.n_experts
 
-    def fill(stage_gu, stage_dn, layer):
-        ids = (jnp.arange(F, dtype=jnp.int32) + layer * F) % n_pool
-        return cuda.expert_fill(ids, jnp.arange(F, dtype=jnp.int32), jnp.int32(F), stage_gu, stage_dn, pool)
+    def fill_with(fn):  # layer l fills experts l*F .. l*F+F-1 (mod the pool) into staging slots 0..F-1
+        def fill(stage_gu, stage_dn, layer):
+            ids = (jnp.arange(F, dtype=jnp.int32) + layer * F) % n_pool
+            return fn(ids, jnp.arange(F, dtype=jnp.int32), jnp.int32(F), stage_gu, stage_dn, pool)
+        return fill
+
+    fill = fill_with(cuda.expert_fill)
 
     def work(x, gu, dn, w, layer):
         slots = (jnp.arange(8, dtype=jnp.int32) * 7 + layer) % gu.shape[0]
@@ -64,12 +68,7 @@ def make_steps(pool, args):
     side = compute_on(compute_type="gpu_stream:1",
                       out_memory_spaces=(jax.memory.Space.Device, jax.memory.Space.Device))(
         lambda a, b, layer: fill(a, b, layer))
-
-    def fork(stage_gu, stage_dn, layer):
-        ids = (jnp.arange(F, dtype=jnp.int32) + layer * F) % n_pool
-        return cuda.expert_fill_fork(ids, jnp.arange(F, dtype=jnp.int32), jnp.int32(F), stage_gu, stage_dn, pool)
-
-    fills = {"fill": fill, "both": fill, "side": side, "fork": fork}
+    fills = {"fill": fill, "both": fill, "side": side, "fork": fill_with(cuda.expert_fill_fork)}
 
     def step(mode):
         def f(x, gu, dn, w, stage_gu, stage_dn):
