@@ -112,54 +112,62 @@ ffi::Error ExpertFillImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> ids, ffi::B
   return FillOn(stream, ids, slots, n_valid, gate_up, down, gate_up_out, down_out, pool_id);
 }
 
-// Experimental fork / join (bench/overlap.py): the fill runs on a side stream of its "lane", ordered
-// after the work XLA's stream has so far and joined only where `ftjax_stream_join` is called, so the
-// GPU work issued in between can run beside it. Outside command buffers only (events across calls do
+// Fork / join: the fill runs on a side stream, ordered after the work XLA's stream has so far, and XLA's
+// stream waits for it only where `ftjax_stream_join` is called for the same lane, so the GPU work issued
+// in between can run beside it. One side stream for every lane (fills run in issue order: two forked
+// fills never race on a slot), one "done" event per lane (a join waits for its lane's latest fill only,
+// not for fills forked after it on other lanes). Outside command buffers only (events across calls do
 // not survive graph capture). The fill's outputs are not ready until the join: every reader of the
-// filled arrays must take them through the join's output. One lane = one side stream and two events,
-// made on first use on the current device (single-GPU experiment).
-struct Lane {
+// filled arrays must take them through the join's output. Made on first use on the current device
+// (single GPU).
+struct SideStream {
+  std::mutex mu;
   cudaStream_t stream = nullptr;
-  cudaEvent_t forked = nullptr, done = nullptr;
+  cudaEvent_t forked = nullptr;
+  std::map<int64_t, cudaEvent_t> done;  // per lane
 };
 
-Lane* lane(int64_t id) {
-  static std::mutex mu;
-  static std::map<int64_t, Lane> lanes;
-  std::lock_guard<std::mutex> lock(mu);
-  Lane& l = lanes[id];
-  if (!l.stream) {
-    cuda_check(cudaStreamCreateWithFlags(&l.stream, cudaStreamNonBlocking), "fork lane stream");
-    cuda_check(cudaEventCreateWithFlags(&l.forked, cudaEventDisableTiming), "fork lane event");
-    cuda_check(cudaEventCreateWithFlags(&l.done, cudaEventDisableTiming), "fork lane event");
-  }
-  return &l;
+SideStream& side() {
+  static SideStream s;
+  return s;
+}
+
+cudaEvent_t lane_done(SideStream& s, int64_t lane) {  // caller holds s.mu
+  cudaEvent_t& ev = s.done[lane];
+  if (!ev) cuda_check(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), "fork lane event");
+  return ev;
 }
 
 ffi::Error FillForkImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::S32> slots,
                         ffi::Buffer<ffi::S32> n_valid, ffi::AnyBuffer gate_up, ffi::AnyBuffer down,
                         ffi::Result<ffi::AnyBuffer> gate_up_out, ffi::Result<ffi::AnyBuffer> down_out,
-                        uint64_t pool_id, int64_t lane_id) {
-  Lane* l = nullptr;
+                        uint64_t pool_id, int64_t lane) {
+  SideStream& s = side();
+  std::lock_guard<std::mutex> lock(s.mu);
   try {
-    l = lane(lane_id);
-    cuda_check(cudaEventRecord(l->forked, stream), "fill fork: record");
-    cuda_check(cudaStreamWaitEvent(l->stream, l->forked, 0), "fill fork: wait");
+    if (!s.stream) {
+      cuda_check(cudaStreamCreateWithFlags(&s.stream, cudaStreamNonBlocking), "fill fork: side stream");
+      cuda_check(cudaEventCreateWithFlags(&s.forked, cudaEventDisableTiming), "fill fork: event");
+    }
+    cudaEvent_t done = lane_done(s, lane);
+    cuda_check(cudaEventRecord(s.forked, stream), "fill fork: record");
+    cuda_check(cudaStreamWaitEvent(s.stream, s.forked, 0), "fill fork: wait");
+    ffi::Error err = FillOn(s.stream, ids, slots, n_valid, gate_up, down, gate_up_out, down_out, pool_id);
+    if (err.failure()) return err;
+    cuda_check(cudaEventRecord(done, s.stream), "fill fork: record done");
   } catch (const std::exception& e) {
     return ffi::Error::Internal(std::string("expert_fill_fork: ") + e.what());
   }
-  ffi::Error err = FillOn(l->stream, ids, slots, n_valid, gate_up, down, gate_up_out, down_out, pool_id);
-  if (err.failure()) return err;
-  if (cudaEventRecord(l->done, l->stream) != cudaSuccess)
-    return ffi::Error::Internal("expert_fill_fork: record done");
   return ffi::Error::Success();
 }
 
-ffi::Error StreamJoinImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> out, int64_t lane_id) {
+ffi::Error StreamJoinImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> out, int64_t lane) {
   if (out->untyped_data() != x.untyped_data())
     return ffi::Error::InvalidArgument("stream_join: the operand must be aliased to the output");
-  try {
-    cuda_check(cudaStreamWaitEvent(stream, lane(lane_id)->done, 0), "stream join: wait");
+  SideStream& s = side();
+  std::lock_guard<std::mutex> lock(s.mu);
+  try {  // a lane never forked has an event never recorded: the wait is a no-op
+    cuda_check(cudaStreamWaitEvent(stream, lane_done(s, lane), 0), "stream join: wait");
   } catch (const std::exception& e) {
     return ffi::Error::Internal(std::string("stream_join: ") + e.what());
   }

@@ -72,10 +72,11 @@ def expert_fill(ids, slots, n_valid, gate_up_cache, down_cache, pool, *, cmd_buf
 
 
 def expert_fill_fork(ids, slots, n_valid, gate_up_cache, down_cache, pool, *, lane: int = 0):
-    """Experimental (bench/overlap.py): `expert_fill` on the side stream of ``lane``, forked from XLA's
-    stream after the work issued so far, so GPU work issued after it can run beside it. The returned
-    caches are NOT filled until `join_banks` on the same lane: read them only through its outputs.
-    Runs outside XLA's command buffers (the events do not survive graph capture)."""
+    """Experimental (bench/overlap.py): `expert_fill` on a side stream, forked from XLA's stream after the
+    work issued so far, so GPU work issued after it can run beside it. The returned caches are NOT filled
+    until `join_banks` on the same ``lane``: read them only through its outputs. All lanes share one side
+    stream (forked fills run in issue order); a join waits for its lane's latest fork only. Runs outside
+    XLA's command buffers (the events do not survive graph capture)."""
     register_targets()
     call = jax.ffi.ffi_call("ftjax_expert_fill_fork_nocb",
                             (jax.ShapeDtypeStruct(gate_up_cache.shape, gate_up_cache.dtype),
