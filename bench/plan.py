@@ -11,7 +11,8 @@ trace, a warm cache) and prints us per layer for:
 - the same with ``victims int32``: the LRU victims ranked by one int32 top-k (before session 7), which
   XLA:GPU lowers to a sort of every slot where the f32 age top-k of rounds of 16 is its own kernel;
 - the same with ``victims rank`` (``plan_layer(victims_by="rank")``): ranked by counting over all slot
-  pairs, two reduction kernels instead of top-k (16 us per layer on the H200 at 3,788 slots, session 8);
+  pairs, two reduction kernels instead of the top-k kernels (16 us each per layer on the H200 at 3,788
+  slots, session 8);
 - every row in the three update forms of ``plan_layer(impl=...)``: ``scatter`` (the default: one XLA
   scatter per update), ``mixed`` (the call-sized parts as selects, the global maps by scatter) and
   ``dense`` (selects over whole arrays against the call's short id lists).

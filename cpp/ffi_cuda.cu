@@ -74,11 +74,11 @@ void launch_fill(cudaStream_t stream, const ExpertPool& pool, const int32_t* ids
 }
 
 namespace {
-// Checks the call and launches the fill on `stream` (XLA's, or a fork's side stream).
-ffi::Error FillOn(cudaStream_t stream, ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::S32> slots,
-                  ffi::Buffer<ffi::S32> n_valid, ffi::AnyBuffer gate_up, ffi::AnyBuffer down,
-                  ffi::Result<ffi::AnyBuffer> gate_up_out, ffi::Result<ffi::AnyBuffer> down_out,
-                  uint64_t pool_id) {
+// Checks the call and launches the fill on `stream` (XLA's, or the fork's side stream).
+ffi::Error ExpertFillImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::S32> slots,
+                          ffi::Buffer<ffi::S32> n_valid, ffi::AnyBuffer gate_up, ffi::AnyBuffer down,
+                          ffi::Result<ffi::AnyBuffer> gate_up_out, ffi::Result<ffi::AnyBuffer> down_out,
+                          uint64_t pool_id) {
   auto pool = find_pool(pool_id);
   if (!pool) return ffi::Error::InvalidArgument("expert_fill: no host pool with id " + std::to_string(pool_id));
   const int64_t cap = static_cast<int64_t>(ids.element_count());
@@ -103,13 +103,6 @@ ffi::Error FillOn(cudaStream_t stream, ffi::Buffer<ffi::S32> ids, ffi::Buffer<ff
     return ffi::Error::Internal(std::string("expert_fill: ") + e.what());
   }
   return ffi::Error::Success();
-}
-
-ffi::Error ExpertFillImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::S32> slots,
-                          ffi::Buffer<ffi::S32> n_valid, ffi::AnyBuffer gate_up, ffi::AnyBuffer down,
-                          ffi::Result<ffi::AnyBuffer> gate_up_out, ffi::Result<ffi::AnyBuffer> down_out,
-                          uint64_t pool_id) {
-  return FillOn(stream, ids, slots, n_valid, gate_up, down, gate_up_out, down_out, pool_id);
 }
 
 // Fork / join: the fill runs on a side stream, ordered after the work XLA's stream has so far, and XLA's
@@ -152,7 +145,7 @@ ffi::Error FillForkImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> ids, ffi::Buf
     cudaEvent_t done = lane_done(s, lane);
     cuda_check(cudaEventRecord(s.forked, stream), "fill fork: record");
     cuda_check(cudaStreamWaitEvent(s.stream, s.forked, 0), "fill fork: wait");
-    ffi::Error err = FillOn(s.stream, ids, slots, n_valid, gate_up, down, gate_up_out, down_out, pool_id);
+    ffi::Error err = ExpertFillImpl(s.stream, ids, slots, n_valid, gate_up, down, gate_up_out, down_out, pool_id);
     if (err.failure()) return err;
     cuda_check(cudaEventRecord(done, s.stream), "fill fork: record done");
   } catch (const std::exception& e) {
