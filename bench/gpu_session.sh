@@ -34,7 +34,7 @@ summary=()
 run() {  # name, limit_s, command...
   local name=$1 limit=$2; shift 2
   local t0=$SECONDS
-  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  timeout "$limit" "$@" >> "$OUT/$name.log" 2>&1  # a step's trace summary appends to its log (few files come back)
   local rc=$?
   summary+=("$name: rc=$rc in $((SECONDS - t0))s")
   grep -v "^W\|^I0\|redzone\|autotun\|external/xla" "$OUT/$name.log" | tail -25
@@ -85,14 +85,14 @@ for s in "${steps[@]}"; do
     kernels-profile)  # decode GEMV, Qwen bf16, 1-8 tokens: the scan's per-call time and the kernels' own (~2 min)
        run kernels_profile 200 python3 bench/kernels.py --only decode --shapes 2048x512 --dtypes bf16 \
          --decode-tokens 1 2 4 8 --iters 5 --profile /tmp/kprof --out "$OUT/kernels_profile.json"
-       run trace_summary_k 60 python3 bench/trace_summary.py /tmp/kprof --top 8 --steps 64 ;;
-    overlap)  # can a fill run beside other GPU work in one jitted step (compute_on gpu_stream:1)? (~2 min)
-       run overlap 180 python3 bench/overlap.py --layers 40 --profile /tmp/ov --out "$OUT/overlap.json"
-       run trace_summary_ov 60 python3 bench/trace_summary.py /tmp/ov --top 6 --steps 3 ;;
+       run kernels_profile 60 python3 bench/trace_summary.py /tmp/kprof --top 8 --steps 64 ;;
+    overlap)  # can a fill run beside other GPU work in one jitted step, per fill block count? (~3 min)
+       run overlap 240 python3 bench/overlap.py --layers 40 --profile /tmp/ov --out "$OUT/overlap.json"
+       run overlap 60 python3 bench/trace_summary.py /tmp/ov --top 6 --steps 3 ;;
     prefill-profile)  # prefill, 8K tokens, both shapes, bf16: the Mosaic GPU kernels alone vs the call (~2 min)
        run prefill_profile 200 python3 bench/kernels.py --only prefill --shapes 2048x512 4096x2048 --dtypes bf16 \
          --tokens 8192 --iters 5 --profile /tmp/pprof --out "$OUT/prefill_profile.json"
-       run trace_summary_p 60 python3 bench/trace_summary.py /tmp/pprof --top 12 --steps 1 ;;
+       run prefill_profile 60 python3 bench/trace_summary.py /tmp/pprof --top 24 --steps 1 ;;
     decode-hlo) run decode_hlo 240 python3 bench/decode.py --layers 8 --batches 1 4 --routing trace --fractions 0.37 \
               --policies lru-split lru-fill --no-sweep --online-warmup 48 --steps 16 --warmup 16 --hlo-stats \
               --out "$OUT/decode_hlo.json" ;;

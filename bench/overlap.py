@@ -20,10 +20,14 @@ by the experimental FFI pair `cuda.expert_fill_fork` / `cuda.join_banks` (the fi
 of ours after an event on XLA's stream, one join at the end; these two calls run outside command
 buffers). ``overlap = (work + fill -
 both) / min(work, fill)``: 0 means the two ran one after the other, 1 means the shorter one was hidden.
+Each fill variant runs once per ``--blocks`` value: the fill kernel's thread blocks in all (0: enough to
+occupy every SM, as the decode step's fill does; session 9 found that such a fill leaves no SM to the
+work beside it, whatever the stream).
 ``--profile DIR`` also traces 3 steps of each (``bench/trace_summary.py DIR --steps 3``: a busy union
 below the kernel sum means kernels ran at the same time).
 
-    python bench/overlap.py [--layers 40] [--fill-experts 1] [--matmuls 4] [--profile /tmp/ov]
+    python bench/overlap.py [--layers 40] [--fill-experts 1] [--matmuls 4] [--blocks 0 16 32 64 132]
+                            [--profile /tmp/ov]
 """
 from __future__ import annotations
 
@@ -44,16 +48,16 @@ from ftjax.host import cuda, measure  # noqa: E402
 
 
 def make_steps(pool, args):
+    """Executables keyed (mode, blocks): mode work / fill / both / side / fork; blocks = the fill kernel's
+    thread blocks in all (0: as many as occupy the GPU), None for work."""
     L, F = args.layers, args.fill_experts
     n_pool = pool.n_experts
 
-    def fill_with(fn):  # layer l fills experts l*F .. l*F+F-1 (mod the pool) into staging slots 0..F-1
+    def fill_with(fn, blocks):  # layer l fills experts l*F .. l*F+F-1 (mod the pool) into staging slots 0..F-1
         def fill(stage_gu, stage_dn, layer):
             ids = (jnp.arange(F, dtype=jnp.int32) + layer * F) % n_pool
-            return fn(ids, jnp.arange(F, dtype=jnp.int32), jnp.int32(F), stage_gu, stage_dn, pool)
+            return fn(ids, jnp.arange(F, dtype=jnp.int32), jnp.int32(F), stage_gu, stage_dn, pool, blocks=blocks)
         return fill
-
-    fill = fill_with(cuda.expert_fill)
 
     def work(x, gu, dn, w, layer):
         slots = (jnp.arange(8, dtype=jnp.int32) * 7 + layer) % gu.shape[0]
@@ -65,16 +69,21 @@ def make_steps(pool, args):
 
     from jax.experimental.compute_on import compute_on
 
-    side = compute_on(compute_type="gpu_stream:1",
-                      out_memory_spaces=(jax.memory.Space.Device, jax.memory.Space.Device))(
-        lambda a, b, layer: fill(a, b, layer))
-    fills = {"fill": fill, "both": fill, "side": side, "fork": fill_with(cuda.expert_fill_fork)}
+    def fills(mode, blocks):
+        fill = fill_with(cuda.expert_fill, blocks)
+        if mode == "side":
+            return compute_on(compute_type="gpu_stream:1",
+                              out_memory_spaces=(jax.memory.Space.Device, jax.memory.Space.Device))(
+                lambda a, b, layer: fill(a, b, layer))
+        return fill_with(cuda.expert_fill_fork, blocks) if mode == "fork" else fill
 
-    def step(mode):
+    def step(mode, blocks):
+        fill = fills(mode, blocks) if mode != "work" else None
+
         def f(x, gu, dn, w, stage_gu, stage_dn):
             for layer in range(L):
-                if mode in fills:
-                    stage_gu, stage_dn = fills[mode](stage_gu, stage_dn, layer)
+                if fill is not None:
+                    stage_gu, stage_dn = fill(stage_gu, stage_dn, layer)
                 if mode != "fill":
                     x = work(x, gu, dn, w, layer)
             if mode == "fork":  # the forked fills are read only through the join
@@ -82,7 +91,11 @@ def make_steps(pool, args):
             return x, stage_gu, stage_dn
         return jax.jit(f, donate_argnums=(4, 5))
 
-    return {m: step(m) for m in ("work", "fill", "both", "side", "fork")}
+    steps = {("work", None): step("work", None)}
+    for blocks in args.blocks:
+        for mode in ("fill", "both", "side", "fork"):
+            steps[(mode, blocks)] = step(mode, blocks)
+    return steps
 
 
 def time_step(fn, inputs, reps):
@@ -107,6 +120,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--slots", type=int, default=256, help="cached experts the work's GEMV reads")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--blocks", type=int, nargs="+", default=[0, 16, 32, 64, 132],
+                    help="fill kernel thread blocks in all, one set of variants each (0: occupy the GPU)")
     ap.add_argument("--profile", type=Path, metavar="DIR")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "out" / "overlap.json")
     args = ap.parse_args(argv)
@@ -124,6 +139,8 @@ def main(argv=None) -> int:
               (0.02 * jax.random.normal(k3, (args.slots, H, I))).astype(jnp.bfloat16),
               (0.02 * jax.random.normal(k4, (H, H))).astype(jnp.bfloat16),
               jnp.zeros((F, 2 * I, H), jnp.bfloat16), jnp.zeros((F, H, I), jnp.bfloat16))
+    if any(b < 0 for b in args.blocks):
+        ap.error("--blocks must be >= 0")
     steps = make_steps(pool, args)
     last = ((args.layers - 1) * F) % pool.n_experts  # staging slot 0 holds this expert after a step
     want = pool.raw("gate_up").view(np.uint16).reshape(pool.n_experts, -1)[last, :4096]
@@ -133,49 +150,58 @@ def main(argv=None) -> int:
                                    want))
 
     ms, errors, ok = {}, {}, {}
-    for mode, fn in steps.items():
+    for key, fn in steps.items():
+        mode, blocks = key
         try:
-            ms[mode], inputs = time_step(fn, inputs, args.reps)
+            ms[key], inputs = time_step(fn, inputs, args.reps)
             if mode != "work":
-                ok[mode] = filled(inputs[4])
+                ok[key] = filled(inputs[4])
                 inputs = inputs[:4] + (jnp.zeros((F, 2 * I, H), jnp.bfloat16), jnp.zeros((F, H, I), jnp.bfloat16))
         except Exception as e:  # noqa: BLE001  (an experiment: report what XLA refused, go on)
-            errors[mode] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+            errors[key] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
             inputs = inputs[:4] + (jnp.zeros((F, 2 * I, H), jnp.bfloat16), jnp.zeros((F, H, I), jnp.bfloat16))
             continue
-        if args.profile:
+        if args.profile and blocks in (None, args.blocks[0], args.blocks[-1]):
             x, gu, dn, w, sgu, sdn = inputs
-            with jax.profiler.trace(str(args.profile / mode), create_perfetto_trace=True):
+            with jax.profiler.trace(str(args.profile / f"{mode}-b{blocks}"), create_perfetto_trace=True):
                 for _ in range(3):
                     x_out, sgu, sdn = fn(x, gu, dn, w, sgu, sdn)
                 jax.block_until_ready((x_out, sgu, sdn))
             inputs = (x, gu, dn, w, sgu, sdn)
-    fill_gbps = (F * args.layers * shape.expert_bytes("bf16") / (ms["fill"] * 1e-3) / 1e9) if "fill" in ms else None
-    print(f"{args.layers} layers; per layer: fill {F} x {shape.expert_bytes('bf16') / 1e6:.1f} MB (expert_fill, "
-          f"pinned pool, zero-copy), work = 8-expert gather GEMV + {args.matmuls} matmuls [{args.batch}, {H}] x "
-          f"[{H}, {H}]; every variant checked: after its steps the staging bank holds the last layer's expert")
-    print(f"{'variant':42} {'ms/step':>8} {'us/layer':>9}")
-    names = {"work": "work only", "fill": f"fills only ({fill_gbps:.1f} GB/s)" if fill_gbps else "fills only",
-             "both": "both, one stream (program order)", "side": "both, fills on compute_on('gpu_stream:1')",
-             "fork": "both, fills forked to a side stream (FFI)"}
-    for mode in steps:
-        if mode in ms:
-            bad = "" if ok.get(mode, True) else "  WRONG: the staging bank does not hold the last fill"
-            print(f"{names[mode]:42} {ms[mode]:8.3f} {ms[mode] * 1e3 / args.layers:9.1f}{bad}")
-        else:
-            print(f"{names[mode]:42} failed: {errors[mode]}")
-    result = {"ms": ms, "errors": errors, "filled": ok, "args": {k: str(v) for k, v in vars(args).items()}}
-    if {"work", "fill"} <= ms.keys():
-        shorter = min(ms["work"], ms["fill"])
-        for mode in ("both", "side", "fork"):
-            if mode in ms:
-                ov = (ms["work"] + ms["fill"] - ms[mode]) / shorter
-                result[f"overlap_{mode}"] = ov
-                print(f"overlap ({names[mode]}): {ov:.2f}  (0 = serial, 1 = the shorter one hidden)")
+    expert_mb = shape.expert_bytes("bf16") / 1e6
+    print(f"{args.layers} layers; per layer: fill {F} x {expert_mb:.1f} MB (expert_fill, pinned pool, zero-copy), "
+          f"work = 8-expert gather GEMV + {args.matmuls} matmuls [{args.batch}, {H}] x [{H}, {H}]; every "
+          "variant checked: after its steps the staging bank holds the last layer's expert")
+    print("blocks: the fill kernel's thread blocks in all (0 = as many as occupy the GPU); overlap = "
+          "(work + fill - both) / min(work, fill): 0 = serial, 1 = the shorter one hidden")
+    names = {"both": "one stream", "side": "compute_on gpu_stream:1", "fork": "forked (FFI)"}
+    work = ms.get(("work", None))
+    print(f"work only: {work:.3f} ms/step, {work * 1e3 / args.layers:.1f} us/layer" if work else
+          f"work only failed: {errors.get(('work', None))}")
+    print(f"{'blocks':>6} {'fill ms':>8} {'GB/s':>6} " + " ".join(f"{names[m]:>25} {'overlap':>7}" for m in names))
+    result = {"ms": {f"{m}@{b}": v for (m, b), v in ms.items()}, "errors": {f"{m}@{b}": v for (m, b), v in errors.items()},
+              "filled": {f"{m}@{b}": v for (m, b), v in ok.items()}, "overlap": {},
+              "args": {k: str(v) for k, v in vars(args).items()}}
+    for blocks in args.blocks:
+        fill = ms.get(("fill", blocks))
+        gbps = F * args.layers * shape.expert_bytes("bf16") / (fill * 1e-3) / 1e9 if fill else float("nan")
+        row = f"{blocks:6d} {fill if fill else float('nan'):8.3f} {gbps:6.1f} "
+        for mode in names:
+            t = ms.get((mode, blocks))
+            if t is None:
+                row += f"{'failed':>24} {'':>7} "
+                continue
+            bad = "" if ok.get((mode, blocks), True) else " WRONG"
+            ov = (work + fill - t) / min(work, fill) if work and fill else float("nan")
+            result["overlap"][f"{mode}@{blocks}"] = ov
+            row += f"{t:17.3f} ms{bad:>5} {ov:7.2f} "
+        print(row)
+    for key, err in errors.items():
+        print(f"{key[0]} @ blocks {key[1]} failed: {err}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {args.out}")
-    return 0 if all(ok.values()) else 1
+    return 0 if all(ok.values()) and not errors else 1
 
 
 if __name__ == "__main__":

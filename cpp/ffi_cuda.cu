@@ -52,18 +52,23 @@ __global__ void fill_kernel(const int32_t* __restrict__ ids, const int32_t* __re
 }  // namespace
 
 void launch_fill(cudaStream_t stream, const ExpertPool& pool, const int32_t* ids, const int32_t* slots,
-                 const int32_t* n_valid, int64_t capacity, int64_t n_slots, void* cache_gate_up, void* cache_down) {
+                 const int32_t* n_valid, int64_t capacity, int64_t n_slots, void* cache_gate_up, void* cache_down,
+                 int64_t max_blocks) {
   const Bank& g = pool.gate_up();
   const Bank& d = pool.down();
   if (!pool.pinned() || !g.device_ptr || !d.device_ptr)
     throw std::invalid_argument("the host pool is not pinned (call HostPool.pin() after loading)");
   if (g.expert_bytes % 16 || d.expert_bytes % 16)
     throw std::invalid_argument("expert rows must be multiples of 16 bytes for the fill kernel");
+  if (max_blocks < 0) throw std::invalid_argument("max_blocks must be >= 0 (0: enough to fill the GPU)");
   if (capacity == 0) return;
   const int64_t row0 = g.expert_bytes / 16, row1 = d.expert_bytes / 16;
-  // Enough blocks per entry to fill the GPU when the list is short; no more than the row needs.
+  // Enough blocks per entry to fill the GPU when the list is short (1,056 = 132 SMs x 8 blocks), or at
+  // most `max_blocks` in all (at least one per entry) so that a fill on a side stream leaves SMs to the
+  // work beside it; no more than the row needs.
+  const int64_t budget = max_blocks > 0 ? max_blocks : 1056;
   const int64_t per_row = std::max<int64_t>(1, std::min<int64_t>((row0 + row1 + kThreads - 1) / kThreads,
-                                                                 (1056 + capacity - 1) / capacity));
+                                                                 budget / capacity));
   const dim3 grid(static_cast<unsigned>(per_row), static_cast<unsigned>(capacity));
   fill_kernel<<<grid, kThreads, 0, stream>>>(ids, slots, n_valid, pool.n_experts(), n_slots,
                                              static_cast<const uint4*>(g.device_ptr),
@@ -78,7 +83,7 @@ namespace {
 ffi::Error ExpertFillImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::S32> slots,
                           ffi::Buffer<ffi::S32> n_valid, ffi::AnyBuffer gate_up, ffi::AnyBuffer down,
                           ffi::Result<ffi::AnyBuffer> gate_up_out, ffi::Result<ffi::AnyBuffer> down_out,
-                          uint64_t pool_id) {
+                          uint64_t pool_id, int64_t blocks) {
   auto pool = find_pool(pool_id);
   if (!pool) return ffi::Error::InvalidArgument("expert_fill: no host pool with id " + std::to_string(pool_id));
   const int64_t cap = static_cast<int64_t>(ids.element_count());
@@ -98,7 +103,7 @@ ffi::Error ExpertFillImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> ids, ffi::B
                                        "(input_output_aliases) and donated");
   try {
     launch_fill(stream, *pool, ids.typed_data(), slots.typed_data(), n_valid.typed_data(), cap, S,
-                gate_up.untyped_data(), down.untyped_data());
+                gate_up.untyped_data(), down.untyped_data(), blocks);
   } catch (const std::exception& e) {
     return ffi::Error::Internal(std::string("expert_fill: ") + e.what());
   }
@@ -134,7 +139,7 @@ cudaEvent_t lane_done(SideStream& s, int64_t lane) {  // caller holds s.mu
 ffi::Error FillForkImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::S32> slots,
                         ffi::Buffer<ffi::S32> n_valid, ffi::AnyBuffer gate_up, ffi::AnyBuffer down,
                         ffi::Result<ffi::AnyBuffer> gate_up_out, ffi::Result<ffi::AnyBuffer> down_out,
-                        uint64_t pool_id, int64_t lane) {
+                        uint64_t pool_id, int64_t blocks, int64_t lane) {
   SideStream& s = side();
   std::lock_guard<std::mutex> lock(s.mu);
   try {
@@ -145,7 +150,8 @@ ffi::Error FillForkImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> ids, ffi::Buf
     cudaEvent_t done = lane_done(s, lane);
     cuda_check(cudaEventRecord(s.forked, stream), "fill fork: record");
     cuda_check(cudaStreamWaitEvent(s.stream, s.forked, 0), "fill fork: wait");
-    ffi::Error err = ExpertFillImpl(s.stream, ids, slots, n_valid, gate_up, down, gate_up_out, down_out, pool_id);
+    ffi::Error err = ExpertFillImpl(s.stream, ids, slots, n_valid, gate_up, down, gate_up_out, down_out, pool_id,
+                                    blocks);
     if (err.failure()) return err;
     cuda_check(cudaEventRecord(done, s.stream), "fill fork: record done");
   } catch (const std::exception& e) {
@@ -177,7 +183,8 @@ ffi::Error StreamJoinImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi
       .Arg<ffi::AnyBuffer>()                      \
       .Ret<ffi::AnyBuffer>()                      \
       .Ret<ffi::AnyBuffer>()                      \
-      .Attr<uint64_t>("pool")
+      .Attr<uint64_t>("pool")                     \
+      .Attr<int64_t>("blocks")
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FtjaxExpertFill, ExpertFillImpl, FTJAX_FILL_BINDING,

@@ -57,9 +57,10 @@ def _suffix(cmd_buffer: bool) -> str:
 
 
 def expert_fill(ids, slots, n_valid, gate_up_cache, down_cache, pool, *, cmd_buffer: bool = True,
-                after_submit=None):
+                after_submit=None, blocks: int = 0):
     """``after_submit``: a submit token; the fill is scheduled behind that submit so the CPU branch
-    starts first and runs under the fill."""
+    starts first and runs under the fill. ``blocks``: thread blocks of the fill kernel in all (0: enough
+    to occupy the whole GPU, fastest alone; a few dozen leave SMs to kernels running beside it)."""
     register_targets()
     if after_submit is not None:
         ids, _ = jax.lax.optimization_barrier((ids, after_submit))
@@ -68,10 +69,17 @@ def expert_fill(ids, slots, n_valid, gate_up_cache, down_cache, pool, *, cmd_buf
                              jax.ShapeDtypeStruct(down_cache.shape, down_cache.dtype)),
                             input_output_aliases={3: 0, 4: 1})
     return call(jnp.asarray(ids, jnp.int32), jnp.asarray(slots, jnp.int32),
-                jnp.asarray(n_valid, jnp.int32).reshape(()), gate_up_cache, down_cache, pool=np.uint64(pool.id))
+                jnp.asarray(n_valid, jnp.int32).reshape(()), gate_up_cache, down_cache, pool=np.uint64(pool.id),
+                blocks=np.int64(_blocks(blocks)))
 
 
-def expert_fill_fork(ids, slots, n_valid, gate_up_cache, down_cache, pool, *, lane: int = 0):
+def _blocks(blocks: int) -> int:
+    if int(blocks) < 0:
+        raise ValueError(f"blocks must be >= 0 (0: as many as fill the GPU), got {blocks}")
+    return int(blocks)
+
+
+def expert_fill_fork(ids, slots, n_valid, gate_up_cache, down_cache, pool, *, lane: int = 0, blocks: int = 0):
     """Experimental (bench/overlap.py): `expert_fill` on a side stream, forked from XLA's stream after the
     work issued so far, so GPU work issued after it can run beside it. The returned caches are NOT filled
     until `join_banks` on the same ``lane``: read them only through its outputs. All lanes share one side
@@ -84,7 +92,7 @@ def expert_fill_fork(ids, slots, n_valid, gate_up_cache, down_cache, pool, *, la
                             input_output_aliases={3: 0, 4: 1})
     return call(jnp.asarray(ids, jnp.int32), jnp.asarray(slots, jnp.int32),
                 jnp.asarray(n_valid, jnp.int32).reshape(()), gate_up_cache, down_cache,
-                pool=np.uint64(pool.id), lane=np.int64(lane))
+                pool=np.uint64(pool.id), blocks=np.int64(_blocks(blocks)), lane=np.int64(lane))
 
 
 def join_banks(gate_up_cache, down_cache, *, lane: int = 0):

@@ -26,9 +26,10 @@ def pool():
     return p
 
 
-def test_fill_copies_valid_entries_only(pool):
+@pytest.mark.parametrize("blocks", [0, 1, 5])  # 0: occupy the GPU; 1 and 5: fewer blocks than entries
+def test_fill_copies_valid_entries_only(pool, blocks):
     S = 16
-    fill = jax.jit(lambda i, s, n, g, d: cuda.expert_fill(i, s, n, g, d, pool), donate_argnums=(3, 4))
+    fill = jax.jit(lambda i, s, n, g, d: cuda.expert_fill(i, s, n, g, d, pool, blocks=blocks), donate_argnums=(3, 4))
     g = jnp.full((S, 256, 128), -3.0, jnp.bfloat16)
     d = jnp.full((S, 128, 128), -3.0, jnp.bfloat16)
     ids = np.array([5, 31, 0, -1, 7, 9, 2, 3], np.int32)  # -1: masked entry
@@ -51,7 +52,7 @@ def test_fill_fork_join_equals_fill(pool):
 
     @jax.jit
     def step(i, s, n, g, d, m):
-        g, d = cuda.expert_fill_fork(i, s, n, g, d, pool, lane=3)
+        g, d = cuda.expert_fill_fork(i, s, n, g, d, pool, lane=3, blocks=2)
         for _ in range(4):
             m = jnp.tanh(m @ m)
         g, d = cuda.join_banks(g, d, lane=3)
@@ -68,6 +69,12 @@ def test_fill_fork_join_equals_fill(pool):
         np.testing.assert_array_equal(gh[slots[q]], pool.bank("gate_up")[ids[q]].astype(np.float32))
         np.testing.assert_array_equal(dh[slots[q]], pool.bank("down")[ids[q]].astype(np.float32))
     assert np.all(gh[slots[5]] == -3.0) and np.all(dh[slots[5]] == -3.0)
+
+
+def test_fill_rejects_negative_blocks(pool):
+    with pytest.raises(ValueError, match="blocks must be >= 0"):
+        cuda.expert_fill(np.zeros(2, np.int32), np.zeros(2, np.int32), 1, jnp.zeros((4, 256, 128), jnp.bfloat16),
+                         jnp.zeros((4, 128, 128), jnp.bfloat16), pool, blocks=-1)
 
 
 def test_fill_rejects_wrong_cache_size(pool):
