@@ -20,6 +20,8 @@ by the experimental FFI pair `cuda.expert_fill_fork` / `cuda.join_banks` (the fi
 of ours after an event on XLA's stream, one join at the end; these two calls run outside command
 buffers). ``overlap = (work + fill -
 both) / min(work, fill)``: 0 means the two ran one after the other, 1 means the shorter one was hidden.
+Layer l's fill is issued after layer l-1's work (a data dependency; without it XLA scheduled every
+fork after all the work: serial, session 9), and for the fork layer l's work is issued after the fork.
 Each fill variant runs once per ``--blocks`` value: the fill kernel's thread blocks in all (0: enough to
 occupy every SM, as the decode step's fill does; session 9 found that such a fill leaves no SM to the
 work beside it, whatever the stream).
@@ -54,8 +56,10 @@ def make_steps(pool, args):
     n_pool = pool.n_experts
 
     def fill_with(fn, blocks):  # layer l fills experts l*F .. l*F+F-1 (mod the pool) into staging slots 0..F-1
-        def fill(stage_gu, stage_dn, layer):
+        def fill(stage_gu, stage_dn, layer, after=None):
             ids = (jnp.arange(F, dtype=jnp.int32) + layer * F) % n_pool
+            if after is not None:  # issued after the work before it (XLA may otherwise move it anywhere)
+                ids, _ = jax.lax.optimization_barrier((ids, after))
             return fn(ids, jnp.arange(F, dtype=jnp.int32), jnp.int32(F), stage_gu, stage_dn, pool, blocks=blocks)
         return fill
 
@@ -74,7 +78,7 @@ def make_steps(pool, args):
         if mode == "side":
             return compute_on(compute_type="gpu_stream:1",
                               out_memory_spaces=(jax.memory.Space.Device, jax.memory.Space.Device))(
-                lambda a, b, layer: fill(a, b, layer))
+                lambda a, b, layer, after=None: fill(a, b, layer, after))
         return fill_with(cuda.expert_fill_fork, blocks) if mode == "fork" else fill
 
     def step(mode, blocks):
@@ -83,7 +87,9 @@ def make_steps(pool, args):
         def f(x, gu, dn, w, stage_gu, stage_dn):
             for layer in range(L):
                 if fill is not None:
-                    stage_gu, stage_dn = fill(stage_gu, stage_dn, layer)
+                    stage_gu, stage_dn = fill(stage_gu, stage_dn, layer, None if mode == "fill" else x)
+                if mode == "fork":  # the work after the fork is issued after it (its GPU work is not)
+                    x, _ = jax.lax.optimization_barrier((x, stage_gu))
                 if mode != "fill":
                     x = work(x, gu, dn, w, layer)
             if mode == "fork":  # the forked fills are read only through the join

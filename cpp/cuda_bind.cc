@@ -55,7 +55,8 @@ struct Timer {
 
 // Median-free simple timing: total seconds of `reps` fills of the same list (after one warm-up).
 double fill_seconds(uint64_t pool_id, nb::ndarray<const int32_t, nb::ndim<1>, nb::c_contig> ids,
-                    nb::ndarray<const int32_t, nb::ndim<1>, nb::c_contig> slots, int64_t n_slots, int reps) {
+                    nb::ndarray<const int32_t, nb::ndim<1>, nb::c_contig> slots, int64_t n_slots, int reps,
+                    int64_t blocks) {
   auto pool = find_pool(pool_id);
   if (!pool) throw std::invalid_argument("no host pool with id " + std::to_string(pool_id));
   const int64_t q = static_cast<int64_t>(ids.shape(0));
@@ -71,10 +72,10 @@ double fill_seconds(uint64_t pool_id, nb::ndarray<const int32_t, nb::ndim<1>, nb
   cudaStream_t s;
   cuda_check(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate");
   const int32_t* d = static_cast<const int32_t*>(lists.p);
-  launch_fill(s, *pool, d, d + q, d + 2 * q, q, n_slots, c0.p, c1.p);
+  launch_fill(s, *pool, d, d + q, d + 2 * q, q, n_slots, c0.p, c1.p, blocks);
   Timer t;
   cudaEventRecord(t.a, s);
-  for (int i = 0; i < reps; ++i) launch_fill(s, *pool, d, d + q, d + 2 * q, q, n_slots, c0.p, c1.p);
+  for (int i = 0; i < reps; ++i) launch_fill(s, *pool, d, d + q, d + 2 * q, q, n_slots, c0.p, c1.p, blocks);
   cudaEventRecord(t.b, s);
   const double sec = t.seconds();
   cudaStreamDestroy(s);
@@ -125,7 +126,7 @@ void bind_cuda(nb::module_& m) {
   m.def("channel_error", &channel_error, "channel"_a);
   m.def("channel_jobs", &channel_jobs, "channel"_a);
   m.def("channel_serve_seconds", &channel_serve_seconds, "channel"_a);
-  m.def("fill_seconds", &fill_seconds, "pool_id"_a, "ids"_a, "slots"_a, "n_slots"_a, "reps"_a = 10);
+  m.def("fill_seconds", &fill_seconds, "pool_id"_a, "ids"_a, "slots"_a, "n_slots"_a, "reps"_a = 10, "blocks"_a = 0);
   m.def("memcpy_h2d_seconds", &memcpy_h2d_seconds, "nbytes"_a, "reps"_a = 10);
 }
 

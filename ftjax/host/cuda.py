@@ -131,12 +131,13 @@ def cpu_experts_collect(token, n_tokens: int, hidden: int, channel: int, *, afte
     return (y, status) if after is None else (y, status, after)
 
 
-def fill_gbps(pool, n_rows: int, reps: int = 20, seed: int = 0) -> float:
-    """The fill kernel alone (outside XLA) on ``n_rows`` scattered ids: bytes moved per second."""
+def fill_gbps(pool, n_rows: int, reps: int = 20, seed: int = 0, blocks: int = 0) -> float:
+    """The fill kernel alone (outside XLA, on a stream of its own) on ``n_rows`` scattered ids: bytes
+    moved per second. ``blocks``: as `expert_fill`."""
     rng = np.random.default_rng(seed)
     ids = rng.choice(pool.n_experts, n_rows, replace=False).astype(np.int32)
     slots = np.arange(n_rows, dtype=np.int32)
-    sec = _host.fill_seconds(pool.id, ids, slots, n_rows, reps)
+    sec = _host.fill_seconds(pool.id, ids, slots, n_rows, reps, _blocks(blocks))
     return n_rows * reps * (pool.expert_bytes("gate_up") + pool.expert_bytes("down")) / sec / 1e9
 
 
