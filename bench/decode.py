@@ -206,7 +206,7 @@ class Run:
                 "dispatch_ms": (self.dispatch_s - d0) / steps * 1e3,
                 "miss_rate": d["misses"] / max(1, d["hits"] + d["misses"]),
                 "misses_per_step": d["misses"] / steps, "fills_per_layer": d["fills"] / steps / L,
-                "cpu_per_layer": d["cpu_experts"] / steps / L}
+                "cpu_per_layer": d["cpu_experts"] / steps / L, "deferred_per_layer": d["deferred"] / steps / L}
 
 
 def fill_steps(slots: int, num_layers: int) -> int:
@@ -264,6 +264,9 @@ def main(argv=None) -> int:
     ap.add_argument("--victims-by", choices=tuple(VICTIM_METHODS),
                     help="how the plan ranks the LRU victims (plan_layer's victims_by; same slots); default: the "
                          "backend's choice for the platform and cache size (default_victims_by: rank on the GPU)")
+    ap.add_argument("--defer", choices=("on", "off", "both"), default="both",
+                    help="lru-split's background fills (OffloadExperts defer_fills): on (the CUDA default), off, or "
+                         "both: the lru-split row with them and a 'split no-defer' row without, same run")
     ap.add_argument("--tokenizer", default=str(TOKENIZER), help="the real Qwen3 tokenizer (routing text)")
     ap.add_argument("--worker-variants", nargs="*", default=[], metavar="N:SPIN_US",
                     help="also run lru-split with the CPU worker pool reconfigured (N workers, -1 = default; "
@@ -339,10 +342,11 @@ def main(argv=None) -> int:
                 for pol in args.policies:
                     run = Run(cfg, params, pool, pol, 0 if pol == "cpu" else S, B, routing, trace, max_len,
                               band.fill_fraction, tokens, fused_handshake=args.fused_handshake,
-                              stable_io=args.stable_io, plan=plan_kw)
+                              stable_io=args.stable_io, plan=dict(plan_kw, defer_fills=args.defer != "off"))
                     run.sync, run.fixed_inputs = args.sync, args.fixed_inputs
                     rows[pol] = run.timed(args.warmup, args.steps)
                     rows[pol]["victims_by"] = run.backend.victims_by
+                    rows[pol]["background_fills"] = run.backend.background_fills
                     progress(f"{routing} b{B} {pol} {frac:.0%}", rows[pol])
                     if args.hlo_stats:
                         rows[pol]["hlo_ops"] = run.hlo_ops()
@@ -363,7 +367,16 @@ def main(argv=None) -> int:
                             run.set_fraction(f)
                             sweep[f] = run.timed(8, args.steps)["tok_s"]
                         rows[pol]["sweep"] = sweep
+                    run.backend.drain()  # its background fills write banks about to be freed
                     del run
+                    if pol == "lru-split" and args.defer == "both":  # the ablation: every fill on the critical path
+                        run = Run(cfg, params, pool, pol, S, B, routing, trace, max_len, band.fill_fraction, tokens,
+                                  fused_handshake=args.fused_handshake, stable_io=args.stable_io,
+                                  plan=dict(plan_kw, defer_fills=False))
+                        run.sync, run.fixed_inputs = args.sync, args.fixed_inputs
+                        rows["split no-defer"] = run.timed(args.warmup, args.steps)
+                        progress(f"{routing} b{B} lru-split without background fills {frac:.0%}", rows["split no-defer"])
+                        del run
                 miss_bytes = rows["lru-split"]["misses_per_step"] * expert_bytes if "lru-split" in rows else 0.0
                 roof = B / (t_gpu["step_ms"] / 1e3 + miss_bytes / (b_dram * 1e9))
                 row = {"routing": routing, "batch": B, "cache_fraction": frac, "slots": S,
@@ -393,20 +406,23 @@ def print_row(row):
           f"({row['slots']} slots) | T_gpu {row['t_gpu_ms']:.2f} ms (host {row['t_gpu_host_ms']:.2f}; resident "
           f"engine; {row['t_offload_resident_ms']:.2f} ms through the offload path) | roofline "
           f"{row['roofline_tok_s']:.1f} tok/s")
-    print(f"{'policy':10} {'tok/s':>8} {'/roof':>6} {'miss%':>6} {'fills/L':>8} {'cpu/L':>6} {'step ms':>8} "
-          f"{'host ms':>8} {'warm':>5}")
+    print(f"{'policy':14} {'tok/s':>8} {'/roof':>6} {'miss%':>6} {'fills/L':>8} {'bg/L':>6} {'cpu/L':>6} "
+          f"{'step ms':>8} {'host ms':>8} {'warm':>5}")
     for pol, r in row["policies"].items():
-        print(f"{pol:10} {r['tok_s']:8.1f} {r['tok_s'] / row['roofline_tok_s']:6.2f} {100 * r['miss_rate']:6.1f} "
-              f"{r['fills_per_layer']:8.2f} {r['cpu_per_layer']:6.2f} {r['step_ms']:8.2f} {r['dispatch_ms']:8.2f} "
-              f"{r.get('warm_steps', 0):5d}")
-    print("host ms: time inside the decode call per step (dispatch; the host runs ahead unless --sync); "
-          "warm: steps before timing (until the cache had no free slot, then --warmup)")
+        print(f"{pol:14} {r['tok_s']:8.1f} {r['tok_s'] / row['roofline_tok_s']:6.2f} {100 * r['miss_rate']:6.1f} "
+              f"{r['fills_per_layer']:8.2f} {r.get('deferred_per_layer', 0.0):6.2f} {r['cpu_per_layer']:6.2f} "
+              f"{r['step_ms']:8.2f} {r['dispatch_ms']:8.2f} {r.get('warm_steps', 0):5d}")
+    print("fills/L: fills per layer call, bg/L of them in the background (their experts also counted in cpu/L: "
+          "computed on the CPU in that call); host ms: time inside the decode call per step (dispatch; the host "
+          "runs ahead unless --sync); warm: steps before timing (until the cache had no free slot, then --warmup)")
     p = row["policies"]
     if "split online" in p:
         print(f"split online: fraction {p['split online']['fill_fraction']:.3f} after "
               f"{p['split online']['online_moves']} moves ({p['split online']['online_updates']} stats readings)")
     if "lru-split" in p and "lru-fill" in p:
         print(f"lru-split / lru-fill = {p['lru-split']['tok_s'] / p['lru-fill']['tok_s']:.2f}")
+    if "lru-split" in p and "split no-defer" in p:
+        print(f"background fills: lru-split / split no-defer = {p['lru-split']['tok_s'] / p['split no-defer']['tok_s']:.2f}")
     if "sweep" in p.get("lru-split", {}):
         best_f, best = max(p["lru-split"]["sweep"].items(), key=lambda kv: kv[1])
         print(f"q* rule {p['lru-split']['tok_s']:.1f} tok/s vs best fixed fraction {best_f} {best:.1f} tok/s "

@@ -128,6 +128,10 @@ void bind_cuda(nb::module_& m) {
   m.def("channel_serve_seconds", &channel_serve_seconds, "channel"_a);
   m.def("fill_seconds", &fill_seconds, "pool_id"_a, "ids"_a, "slots"_a, "n_slots"_a, "reps"_a = 10, "blocks"_a = 0);
   m.def("memcpy_h2d_seconds", &memcpy_h2d_seconds, "nbytes"_a, "reps"_a = 10);
+  m.def("sync_side_stream", []() {
+    nb::gil_scoped_release release;
+    sync_side_stream();
+  });
 }
 
 }  // namespace ftjax

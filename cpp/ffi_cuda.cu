@@ -173,6 +173,19 @@ ffi::Error StreamJoinImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi
   return ffi::Error::Success();
 }
 
+}  // namespace
+
+void sync_side_stream() {
+  SideStream& s = side();
+  cudaStream_t stream;
+  {
+    std::lock_guard<std::mutex> lock(s.mu);
+    stream = s.stream;
+  }
+  if (stream) cuda_check(cudaStreamSynchronize(stream), "side stream synchronize");
+}
+
+namespace {
 #define FTJAX_FILL_BINDING                        \
   ffi::Ffi::Bind()                                \
       .Ctx<ffi::PlatformStream<cudaStream_t>>()   \

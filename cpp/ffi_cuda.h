@@ -14,6 +14,7 @@ void* cpu_submit_handler(bool cmd_buffer);
 void* cpu_collect_handler(bool cmd_buffer);
 void* expert_fill_fork_handler();  // experimental: the fill on a side stream (bench/overlap.py)
 void* stream_join_handler();       // ... and the join that makes XLA's stream wait for it
+void sync_side_stream();           // the host waits for every forked fill issued so far
 
 // The fill kernel outside XLA (benchmarks, calibration).
 void launch_fill(cudaStream_t stream, const ExpertPool& pool, const int32_t* ids, const int32_t* slots,

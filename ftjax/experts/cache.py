@@ -13,10 +13,11 @@ The state is a pytree of device arrays, donated to and returned by every jitted 
 | ``step`` | ``[] i32`` | the counter, bumped once per MoE layer call |
 | ``recency`` | ``[L*E] i32`` | counter value at which each (layer, expert) was last routed |
 | ``fill_fraction`` | ``[] f32`` | f = B_P / B_H of the miss split (data, so online refinement never recompiles) |
-| ``stats`` | dict of ``[L] i32`` + ``hist [L*E] i32`` | per-layer unique hits, misses, fills, CPU experts, calls; routed-token histogram |
+| ``stats`` | dict of ``[L] i32`` + ``hist [L*E] i32`` | per-layer unique hits, misses, fills, CPU experts, deferred fills, calls; routed-token histogram |
 
 Invariant after every step: ``slot_of`` and ``owner_of`` are inverse maps on their non-negative
-entries. int32 counters wrap after 2**31 layer calls (days of continuous decoding).
+entries; ``misses == fills + cpu_experts - deferred`` (a deferred fill's expert is also computed on the
+CPU in its call). int32 counters wrap after 2**31 layer calls (days of continuous decoding).
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-STAT_KEYS = ("hits", "misses", "fills", "cpu_experts", "calls")
+STAT_KEYS = ("hits", "misses", "fills", "cpu_experts", "deferred", "calls")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -4,7 +4,8 @@ One MoE layer call, inside the model's jitted step (fixed shapes, no host sync):
 
 1. plan (``plan.py``): dedup, hits, misses, ``n_fill``, LRU victims; cache maps updated in place;
 2. submit the CPU branch (the misses left to the CPU, computed where they lie in the host pool);
-3. fill the chosen misses into their victim slots;
+3. fill the chosen misses into their victim slots (or, for a deferred decode call, start the fills in
+   the background and compute those experts on the CPU this time);
 4. GPU grouped expert compute over hits + fills (gather GEMVs for decode, ragged dots for prefill;
    the Pallas kernels replace these);
 5. collect the CPU partial and add it. Router ids, top-k and gate weights are never changed.
@@ -44,6 +45,9 @@ def cache_dtype(pool: HostPool):
     return jnp.float32 if pool.format == "f32" else jnp.bfloat16
 
 
+# Thread blocks of a background fill: on the H200 8-16 blocks move a 6.3 MB expert at PCIe speed (44-47
+# GB/s) and leave the SMs to the work beside it (16: 0.95 of the fill hidden; 1,056 blocks: none).
+BACKGROUND_FILL_BLOCKS = 16
 RANK_MAX_SLOTS = 8192  # victims_by="rank" counts over S^2 slot pairs: measured at 3,788 slots only
 
 
@@ -69,7 +73,13 @@ class OffloadExperts:
     one-task round trip, against 22.6 and 63.9 us for the memcpy-node path). ``plan_impl``: how the plan
     updates its state (``plan.plan_layer``'s ``impl``: "scatter", "mixed", "dense"; same results).
     ``victims_by``: how the plan ranks the LRU victims (``plan.plan_layer``: "topk", "rank"; same slots);
-    None picks `default_victims_by` for the platform and cache size.
+    None picks `default_victims_by` for the platform and cache size. ``defer_fills``: decode calls of
+    ``lru-split`` may defer their fills (``plan.defer_fills``: at the H200's bandwidths a call with one
+    miss): the missed experts are computed on the CPU in that call and the fill runs in the background on
+    a side stream (``cuda.expert_fill_fork``, BACKGROUND_FILL_BLOCKS thread blocks, so it runs beside the
+    GPU work that follows instead of before it), joined at the start of the layer's next call. None: on for
+    the CUDA platform. The CPU platform fills at once either way (the routing is the same, which CI tests).
+    Call `drain` before dropping a state on the GPU (a background fill may still be writing its banks).
     """
 
     pool: HostPool
@@ -85,6 +95,7 @@ class OffloadExperts:
     fused_handshake: bool = True
     plan_impl: str = "scatter"
     victims_by: str | None = None
+    defer_fills: bool | None = None
     channel_base: int = -1
 
     def __post_init__(self):
@@ -106,6 +117,8 @@ class OffloadExperts:
             object.__setattr__(self, "victims_by", default_victims_by(self.platform, self.num_slots))
         if self.victims_by not in VICTIM_METHODS:
             raise ValueError(f"victims_by {self.victims_by!r} unknown; valid: {tuple(VICTIM_METHODS)}")
+        if self.defer_fills is None:
+            object.__setattr__(self, "defer_fills", self.platform == "cuda")
         if self.fill_cap is not None and self.fill_cap < 1:
             raise ValueError(f"fill_cap must be >= 1 or None, got {self.fill_cap}")
         if self.platform == "cuda":
@@ -122,6 +135,20 @@ class OffloadExperts:
                                     self.max_tokens * max(1, E))
 
     @property
+    def background_fills(self) -> bool:
+        """Decode fills may run in the background (``defer_fills`` under a policy that splits misses)."""
+        return bool(self.defer_fills) and self.policy.decode_rule == "balance" and self.policy.update
+
+    def drain(self) -> None:
+        """Wait on the host until every background fill issued so far has landed (before dropping or
+        reading a state's banks outside a step; a no-op off the GPU). Lanes are this backend's channel
+        ids (one per layer), so two backends in a process never wait for each other's fills."""
+        if self.platform == "cuda" and self.background_fills:
+            from ftjax.host import cuda
+
+            cuda.sync_fills()
+
+    @property
     def cpu_branch(self) -> bool:
         """False when no call can miss (``resident``: the whole pool preloaded, never evicted)."""
         return self.policy.preload != "all"
@@ -131,7 +158,9 @@ class OffloadExperts:
         return CacheGeometry(self.num_layers, self.num_experts, self.num_slots, self.pool.hidden, self.pool.inter)
 
     def init_state(self, fill_fraction: float = 0.5) -> dict:
-        """An empty cache (``resident``: every expert preloaded) in the pool's compute dtype."""
+        """An empty cache (``resident``: every expert preloaded) in the pool's compute dtype. Waits for
+        this backend's background fills first (they may still write the banks of a state being replaced)."""
+        self.drain()
         state = init_cache_state(self.geometry, cache_dtype(self.pool), fill_fraction)
         if self.policy.preload == "all":
             state = preload(state, np.arange(self.num_layers * self.num_experts), self.host_banks())
@@ -142,6 +171,7 @@ class OffloadExperts:
         safe point; call after prefill). A no-op for the other policies."""
         if self.policy.preload != "hot":
             return state
+        self.drain()
         hist = np.asarray(state["stats"]["hist"])
         order = np.lexsort((np.arange(len(hist)), -hist))  # most routed first, ties to the lower id
         hot = order[:self.num_slots][hist[order[:self.num_slots]] > 0]
@@ -160,9 +190,16 @@ class OffloadExperts:
         if not 0 <= layer < self.num_layers:
             raise ValueError(f"layer {layer} outside the pool's {self.num_layers} layers")
         rule = self.policy.rule(decode)
+        background = self.background_fills and self.platform == "cuda"
+        if background:  # this layer's background fill of its last call lands before anything reads the banks
+            from ftjax.host import cuda
+
+            gu, dn = cuda.join_banks(state["gate_up"], state["down"], lane=self.channel_base + layer)
+            state = dict(state, gate_up=gu, down=dn)
         plan, state = plan_layer(state, layer, expert_ids, token_valid, num_experts=E, rule=rule,
                                  fill_cap=self.fill_cap, update=self.policy.update, impl=self.plan_impl,
-                                 victims_by=self.victims_by)
+                                 victims_by=self.victims_by,
+                                 defer_horizon=self.num_layers if self.background_fills and decode else 0)
 
         flat = layer * E + expert_ids.reshape(-1).astype(jnp.int32)
         tasks = plan.cpu_routes
@@ -181,7 +218,7 @@ class OffloadExperts:
             y_cpu = cpu_experts(*cpu_args, self.pool)
 
         if plan.fill_ids.shape[0]:
-            state = self._fill(state, plan, token)
+            state = self._fill(state, plan, token, self.channel_base + layer if background and decode else None)
         if self.num_slots:
             y = self._gpu_part(state, layer, x, expert_ids, gate_weights, token_valid, plan.route_slot)
         else:
@@ -193,13 +230,20 @@ class OffloadExperts:
         y = (y.astype(jnp.float32) + y_cpu).astype(x.dtype)
         return jnp.where(token_valid[:, None], y, jnp.zeros_like(y)), state
 
-    def _fill(self, state, plan, submit_token=None):
+    def _fill(self, state, plan, submit_token=None, lane=None):
+        """The plan's fills: on the GPU's stream; with a ``lane`` (CUDA decode, background fills on) the
+        deferred ones on the side stream instead (a fill of count 0 is a launch that exits at once)."""
         gu, dn = state["gate_up"], state["down"]
         if self.platform == "cuda":
             from ftjax.host import cuda
 
-            gu, dn = cuda.expert_fill(plan.fill_ids, plan.fill_slots, plan.n_fill, gu, dn, self.pool,
+            now = plan.n_fill if lane is None else jnp.where(plan.deferred, 0, plan.n_fill)
+            gu, dn = cuda.expert_fill(plan.fill_ids, plan.fill_slots, now, gu, dn, self.pool,
                                       after_submit=submit_token)
+            if lane is not None:  # the GPU work of this call reads the fork's outputs: issued after it
+                later = jnp.where(plan.deferred, plan.n_fill, 0)
+                gu, dn = cuda.expert_fill_fork(plan.fill_ids, plan.fill_slots, later, gu, dn, self.pool, lane=lane,
+                                               blocks=BACKGROUND_FILL_BLOCKS)
         else:
             F = plan.fill_ids.shape[0]
             banks = self.host_banks()

@@ -32,7 +32,8 @@ class LayerPlan(NamedTuple):
     n_fill: jax.Array        # [] i32
     hits: jax.Array          # [] i32 unique experts already resident
     misses: jax.Array        # [] i32 unique experts not resident (m)
-    cpu_experts: jax.Array   # [] i32 unique experts computed on the CPU (m - n_fill)
+    cpu_experts: jax.Array   # [] i32 unique experts computed on the CPU (m - n_fill; m when deferred)
+    deferred: jax.Array      # [] bool: the fills run in the background (their experts on the CPU now)
 
 
 def balance_fill(m: jax.Array, fill_fraction: jax.Array) -> jax.Array:
@@ -48,6 +49,16 @@ def balance_fill(m: jax.Array, fill_fraction: jax.Array) -> jax.Array:
 
     n = jnp.where(slower(hi) < slower(lo), hi, lo)
     return jnp.where(m > 0, jnp.maximum(n, 1), 0)
+
+
+def defer_fills(m: jax.Array, n_fill: jax.Array, fill_fraction: jax.Array) -> jax.Array:
+    """Whether computing all ``m`` misses on the CPU now, with the ``n_fill`` fills in the background
+    (hidden behind later GPU work), beats the split's critical path: ``m f < max(n_fill (1 - f),
+    (m - n_fill) f)`` in :func:`balance_fill`'s units (f = B_P / (B_P + B_H)). At f < 1/2 (PCIe slower
+    than the CPU's DRAM) a lone miss (m = 1) is deferred; with the H200's figures (f ~ 0.36) only that."""
+    f = jnp.clip(fill_fraction.astype(jnp.float32), 0.0, 1.0)
+    mf, nf = m.astype(jnp.float32), n_fill.astype(jnp.float32)
+    return (n_fill > 0) & (mf * f < jnp.maximum(nf * (1.0 - f), (mf - nf) * f))
 
 
 def compact(mask: jax.Array, size: int, fill_value: int | None) -> jax.Array:
@@ -178,7 +189,7 @@ DENSE_MAX_ROUTES = 64  # "mixed": the call-sized parts dense up to this many rou
 
 def plan_layer(cache: dict, layer: int, expert_ids: jax.Array, token_valid: jax.Array, *, num_experts: int,
                rule: str = "balance", fill_cap: int | None = None, update: bool = True,
-               impl: str = "scatter", victims_by: str = "topk") -> tuple[LayerPlan, dict]:
+               impl: str = "scatter", victims_by: str = "topk", defer_horizon: int = 0) -> tuple[LayerPlan, dict]:
     """Plan one MoE layer call and return the updated cache maps (banks untouched: the caller fills).
 
     ``expert_ids [T, k]`` per-layer ids; ``token_valid [T]``. ``rule``: "balance" (the miss split with
@@ -194,6 +205,13 @@ def plan_layer(cache: dict, layer: int, expert_ids: jax.Array, token_valid: jax.
     fastest at batch 1 (bench/plan.py: 29 / 43 / 54 us per layer); on the H200 (session 8, 40 layers,
     3,788 slots, batch 1) lru-split 36.6 / 40.5 / 61.6 us. ``victims_by``: how the LRU victims are ranked,
     "topk" (`lru_victims`) or "rank" (`lru_victims_rank`); same slots.
+
+    ``defer_horizon`` > 0 (rule "balance" only) lets a call defer its fills (:func:`defer_fills`): the
+    maps are updated as for any fill, but the call's missed experts are served on the CPU
+    (``route_slot`` -1) and the caller may complete the fills in the background, joining them before the
+    layer's next call. The filled slots get ``last_use = step + defer_horizon`` (the clock value of the
+    layer's next call: one tick per MoE layer call, so the number of MoE layers), so no call before that
+    one can choose them as victims: nothing overwrites or reads a slot while its background fill runs.
     """
     if rule not in FILL_RULES:
         raise ValueError(f"fill rule {rule!r} unknown; valid: {FILL_RULES}")
@@ -205,6 +223,9 @@ def plan_layer(cache: dict, layer: int, expert_ids: jax.Array, token_valid: jax.
     E, R = num_experts, T * k
     dense = impl == "dense" or (impl == "mixed" and R <= DENSE_MAX_ROUTES)  # the call-sized parts
     dense_maps = impl == "dense"  # the global maps
+    if defer_horizon < 0:
+        raise ValueError(f"defer_horizon must be >= 0, got {defer_horizon}")
+    defer = defer_horizon > 0 and rule == "balance" and update
     if layer == 0 and update:
         cache = rebase_clock(cache)
     S, N = cache["owner_of"].shape[0], cache["slot_of"].shape[0]
@@ -234,6 +255,8 @@ def plan_layer(cache: dict, layer: int, expert_ids: jax.Array, token_valid: jax.
     hits = jnp.sum(hit_u, dtype=jnp.int32)
 
     slot_of, owner_of, last_use, recency = cache["slot_of"], cache["owner_of"], cache["last_use"], cache["recency"]
+    if defer:  # which routes miss (read before the in-place updates: see the barrier note below)
+        route_missed, slot_of = lax.optimization_barrier((slot_of[flat_routes] < 0, slot_of))
     if update:  # hits are used in this step: they can no longer be victims
         last_use = set_at(last_use, slot_u, step, hit_u, dense_maps)
 
@@ -245,6 +268,7 @@ def plan_layer(cache: dict, layer: int, expert_ids: jax.Array, token_valid: jax.
         # Victims: the F least recently used slots of the whole pool (used slots carry `step`).
         victims, evictable = VICTIM_METHODS[victims_by](last_use, step, F)  # evictable: min(F, slots not used this step)
         n_fill = jnp.minimum(jnp.minimum(want, F), evictable)
+        deferred = defer_fills(m, n_fill, cache["fill_fraction"]) if defer else jnp.zeros((), bool)
         # Misses first, most recently routed first, ties to the lower id (lexsort: last key is primary).
         # Reads of arrays updated in place further down go through a barrier with the array: XLA copies a
         # donated array twice when a read of it and its in-place update have no data dependency between them.
@@ -257,23 +281,28 @@ def plan_layer(cache: dict, layer: int, expert_ids: jax.Array, token_valid: jax.
         slot_of = set_at(slot_of, old, -1, take & (old >= 0), dense_maps)
         slot_of = set_at(slot_of, fill_ids, victims, take, dense_maps)
         owner_of = set_at(owner_of, victims, fill_ids, take, dense_maps)
-        last_use = set_at(last_use, victims, step, take, dense_maps)
+        stamp = jnp.where(deferred, step + defer_horizon, step) if defer else step
+        last_use = set_at(last_use, victims, stamp, take, dense_maps)
         fill_slots = jnp.where(take, victims, 0)
         fill_ids = jnp.where(take, fill_ids, 0)
     else:
         n_fill = jnp.zeros((), jnp.int32)
+        deferred = jnp.zeros((), bool)
         fill_ids = fill_slots = jnp.zeros((0,), jnp.int32)
 
     route_slot = jnp.where(route_valid, slot_of[flat_routes], -1)
+    if defer:  # a deferred call's filled experts are computed on the CPU this time
+        route_slot = jnp.where(deferred & route_missed, -1, route_slot)
+    cpu_experts = jnp.where(deferred, m, m - n_fill)
     on_cpu = route_valid & (route_slot < 0)
     cpu_routes = (compact_dense if dense else compact)(on_cpu, R, fill_value=None)
     plan = LayerPlan(route_slot=route_slot, cpu_routes=cpu_routes, n_cpu_routes=jnp.sum(on_cpu, dtype=jnp.int32),
                      fill_ids=fill_ids, fill_slots=fill_slots, n_fill=n_fill, hits=hits, misses=m,
-                     cpu_experts=m - n_fill)
+                     cpu_experts=cpu_experts, deferred=deferred)
 
     stats = dict(cache["stats"])
-    counts = (("hits", hits), ("misses", m), ("fills", n_fill), ("cpu_experts", m - n_fill),
-              ("calls", jnp.ones((), jnp.int32)))
+    counts = (("hits", hits), ("misses", m), ("fills", n_fill), ("cpu_experts", cpu_experts),
+              ("deferred", jnp.where(deferred, n_fill, 0)), ("calls", jnp.ones((), jnp.int32)))
     if dense:  # the layer's entries are a static slice; the per-layer counters one select each
         at_layer = jnp.arange(stats["calls"].shape[0]) == layer
         for key, val in counts:

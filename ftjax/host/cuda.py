@@ -80,7 +80,7 @@ def _blocks(blocks: int) -> int:
 
 
 def expert_fill_fork(ids, slots, n_valid, gate_up_cache, down_cache, pool, *, lane: int = 0, blocks: int = 0):
-    """Experimental (bench/overlap.py): `expert_fill` on a side stream, forked from XLA's stream after the
+    """`expert_fill` on a side stream (the decode step's background fills; bench/overlap.py), forked from XLA's stream after the
     work issued so far, so GPU work issued after it can run beside it. The returned caches are NOT filled
     until `join_banks` on the same ``lane``: read them only through its outputs. All lanes share one side
     stream (forked fills run in issue order); a join waits for its lane's latest fork only. Runs outside
@@ -95,8 +95,13 @@ def expert_fill_fork(ids, slots, n_valid, gate_up_cache, down_cache, pool, *, la
                 pool=np.uint64(pool.id), blocks=np.int64(_blocks(blocks)), lane=np.int64(lane))
 
 
+def sync_fills() -> None:
+    """The host waits until every fill forked so far (`expert_fill_fork`, any lane) has landed."""
+    _host.sync_side_stream()
+
+
 def join_banks(gate_up_cache, down_cache, *, lane: int = 0):
-    """Experimental: XLA's stream waits for every fill forked on ``lane`` so far; returns the two
+    """XLA's stream waits for every fill forked on ``lane`` so far; returns the two
     caches, ordered after the wait (readers must use these)."""
     register_targets()
     call = jax.ffi.ffi_call("ftjax_stream_join_nocb", jax.ShapeDtypeStruct(gate_up_cache.shape, gate_up_cache.dtype),

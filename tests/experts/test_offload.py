@@ -86,7 +86,8 @@ def test_offload_equals_resident(model, reference, policy, size, batch):
     assert np.abs(got - want).max() / np.abs(want).max() < 1e-5
     stats = {k: np.asarray(v) for k, v in st["stats"].items()}
     assert np.all(stats["calls"] == 1 + STEPS)
-    assert np.array_equal(stats["misses"], stats["fills"] + stats["cpu_experts"])
+    assert np.array_equal(stats["misses"], stats["fills"] + stats["cpu_experts"])  # the CPU platform: no deferral
+    assert stats["deferred"].sum() == 0
     if policy == "resident" or (size == "all" and policy != "static"):
         assert stats["cpu_experts"][:].sum() == 0 or policy != "resident"
     if policy == "cpu":
@@ -109,6 +110,31 @@ def test_plan_impls_equal_resident(model, reference, policy, plan_impl, victims_
     got, _ = run(cfg, params, backend, backend.init_state(fill_fraction=0.4), 3, check=check_invariants)
     want = reference[3]
     assert np.abs(got - want).max() / np.abs(want).max() < 1e-5
+
+
+@pytest.mark.parametrize("size,batch", [("min", 3), ("layer", 3), ("37%", 3), ("all", 3), ("37%", 1), ("min", 1),
+                                        pytest.param("layer", 1, marks=pytest.mark.slow)])
+def test_deferred_fills_equal_resident(model, reference, size, batch):
+    """lru-split with deferred fills (the CUDA default: a call whose misses the CPU serves faster than the
+    split computes them all on the CPU; its fills land by the layer's next call): the resident logits, the
+    invariants, and the statistics' accounting."""
+    cfg, params, banks, pool = model
+    backend = OffloadExperts(pool, L, E, SIZES[size], "lru-split", defer_fills=True)
+    assert backend.background_fills
+    got, st = run(cfg, params, backend, backend.init_state(fill_fraction=0.4), batch, check=check_invariants)
+    want = reference[batch]
+    assert np.abs(got - want).max() / np.abs(want).max() < 1e-5
+    stats = {k: np.asarray(v) for k, v in st["stats"].items()}
+    assert np.array_equal(stats["misses"], stats["fills"] + stats["cpu_experts"] - stats["deferred"])
+    if size == "37%" and batch == 1:  # f = 0.4 < 1/2: a decode call with one miss defers its fill
+        assert stats["deferred"].sum() > 0
+
+
+def test_defer_flag_defaults(model):
+    cfg, params, banks, pool = model
+    assert not OffloadExperts(pool, L, E, 4, "lru-split").background_fills  # CPU platform: off unless asked
+    assert not OffloadExperts(pool, L, E, 4, "lru-fill", defer_fills=True).background_fills  # fills everything
+    assert not OffloadExperts(pool, L, E, 4, "static", defer_fills=True).background_fills
 
 
 def test_bad_sizes(model):

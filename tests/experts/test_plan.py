@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from ftjax.experts.cache import CacheGeometry, check_invariants, init_cache_state
-from ftjax.experts.plan import balance_fill, lru_victims, lru_victims_rank, plan_layer
+from ftjax.experts.plan import balance_fill, defer_fills, lru_victims, lru_victims_rank, plan_layer
 
 
 @pytest.fixture(autouse=True)
@@ -97,6 +97,87 @@ def test_random_routing_keeps_invariants(rule, S, T):
     assert st["calls"].sum() == 60
 
 
+def test_defer_rule():
+    for f in (0.2, 0.3, 0.36, 0.45, 0.5, 0.7):
+        for m in range(0, 12):
+            n = int(balance_fill(jnp.int32(m), jnp.float32(f)))
+            want = n > 0 and m * np.float32(f) < max(n * (1 - np.float32(f)), (m - n) * np.float32(f))
+            assert bool(defer_fills(jnp.int32(m), jnp.int32(n), jnp.float32(f))) == want, (m, f)
+    assert bool(defer_fills(jnp.int32(1), jnp.int32(1), jnp.float32(0.36)))  # the H200: a lone miss
+    assert not bool(defer_fills(jnp.int32(2), jnp.int32(1), jnp.float32(0.36)))
+    assert not bool(defer_fills(jnp.int32(1), jnp.int32(1), jnp.float32(0.6)))  # PCIe faster: fill now
+
+
+@pytest.mark.parametrize("S,T,victims_by", [(2, 1, "topk"), (6, 1, "rank"), (12, 2, "topk"), (24, 1, "topk")])
+def test_deferred_fills_are_never_touched_before_their_join(S, T, victims_by):
+    """Forward passes over L layers in order (the model's call order), random routing, fills deferred
+    where the rule says (defer_horizon = L). A deferred fill is pending from its call until the start of
+    the same layer's next call (where the decode step joins it): meanwhile no fill may target its slot and
+    no call may read it on the GPU, its own call included (those routes go to the CPU)."""
+    L, E, k = 3, 8, 2
+    geom = CacheGeometry(num_layers=L, num_experts=E, num_slots=S, hidden=4, inter=2)
+    cache = init_cache_state(geom, jnp.float32, fill_fraction=0.3)
+
+    @jax.jit
+    def forward(cache, ids, valid):
+        plans = []
+        for layer in range(L):
+            p, cache = plan_layer(cache, layer, ids[layer], valid, num_experts=E, victims_by=victims_by,
+                                  defer_horizon=L)
+            plans.append(p)
+        return plans, cache
+
+    rng = np.random.default_rng(S + 10 * T)
+    pending: dict[int, int] = {}  # slot -> layer whose background fill writes it
+    n_deferred = 0
+    for _ in range(40):
+        ids = np.stack([np.stack([rng.choice(E, k, replace=False) for _ in range(T)]) for _ in range(L)]).astype(np.int32)
+        valid = np.ones(T, bool) if T == 1 else rng.random(T) < 0.8
+        before_slot_of = np.asarray(cache["slot_of"])
+        plans, cache = forward(cache, jnp.asarray(ids), jnp.asarray(valid))
+        check_invariants(cache)
+        for layer, plan in enumerate(plans):
+            pending = {s_: l_ for s_, l_ in pending.items() if l_ != layer}  # this call's join
+            nf, m = int(plan.n_fill), int(plan.misses)
+            fills = set(np.asarray(plan.fill_slots)[:nf].tolist())
+            assert not fills & pending.keys(), "a fill targets a slot whose background fill is pending"
+            rs = np.asarray(plan.route_slot)
+            assert not set(rs[rs >= 0].tolist()) & pending.keys(), "a GPU read of a pending slot"
+            if bool(plan.deferred):
+                n_deferred += 1
+                assert nf >= 1 and int(plan.cpu_experts) == m
+                assert not set(rs[rs >= 0].tolist()) & fills, "a deferred fill's expert read on the GPU"
+                pending.update({s_: layer for s_ in fills})
+            else:
+                assert int(plan.cpu_experts) == m - nf
+            if layer == 0:  # every miss is either a hit-to-be or on the CPU: the CPU list covers them
+                flat = (ids[0] + 0).reshape(-1)
+                rv = np.repeat(valid, k)
+                missed = rv & (before_slot_of[flat] < 0)
+                if bool(plan.deferred):
+                    assert np.all(rs[missed] == -1)
+    st = {key: np.asarray(v) for key, v in cache["stats"].items()}
+    assert np.array_equal(st["misses"], st["fills"] + st["cpu_experts"] - st["deferred"])
+    assert n_deferred > 0 and st["deferred"].sum() >= n_deferred
+
+
+def test_no_deferral_when_the_rule_fills_everything():
+    L, E = 2, 8
+    geom = CacheGeometry(num_layers=L, num_experts=E, num_slots=4, hidden=4, inter=2)
+    cache = init_cache_state(geom, jnp.float32, fill_fraction=0.3)
+    plan, cache = plan_layer(cache, 0, jnp.asarray([[1, 2]], jnp.int32), jnp.ones((1,), bool), num_experts=E,
+                             rule="all", defer_horizon=L)
+    assert not bool(plan.deferred) and int(plan.n_fill) == 2
+    plan, cache = plan_layer(cache, 1, jnp.asarray([[5, 6]], jnp.int32), jnp.ones((1,), bool), num_experts=E,
+                             defer_horizon=L)  # m = 2, f = 0.3: one fill, deferred (0.6 < 0.7)
+    assert bool(plan.deferred) and int(plan.n_fill) == 1 and int(plan.cpu_experts) == 2
+    assert np.all(np.asarray(plan.route_slot) == -1)
+    slot = int(np.asarray(plan.fill_slots)[0])
+    assert int(cache["last_use"][slot]) == int(cache["step"]) + L  # not a victim before layer 1's next call
+    with pytest.raises(ValueError, match="defer_horizon"):
+        plan_layer(cache, 0, jnp.asarray([[1, 2]], jnp.int32), jnp.ones((1,), bool), num_experts=E, defer_horizon=-1)
+
+
 def test_lru_clock_rebases_before_int32_overflow():
     """A cache whose clock is about to pass REBASE_AT plans exactly like the same cache at a small clock,
     and its stamps never approach 2^31."""
@@ -153,13 +234,14 @@ def test_lru_victims_match_an_exact_integer_top_k(S, count):
             assert victims.dtype == jnp.int32
 
 
-@pytest.mark.parametrize("rule,S,T,k,E,update", [("balance", 5, 1, 3, 8, True), ("all", 7, 3, 3, 8, True),
-                                                 ("balance", 40, 4, 8, 64, True), ("all", 100, 3, 8, 64, True),
-                                                 ("none", 20, 2, 4, 16, False), ("balance", 3, 9, 8, 16, True)])
-def test_plan_impls_are_identical(rule, S, T, k, E, update):
+@pytest.mark.parametrize("rule,S,T,k,E,update,defer", [
+    ("balance", 5, 1, 3, 8, True, False), ("all", 7, 3, 3, 8, True, False), ("balance", 40, 4, 8, 64, True, False),
+    ("all", 100, 3, 8, 64, True, False), ("none", 20, 2, 4, 16, False, False), ("balance", 3, 9, 8, 16, True, False),
+    ("balance", 5, 1, 3, 8, True, True), ("balance", 40, 2, 8, 64, True, True)])
+def test_plan_impls_are_identical(rule, S, T, k, E, update, defer):
     """impl="mixed", "dense" (selects over whole arrays, static layer slices) and "scatter" give the same plan
     and the same cache, step after step, with random routing and padded tokens (also T*k above the limit
-    of mixed's dense parts)."""
+    of mixed's dense parts; with deferred fills)."""
     L = 3
     geom = CacheGeometry(num_layers=L, num_experts=E, num_slots=S, hidden=4, inter=2)
     variants = {"scatter": ("scatter", "topk"), "dense": ("dense", "topk"), "mixed": ("mixed", "topk"),
@@ -174,7 +256,7 @@ def test_plan_impls_are_identical(rule, S, T, k, E, update):
             plans = []
             for layer in range(L):
                 p, cache = plan_layer(cache, layer, ids[layer], valid, num_experts=E, rule=rule, update=update,
-                                      impl=impl, victims_by=victims_by)
+                                      impl=impl, victims_by=victims_by, defer_horizon=L if defer else 0)
                 plans.append(p)
             return plans, cache
         return step
