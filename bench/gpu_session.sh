@@ -58,7 +58,12 @@ for s in "${steps[@]}"; do
        run "decode_rank_b$b" 300 python3 bench/decode.py --layers 40 --batches $b --routing trace --fractions 0.37 \
          --policies lru-split lru-fill --no-sweep --no-online --steps 32 --warmup 24 --victims-by rank \
          --out "$OUT/decode_rank_b$b.json" ;;
-    tests-offload) run gpu_tests_offload 150 python3 -m pytest -q -m gpu tests/experts/test_offload_cuda.py ;;
+    decode-defer-b1|decode-defer-b4)  # 40 layers, 37%, warm: lru-split with background fills vs without, lru-fill
+       b=${s##*-b}
+       run "decode_defer_b$b" 420 python3 bench/decode.py --layers 40 --batches $b --routing trace --fractions 0.37 \
+         --policies lru-split lru-fill --defer both --no-sweep --no-online --steps 32 --warmup 24 \
+         --out "$OUT/decode_defer_b$b.json" ;;
+    tests-offload) run gpu_tests_offload 200 python3 -m pytest -q -m gpu tests/experts/test_offload_cuda.py tests/host/test_cuda.py ;;
     kernels) run kernels 240 python3 bench/kernels.py --tokens 1024 8192 --ragged --iters 5 --out "$OUT/kernels.json" ;;
     tune) run tune_decode 150 python3 bench/kernels.py --only decode --shapes 2048x512 --dtypes bf16 --decode-tokens 1 8 \
             --tune-decode --iters 3 --out "$OUT/tune_decode.json"
