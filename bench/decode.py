@@ -265,7 +265,7 @@ def main(argv=None) -> int:
                     help="how the plan ranks the LRU victims (plan_layer's victims_by; same slots); default: the "
                          "backend's choice for the platform and cache size (default_victims_by: rank on the GPU)")
     ap.add_argument("--defer", choices=("on", "off", "both"), default="both",
-                    help="lru-split's background fills (OffloadExperts defer_fills): on (the CUDA default), off, or "
+                    help="lru-split's background fills (OffloadExperts defer_fills, off by default): on, off, or "
                          "both: the lru-split row with them and a 'split no-defer' row without, same run")
     ap.add_argument("--tokenizer", default=str(TOKENIZER), help="the real Qwen3 tokenizer (routing text)")
     ap.add_argument("--worker-variants", nargs="*", default=[], metavar="N:SPIN_US",

@@ -79,11 +79,12 @@ void launch_fill(cudaStream_t stream, const ExpertPool& pool, const int32_t* ids
 }
 
 namespace {
-// Checks the call and launches the fill on `stream` (XLA's, or the fork's side stream).
-ffi::Error ExpertFillImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::S32> slots,
-                          ffi::Buffer<ffi::S32> n_valid, ffi::AnyBuffer gate_up, ffi::AnyBuffer down,
-                          ffi::Result<ffi::AnyBuffer> gate_up_out, ffi::Result<ffi::AnyBuffer> down_out,
-                          uint64_t pool_id, int64_t blocks) {
+// Checks the call and launches the fill on `stream`: XLA's, reading the lists from XLA's buffers, or the
+// fork's side stream, reading the fork's private copy `staged` of them.
+ffi::Error CheckedFill(cudaStream_t stream, ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::S32> slots,
+                       ffi::Buffer<ffi::S32> n_valid, ffi::AnyBuffer gate_up, ffi::AnyBuffer down,
+                       ffi::Result<ffi::AnyBuffer> gate_up_out, ffi::Result<ffi::AnyBuffer> down_out,
+                       uint64_t pool_id, int64_t blocks, const int32_t* staged) {
   auto pool = find_pool(pool_id);
   if (!pool) return ffi::Error::InvalidArgument("expert_fill: no host pool with id " + std::to_string(pool_id));
   const int64_t cap = static_cast<int64_t>(ids.element_count());
@@ -102,12 +103,24 @@ ffi::Error ExpertFillImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> ids, ffi::B
     return ffi::Error::InvalidArgument("expert_fill: the caches must be aliased to the outputs "
                                        "(input_output_aliases) and donated");
   try {
-    launch_fill(stream, *pool, ids.typed_data(), slots.typed_data(), n_valid.typed_data(), cap, S,
-                gate_up.untyped_data(), down.untyped_data(), blocks);
+    if (staged)  // a forked fill reads its private copy of the lists: [ids (cap) | slots (cap) | n_valid]
+      launch_fill(stream, *pool, staged, staged + cap, staged + 2 * cap, cap, S, gate_up.untyped_data(),
+                  down.untyped_data(), blocks);
+    else
+      launch_fill(stream, *pool, ids.typed_data(), slots.typed_data(), n_valid.typed_data(), cap, S,
+                  gate_up.untyped_data(), down.untyped_data(), blocks);
   } catch (const std::exception& e) {
     return ffi::Error::Internal(std::string("expert_fill: ") + e.what());
   }
   return ffi::Error::Success();
+}
+
+// The FFI handler: the lists are XLA's buffers, read on XLA's stream.
+ffi::Error ExpertFillImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::S32> slots,
+                          ffi::Buffer<ffi::S32> n_valid, ffi::AnyBuffer gate_up, ffi::AnyBuffer down,
+                          ffi::Result<ffi::AnyBuffer> gate_up_out, ffi::Result<ffi::AnyBuffer> down_out,
+                          uint64_t pool_id, int64_t blocks) {
+  return CheckedFill(stream, ids, slots, n_valid, gate_up, down, gate_up_out, down_out, pool_id, blocks, nullptr);
 }
 
 // Fork / join: the fill runs on a side stream, ordered after the work XLA's stream has so far, and XLA's
@@ -118,11 +131,33 @@ ffi::Error ExpertFillImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> ids, ffi::B
 // not survive graph capture). The fill's outputs are not ready until the join: every reader of the
 // filled arrays must take them through the join's output. Made on first use on the current device
 // (single GPU).
+//
+// The fill's lists (ids, slots, count) are XLA temporaries: once the fork's thunk has run, XLA may reuse
+// their memory for other values while the forked fill has not started yet (found on the H200: wrong
+// rows filled, unless CUDA_LAUNCH_BLOCKING=1). So the fork first copies them, on XLA's stream, into an
+// entry of a ring of private device buffers, and the fill reads that copy; before an entry is reused,
+// XLA's stream waits for the fill that last read it (kRing fills ago: in practice long done).
+constexpr int kRing = 64;
+constexpr int64_t kRingInts = 8192;  // per entry: 2 x capacity + 1 int32
+
+__global__ void stage_lists(const int32_t* __restrict__ ids, const int32_t* __restrict__ slots,
+                            const int32_t* __restrict__ n_valid, int32_t* __restrict__ dst, int64_t cap) {
+  for (int64_t i = threadIdx.x; i < cap; i += blockDim.x) {
+    dst[i] = ids[i];
+    dst[cap + i] = slots[i];
+  }
+  if (threadIdx.x == 0) dst[2 * cap] = *n_valid;
+}
+
 struct SideStream {
   std::mutex mu;
   cudaStream_t stream = nullptr;
   cudaEvent_t forked = nullptr;
   std::map<int64_t, cudaEvent_t> done;  // per lane
+  int32_t* ring = nullptr;              // kRing x kRingInts
+  cudaEvent_t ring_done[kRing] = {};    // recorded after the fill that read the entry
+  bool ring_used[kRing] = {};
+  int next = 0;
 };
 
 SideStream& side() {
@@ -143,17 +178,31 @@ ffi::Error FillForkImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> ids, ffi::Buf
   SideStream& s = side();
   std::lock_guard<std::mutex> lock(s.mu);
   try {
+    const int64_t cap = static_cast<int64_t>(ids.element_count());
+    if (2 * cap + 1 > kRingInts || static_cast<int64_t>(slots.element_count()) != cap || n_valid.element_count() != 1)
+      return ffi::Error::InvalidArgument("expert_fill_fork: ids and slots must have one length, at most " +
+                                         std::to_string((kRingInts - 1) / 2) + ", n_valid be a scalar");
     if (!s.stream) {
       cuda_check(cudaStreamCreateWithFlags(&s.stream, cudaStreamNonBlocking), "fill fork: side stream");
       cuda_check(cudaEventCreateWithFlags(&s.forked, cudaEventDisableTiming), "fill fork: event");
+      cuda_check(cudaMalloc(&s.ring, sizeof(int32_t) * kRing * kRingInts), "fill fork: list ring");
+      for (auto& ev : s.ring_done) cuda_check(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), "fill fork: ring event");
     }
+    const int e = s.next;
+    s.next = (e + 1) % kRing;
+    int32_t* entry = s.ring + static_cast<int64_t>(e) * kRingInts;
+    if (s.ring_used[e]) cuda_check(cudaStreamWaitEvent(stream, s.ring_done[e], 0), "fill fork: ring wait");
+    s.ring_used[e] = true;
+    stage_lists<<<1, 256, 0, stream>>>(ids.typed_data(), slots.typed_data(), n_valid.typed_data(), entry, cap);
+    cuda_check(cudaGetLastError(), "fill fork: stage lists");
     cudaEvent_t done = lane_done(s, lane);
     cuda_check(cudaEventRecord(s.forked, stream), "fill fork: record");
     cuda_check(cudaStreamWaitEvent(s.stream, s.forked, 0), "fill fork: wait");
-    ffi::Error err = ExpertFillImpl(s.stream, ids, slots, n_valid, gate_up, down, gate_up_out, down_out, pool_id,
-                                    blocks);
+    ffi::Error err = CheckedFill(s.stream, ids, slots, n_valid, gate_up, down, gate_up_out, down_out, pool_id,
+                                 blocks, entry);
     if (err.failure()) return err;
     cuda_check(cudaEventRecord(done, s.stream), "fill fork: record done");
+    cuda_check(cudaEventRecord(s.ring_done[e], s.stream), "fill fork: record ring");
   } catch (const std::exception& e) {
     return ffi::Error::Internal(std::string("expert_fill_fork: ") + e.what());
   }

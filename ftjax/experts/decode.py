@@ -77,8 +77,11 @@ class OffloadExperts:
     ``lru-split`` may defer their fills (``plan.defer_fills``: at the H200's bandwidths a call with one
     miss): the missed experts are computed on the CPU in that call and the fill runs in the background on
     a side stream (``cuda.expert_fill_fork``, BACKGROUND_FILL_BLOCKS thread blocks, so it runs beside the
-    GPU work that follows instead of before it), joined at the start of the layer's next call. None: on for
-    the CUDA platform. The CPU platform fills at once either way (the routing is the same, which CI tests).
+    GPU work that follows instead of before it), joined at the start of the layer's next call. Off unless
+    asked: on the H200 (40 layers, batch 1, 37%) it ran at 0.94x of lru-split without it, the per-layer
+    fork and join (outside XLA's command buffers) and the extra CPU-branch calls costing more than the
+    hidden fills saved (bench/RESULTS.md, session 9). The CPU platform fills at once either way (the
+    routing is the same, which CI tests).
     Call `drain` before dropping a state on the GPU (a background fill may still be writing its banks).
     """
 
@@ -95,7 +98,7 @@ class OffloadExperts:
     fused_handshake: bool = True
     plan_impl: str = "scatter"
     victims_by: str | None = None
-    defer_fills: bool | None = None
+    defer_fills: bool = False
     channel_base: int = -1
 
     def __post_init__(self):
@@ -117,8 +120,6 @@ class OffloadExperts:
             object.__setattr__(self, "victims_by", default_victims_by(self.platform, self.num_slots))
         if self.victims_by not in VICTIM_METHODS:
             raise ValueError(f"victims_by {self.victims_by!r} unknown; valid: {tuple(VICTIM_METHODS)}")
-        if self.defer_fills is None:
-            object.__setattr__(self, "defer_fills", self.platform == "cuda")
         if self.fill_cap is not None and self.fill_cap < 1:
             raise ValueError(f"fill_cap must be >= 1 or None, got {self.fill_cap}")
         if self.platform == "cuda":

@@ -1,4 +1,6 @@
 """OffloadExperts equals ResidentExperts for every policy and cache size, batch 1 and 3 (CPU platform)."""
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -115,7 +117,7 @@ def test_plan_impls_equal_resident(model, reference, policy, plan_impl, victims_
 @pytest.mark.parametrize("size,batch", [("min", 3), ("layer", 3), ("37%", 3), ("all", 3), ("37%", 1), ("min", 1),
                                         pytest.param("layer", 1, marks=pytest.mark.slow)])
 def test_deferred_fills_equal_resident(model, reference, size, batch):
-    """lru-split with deferred fills (the CUDA default: a call whose misses the CPU serves faster than the
+    """lru-split with deferred fills (``defer_fills``: a call whose misses the CPU serves faster than the
     split computes them all on the CPU; its fills land by the layer's next call): the resident logits, the
     invariants, and the statistics' accounting."""
     cfg, params, banks, pool = model
@@ -130,9 +132,44 @@ def test_deferred_fills_equal_resident(model, reference, size, batch):
         assert stats["deferred"].sum() > 0
 
 
+def decode_hlo(cfg, params, backend, expert_state, batch: int) -> str:
+    """The compiled decode step's text (also the GPU tests)."""
+    _, decode = make_step_fns(cfg, backend, batch, PROMPT, MAX_LEN)
+    return decode.lower(params, expert_state, get_family(cfg).init_state(cfg, batch, MAX_LEN),
+                        jnp.zeros((batch, 1), jnp.int32), jnp.ones((batch,), jnp.int32)).compile().as_text()
+
+
+def bank_copies(hlo: str, state: dict) -> list[str]:
+    """Copies of a slot bank in a compiled module's text (e.g. ``f32[6,32,32]{...} copy(``)."""
+    shapes = {"[" + ",".join(map(str, state[b].shape)) + "]" for b in ("gate_up", "down")}
+    out = []
+    for ln in hlo.splitlines():
+        m = re.search(r"= (.*?) copy(-start)?\(", ln)  # the result's shape, before the opcode
+        if m and any(sh in m.group(1) for sh in shapes):
+            out.append(ln.strip()[:160])
+    return out
+
+
+def test_bank_copies_finds_a_copy():
+    state = {"gate_up": np.zeros((6, 32, 32)), "down": np.zeros((6, 32, 16))}
+    assert bank_copies("  %copy.3 = f32[6,32,16]{2,1,0} copy(f32[6,32,16]{2,1,0} %p.1)", state)
+    assert not bank_copies("  %copy.3 = f32[7,32,16]{2,1,0} copy(f32[7,32,16]{2,1,0} %p.1)", state)
+    assert bank_copies("  %cs = (f32[6,32,32]{2,1,0}, f32[6,32,32]{2,1,0}, u32[]) copy-start(f32[6,32,32] %p)", state)
+
+
+@pytest.mark.parametrize("defer", [False, True])
+def test_decode_step_never_copies_a_bank(model, defer):
+    """The banks are only ever updated in place (a copy per layer would move the whole cache; with
+    background fills on the GPU a copy made while a fill writes would hold stale rows)."""
+    cfg, params, banks, pool = model
+    backend = OffloadExperts(pool, L, E, SIZES["37%"], "lru-split", defer_fills=defer)
+    state = backend.init_state(fill_fraction=0.4)
+    assert not bank_copies(decode_hlo(cfg, params, backend, state, 3), state)
+
+
 def test_defer_flag_defaults(model):
     cfg, params, banks, pool = model
-    assert not OffloadExperts(pool, L, E, 4, "lru-split").background_fills  # CPU platform: off unless asked
+    assert not OffloadExperts(pool, L, E, 4, "lru-split").background_fills  # off unless asked
     assert not OffloadExperts(pool, L, E, 4, "lru-fill", defer_fills=True).background_fills  # fills everything
     assert not OffloadExperts(pool, L, E, 4, "static", defer_fills=True).background_fills
 

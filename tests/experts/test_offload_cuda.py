@@ -7,7 +7,7 @@ matrix where the GPU path differs: the fill kernel, the handshake, and the three
 """
 import numpy as np
 import pytest
-from test_offload import SIZES, E, L, make_model, run  # tests/experts is on sys.path under pytest
+from test_offload import SIZES, E, L, bank_copies, decode_hlo, make_model, run  # tests/experts is on sys.path
 
 from ftjax.experts.cache import check_invariants
 from ftjax.experts.decode import OffloadExperts
@@ -35,7 +35,7 @@ def setup():
     ("lru-split", "layer", 1, "scatter", "topk", True),
     ("static", "37%", 3, "mixed", "topk", True), ("cpu", None, 3, "mixed", "topk", True)])
 def test_cuda_offload_equals_resident(setup, policy, size, batch, plan_impl, victims_by, defer):
-    """``defer``: lru-split decode calls may fill in the background (the CUDA default; a forked fill on
+    """``defer``: lru-split decode calls may fill in the background (``defer_fills``; a forked fill on
     the side stream, joined at the layer's next call)."""
     cfg, params, pool, ref = setup
     S = 0 if policy == "cpu" else SIZES[size]
@@ -58,3 +58,16 @@ def test_cuda_offload_equals_resident(setup, policy, size, batch, plan_impl, vic
         assert stats["cpu_experts"].sum() > 0
     if policy in ("lru-split", "lru-fill"):  # and the fill kernel
         assert stats["fills"].sum() > 0
+
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_decode_step_never_copies_a_bank(setup, batch):
+    """A copy of a bank made while a background fill writes it would hold stale rows: the compiled decode
+    step (background fills on) must update the banks in place only."""
+    cfg, params, pool, ref = setup
+    backend = OffloadExperts(pool, L, E, SIZES["37%"], "lru-split", platform="cuda", defer_fills=True)
+    state = backend.init_state(fill_fraction=0.4)
+    hlo = decode_hlo(cfg, params, backend, state, batch)
+    assert "ftjax_stream_join" in hlo and "ftjax_expert_fill_fork" in hlo
+    assert not bank_copies(hlo, state), bank_copies(hlo, state)
