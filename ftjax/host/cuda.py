@@ -102,15 +102,15 @@ def sync_fills() -> None:
 
 def join_banks(gate_up_cache, down_cache, *, lane: int = 0):
     """XLA's stream waits for every fill forked on ``lane`` so far; returns the two caches, ordered after
-    the wait (readers must use these). The wait is a custom call on a one-element token, not on the
-    caches: an in-place (aliased) operation on a cache could let XLA copy the cache to serve an earlier
-    reader, and a copy made while a forked fill is writing would hold stale rows."""
+    the wait (readers must use these). The wait is an in-place custom call on ``gate_up_cache``: a
+    custom call whose output nothing reads is removed by XLA (a join on a separate token was: session 9,
+    H200), and the caches must not be copied between a fork and its join (a copy made while the fill
+    writes would hold stale rows: tests check the compiled decode step has no bank copies)."""
     register_targets()
-    call = jax.ffi.ffi_call("ftjax_stream_join_nocb", jax.ShapeDtypeStruct((1,), jnp.int32),
+    call = jax.ffi.ffi_call("ftjax_stream_join_nocb", jax.ShapeDtypeStruct(gate_up_cache.shape, gate_up_cache.dtype),
                             input_output_aliases={0: 0})
-    token = call(jnp.zeros((1,), jnp.int32), lane=np.int64(lane))
-    gate_up_cache, down_cache, _ = jax.lax.optimization_barrier((gate_up_cache, down_cache, token))
-    return gate_up_cache, down_cache
+    gate_up_cache = call(gate_up_cache, lane=np.int64(lane))
+    return jax.lax.optimization_barrier((gate_up_cache, down_cache))
 
 
 def cpu_experts_submit(x, token_idx, expert_ids, weights, n_valid, channel: int, *, cmd_buffer: bool = True,
