@@ -113,6 +113,8 @@ void add_cuda_handlers(nb::dict& h) {
   h["ftjax_cpu_experts_collect_nocb"] = nb::capsule(cpu_collect_handler(false));
   h["ftjax_expert_fill_fork_nocb"] = nb::capsule(expert_fill_fork_handler());
   h["ftjax_stream_join_nocb"] = nb::capsule(stream_join_handler());
+  h["ftjax_bg_wait"] = nb::capsule(bg_wait_handler());
+  h["ftjax_bg_fork_nocb"] = nb::capsule(bg_fork_handler());
 }
 
 void bind_cuda(nb::module_& m) {
@@ -128,6 +130,8 @@ void bind_cuda(nb::module_& m) {
   m.def("channel_serve_seconds", &channel_serve_seconds, "channel"_a);
   m.def("fill_seconds", &fill_seconds, "pool_id"_a, "ids"_a, "slots"_a, "n_slots"_a, "reps"_a = 10, "blocks"_a = 0);
   m.def("memcpy_h2d_seconds", &memcpy_h2d_seconds, "nbytes"_a, "reps"_a = 10);
+  m.def("create_background", &create_background, "layers"_a, "max_fill"_a);
+  m.def("background_error", &background_error, "id"_a);
   m.def("sync_side_stream", []() {
     nb::gil_scoped_release release;
     sync_side_stream();

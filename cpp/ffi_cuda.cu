@@ -165,6 +165,14 @@ SideStream& side() {
   return s;
 }
 
+void ensure_side(SideStream& s) {  // caller holds s.mu
+  if (s.stream) return;
+  cuda_check(cudaStreamCreateWithFlags(&s.stream, cudaStreamNonBlocking), "fill fork: side stream");
+  cuda_check(cudaEventCreateWithFlags(&s.forked, cudaEventDisableTiming), "fill fork: event");
+  cuda_check(cudaMalloc(&s.ring, sizeof(int32_t) * kRing * kRingInts), "fill fork: list ring");
+  for (auto& ev : s.ring_done) cuda_check(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), "fill fork: ring event");
+}
+
 cudaEvent_t lane_done(SideStream& s, int64_t lane) {  // caller holds s.mu
   cudaEvent_t& ev = s.done[lane];
   if (!ev) cuda_check(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), "fork lane event");
@@ -182,12 +190,7 @@ ffi::Error FillForkImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> ids, ffi::Buf
     if (2 * cap + 1 > kRingInts || static_cast<int64_t>(slots.element_count()) != cap || n_valid.element_count() != 1)
       return ffi::Error::InvalidArgument("expert_fill_fork: ids and slots must have one length, at most " +
                                          std::to_string((kRingInts - 1) / 2) + ", n_valid be a scalar");
-    if (!s.stream) {
-      cuda_check(cudaStreamCreateWithFlags(&s.stream, cudaStreamNonBlocking), "fill fork: side stream");
-      cuda_check(cudaEventCreateWithFlags(&s.forked, cudaEventDisableTiming), "fill fork: event");
-      cuda_check(cudaMalloc(&s.ring, sizeof(int32_t) * kRing * kRingInts), "fill fork: list ring");
-      for (auto& ev : s.ring_done) cuda_check(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), "fill fork: ring event");
-    }
+    ensure_side(s);
     const int e = s.next;
     s.next = (e + 1) % kRing;
     int32_t* entry = s.ring + static_cast<int64_t>(e) * kRingInts;
@@ -223,6 +226,21 @@ ffi::Error StreamJoinImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi
 }
 
 }  // namespace
+
+cudaStream_t side_stream() {
+  SideStream& s = side();
+  std::lock_guard<std::mutex> lock(s.mu);
+  ensure_side(s);
+  return s.stream;
+}
+
+void fork_to_side(cudaStream_t stream) {
+  SideStream& s = side();
+  std::lock_guard<std::mutex> lock(s.mu);
+  ensure_side(s);
+  cuda_check(cudaEventRecord(s.forked, stream), "fork: record");
+  cuda_check(cudaStreamWaitEvent(s.stream, s.forked, 0), "fork: wait");
+}
 
 void sync_side_stream() {
   SideStream& s = side();

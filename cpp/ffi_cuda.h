@@ -15,6 +15,14 @@ void* cpu_collect_handler(bool cmd_buffer);
 void* expert_fill_fork_handler();  // experimental: the fill on a side stream (bench/overlap.py)
 void* stream_join_handler();       // ... and the join that makes XLA's stream wait for it
 void sync_side_stream();           // the host waits for every forked fill issued so far
+cudaStream_t side_stream();        // the side stream of the forked fills (made on first use)
+void fork_to_side(cudaStream_t stream);  // the side stream waits for the work issued so far on `stream`
+
+// Background fills batched per decode step (background.cu).
+void* bg_wait_handler();
+void* bg_fork_handler();
+int64_t create_background(int64_t layers, int64_t max_fill);  // -> id
+bool background_error(int64_t id);                            // a wait timed out
 
 // The fill kernel outside XLA (benchmarks, calibration).
 void launch_fill(cudaStream_t stream, const ExpertPool& pool, const int32_t* ids, const int32_t* slots,

@@ -75,13 +75,14 @@ class OffloadExperts:
     ``victims_by``: how the plan ranks the LRU victims (``plan.plan_layer``: "topk", "rank"; same slots);
     None picks `default_victims_by` for the platform and cache size. ``defer_fills``: decode calls of
     ``lru-split`` may defer their fills (``plan.defer_fills``: at the H200's bandwidths a call with one
-    miss): the missed experts are computed on the CPU in that call and the fill runs in the background on
-    a side stream (``cuda.expert_fill_fork``, BACKGROUND_FILL_BLOCKS thread blocks, so it runs beside the
-    GPU work that follows instead of before it), joined at the start of the layer's next call. Off unless
-    asked: on the H200 (40 layers, batch 1, 37%) it ran at 0.94x of lru-split without it, the per-layer
-    fork and join (outside XLA's command buffers) and the extra CPU-branch calls costing more than the
-    hidden fills saved (bench/RESULTS.md, session 9). The CPU platform fills at once either way (the
-    routing is the same, which CI tests).
+    miss): the missed experts are computed on the CPU in that call, the fill lists wait in the state
+    (``bg_ids``/``bg_slots``/``bg_n``, one row per layer), and after the step's last layer one
+    ``cuda.background_fork`` starts them all on a side stream (BACKGROUND_FILL_BLOCKS thread blocks each,
+    so they run beside the next step's GPU work); each layer's next call waits for its own
+    (``cuda.background_wait``, inside the command buffer). Off unless asked: the first form (a fork
+    and a join per layer, outside command buffers) ran at 0.94x of lru-split without background fills
+    on the H200 (40 layers, batch 1, 37%; bench/RESULTS.md, session 9); this form is not yet measured.
+    The CPU platform fills at once either way (the routing is the same, which CI tests).
     Call `drain` before dropping a state on the GPU (a background fill may still be writing its banks).
     """
 
@@ -100,6 +101,7 @@ class OffloadExperts:
     victims_by: str | None = None
     defer_fills: bool = False
     channel_base: int = -1
+    background_id: int = -1
 
     def __post_init__(self):
         object.__setattr__(self, "policy", get_policy(self.policy))
@@ -134,20 +136,31 @@ class OffloadExperts:
             for layer in range(L if self.cpu_branch else 0):
                 cuda.create_channel(base + layer, self.pool, self.max_tokens,
                                     self.max_tokens * max(1, E))
+            if self.background_fills:
+                object.__setattr__(self, "background_id", cuda.create_background(L, self.background_capacity))
 
     @property
     def background_fills(self) -> bool:
         """Decode fills may run in the background (``defer_fills`` under a policy that splits misses)."""
         return bool(self.defer_fills) and self.policy.decode_rule == "balance" and self.policy.update
 
+    @property
+    def background_capacity(self) -> int:
+        """Columns of the per-layer background fill lists: the most fills one decode call can make."""
+        cap = min(self.num_experts, self.num_slots)
+        return max(1, cap if self.fill_cap is None else min(cap, self.fill_cap))
+
     def drain(self) -> None:
         """Wait on the host until every background fill issued so far has landed (before dropping or
-        reading a state's banks outside a step; a no-op off the GPU). Lanes are this backend's channel
-        ids (one per layer), so two backends in a process never wait for each other's fills."""
+        reading a state's banks outside a step; a no-op off the GPU). Raises if a layer's wait for its
+        background fill timed out (that layer then read slots not yet filled)."""
         if self.platform == "cuda" and self.background_fills:
             from ftjax.host import cuda
 
             cuda.sync_fills()
+            if cuda.background_error(self.background_id):
+                raise RuntimeError("a decode step gave up waiting for a background expert fill (timeout): "
+                                   "its outputs may be wrong")
 
     @property
     def cpu_branch(self) -> bool:
@@ -163,6 +176,11 @@ class OffloadExperts:
         this backend's background fills first (they may still write the banks of a state being replaced)."""
         self.drain()
         state = init_cache_state(self.geometry, cache_dtype(self.pool), fill_fraction)
+        if self.platform == "cuda" and self.background_fills:  # the step's deferred fill lists, per layer
+            F = self.background_capacity
+            state.update(bg_ids=jnp.zeros((self.num_layers, F), jnp.int32),
+                         bg_slots=jnp.zeros((self.num_layers, F), jnp.int32),
+                         bg_n=jnp.zeros((self.num_layers,), jnp.int32))
         if self.policy.preload == "all":
             state = preload(state, np.arange(self.num_layers * self.num_experts), self.host_banks())
         return state
@@ -195,7 +213,7 @@ class OffloadExperts:
         if background:  # this layer's background fill of its last call lands before anything reads the banks
             from ftjax.host import cuda
 
-            gu, dn = cuda.join_banks(state["gate_up"], state["down"], lane=self.channel_base + layer)
+            gu, dn = cuda.background_wait(state["gate_up"], state["down"], self.background_id, layer)
             state = dict(state, gate_up=gu, down=dn)
         plan, state = plan_layer(state, layer, expert_ids, token_valid, num_experts=E, rule=rule,
                                  fill_cap=self.fill_cap, update=self.policy.update, impl=self.plan_impl,
@@ -219,7 +237,15 @@ class OffloadExperts:
             y_cpu = cpu_experts(*cpu_args, self.pool)
 
         if plan.fill_ids.shape[0]:
-            state = self._fill(state, plan, token, self.channel_base + layer if background and decode else None)
+            deferred = plan.deferred if background and decode else None
+            state = self._fill(state, plan, token, deferred)
+            if deferred is not None:  # this call's deferred fills, started after the step's last layer
+                F = plan.fill_ids.shape[0]
+                state = dict(state, bg_ids=state["bg_ids"].at[layer, :F].set(plan.fill_ids),
+                             bg_slots=state["bg_slots"].at[layer, :F].set(plan.fill_slots),
+                             bg_n=state["bg_n"].at[layer].set(jnp.where(deferred, plan.n_fill, 0)))
+        elif background and decode:
+            state = dict(state, bg_n=state["bg_n"].at[layer].set(0))
         if self.num_slots:
             y = self._gpu_part(state, layer, x, expert_ids, gate_weights, token_valid, plan.route_slot)
         else:
@@ -229,22 +255,23 @@ class OffloadExperts:
             y_cpu, _status, y = cuda.cpu_experts_collect(token, T, x.shape[1], self.channel_base + layer, after=y,
                                                          fused=self.fused_handshake)
         y = (y.astype(jnp.float32) + y_cpu).astype(x.dtype)
+        if background and decode and layer == self.num_layers - 1:  # the step's background fills, after its work
+            ids, y = jax.lax.optimization_barrier((state["bg_ids"], y))
+            gu, dn = cuda.background_fork(ids, state["bg_slots"], state["bg_n"], state["gate_up"], state["down"],
+                                          self.pool, self.background_id, blocks=BACKGROUND_FILL_BLOCKS)
+            state = dict(state, gate_up=gu, down=dn)
         return jnp.where(token_valid[:, None], y, jnp.zeros_like(y)), state
 
-    def _fill(self, state, plan, submit_token=None, lane=None):
-        """The plan's fills: on the GPU's stream; with a ``lane`` (CUDA decode, background fills on) the
-        deferred ones on the side stream instead (a fill of count 0 is a launch that exits at once)."""
+    def _fill(self, state, plan, submit_token=None, deferred=None):
+        """The plan's fills on the GPU's stream now, except (CUDA decode with background fills, ``deferred``
+        the plan's flag) those of a deferred call, which the step's `cuda.background_fork` starts."""
         gu, dn = state["gate_up"], state["down"]
         if self.platform == "cuda":
             from ftjax.host import cuda
 
-            now = plan.n_fill if lane is None else jnp.where(plan.deferred, 0, plan.n_fill)
+            now = plan.n_fill if deferred is None else jnp.where(deferred, 0, plan.n_fill)
             gu, dn = cuda.expert_fill(plan.fill_ids, plan.fill_slots, now, gu, dn, self.pool,
                                       after_submit=submit_token)
-            if lane is not None:  # the GPU work of this call reads the fork's outputs: issued after it
-                later = jnp.where(plan.deferred, plan.n_fill, 0)
-                gu, dn = cuda.expert_fill_fork(plan.fill_ids, plan.fill_slots, later, gu, dn, self.pool, lane=lane,
-                                               blocks=BACKGROUND_FILL_BLOCKS)
         else:
             F = plan.fill_ids.shape[0]
             banks = self.host_banks()

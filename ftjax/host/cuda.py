@@ -7,6 +7,8 @@
   and returns ``(y [T, H] f32, status i32)``; status 1 = the CPU made no progress within
   ``timeout_ms``, 2 = the CPU branch failed (``channel_error``); y is NaN then. Order them by data:
   pass the GPU work that should overlap through ``after`` so collect is scheduled behind it.
+- ``background_fork`` / ``background_wait``: a decode step's deferred fills, all layers' at once on a
+  side stream after the step, each layer's next call waiting (inside the command buffer) for its own.
 ``cmd_buffer=False`` selects the registrations without the command-buffer trait (for comparison).
 
 None of the calls is declared side-effecting: each one's effect is carried by data (the aliased
@@ -93,6 +95,43 @@ def expert_fill_fork(ids, slots, n_valid, gate_up_cache, down_cache, pool, *, la
     return call(jnp.asarray(ids, jnp.int32), jnp.asarray(slots, jnp.int32),
                 jnp.asarray(n_valid, jnp.int32).reshape(()), gate_up_cache, down_cache,
                 pool=np.uint64(pool.id), blocks=np.int64(_blocks(blocks)), lane=np.int64(lane))
+
+
+def create_background(num_layers: int, max_fill: int) -> int:
+    """Device state of one backend's background fills (`background_fork` / `background_wait`): a
+    sequence number, one done flag per layer, a ring of list copies. Returns its id."""
+    return int(_host.create_background(int(num_layers), int(max_fill)))
+
+
+def background_error(bg: int) -> bool:
+    """Whether a `background_wait` of this background timed out (its layer then read unfilled slots)."""
+    return bool(_host.background_error(int(bg)))
+
+
+def background_wait(gate_up_cache, down_cache, bg: int, layer: int, *, timeout_ms: int = 10_000):
+    """XLA's stream waits (a one-thread kernel, inside command buffers) until the fills of ``layer``
+    in the last `background_fork` of ``bg`` have landed; returns the two caches ordered after the wait
+    (in place on ``gate_up_cache``: its output is read, so XLA keeps the call). A wait longer than
+    ``timeout_ms`` gives up and sets `background_error`."""
+    register_targets()
+    call = jax.ffi.ffi_call("ftjax_bg_wait", jax.ShapeDtypeStruct(gate_up_cache.shape, gate_up_cache.dtype),
+                            input_output_aliases={0: 0})
+    gate_up_cache = call(gate_up_cache, bg=np.int64(bg), layer=np.int64(layer), timeout_ms=np.int64(timeout_ms))
+    return jax.lax.optimization_barrier((gate_up_cache, down_cache))
+
+
+def background_fork(ids, slots, n_valid, gate_up_cache, down_cache, pool, bg: int, *, blocks: int = 16):
+    """Start every layer's background fills of a step on the side stream: ``ids``/``slots [L, F]``, the
+    first ``n_valid[l]`` entries of row l valid (device data). Outside command buffers (one call per
+    step). The returned caches are filled only once `background_wait` has passed for the layer."""
+    register_targets()
+    call = jax.ffi.ffi_call("ftjax_bg_fork_nocb",
+                            (jax.ShapeDtypeStruct(gate_up_cache.shape, gate_up_cache.dtype),
+                             jax.ShapeDtypeStruct(down_cache.shape, down_cache.dtype)),
+                            input_output_aliases={3: 0, 4: 1})
+    return call(jnp.asarray(ids, jnp.int32), jnp.asarray(slots, jnp.int32), jnp.asarray(n_valid, jnp.int32),
+                gate_up_cache, down_cache, pool=np.uint64(pool.id), bg=np.int64(bg),
+                blocks=np.int64(_blocks(blocks)))
 
 
 def sync_fills() -> None:

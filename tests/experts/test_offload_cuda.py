@@ -69,5 +69,5 @@ def test_decode_step_never_copies_a_bank(setup, batch):
     backend = OffloadExperts(pool, L, E, SIZES["37%"], "lru-split", platform="cuda", defer_fills=True)
     state = backend.init_state(fill_fraction=0.4)
     hlo = decode_hlo(cfg, params, backend, state, batch)
-    assert "ftjax_stream_join" in hlo and "ftjax_expert_fill_fork" in hlo
+    assert "ftjax_bg_wait" in hlo and "ftjax_bg_fork" in hlo
     assert not bank_copies(hlo, state), bank_copies(hlo, state)

@@ -71,6 +71,37 @@ def test_fill_fork_join_equals_fill(pool):
     assert np.all(gh[slots[5]] == -3.0) and np.all(dh[slots[5]] == -3.0)
 
 
+def test_background_fork_and_wait_fill_every_layer(pool):
+    """Two layers' fill lists forked in one call (as after a decode step's last layer), GPU work, then
+    each layer's wait: the banks read after the waits hold the rows; a second fork reuses the lists."""
+    S, L, F = 16, 2, 3
+    bg = cuda.create_background(L, F)
+
+    @jax.jit
+    def step(ids, slots, n, g, d, m):
+        g, d = cuda.background_fork(ids, slots, n, g, d, pool, bg, blocks=2)
+        for _ in range(4):
+            m = jnp.tanh(m @ m)
+        for layer in range(L):
+            g, d = cuda.background_wait(g, d, bg, layer)
+        return g, d, m
+
+    g = jnp.full((S, 256, 128), -3.0, jnp.bfloat16)
+    d = jnp.full((S, 128, 128), -3.0, jnp.bfloat16)
+    m = jnp.full((512, 512), 0.001, jnp.float32)
+    for ids, slots, n in (([[5, 31, 0], [7, 9, 2]], [[3, 0, 15], [6, 1, 2]], [2, 3]),
+                          ([[11, 12, 13], [14, 15, 16]], [[4, 5, 7], [8, 9, 10]], [0, 1])):
+        ids, slots = np.asarray(ids, np.int32), np.asarray(slots, np.int32)
+        g, d, m = step(ids, slots, np.asarray(n, np.int32), g, d, m)
+        gh, dh = np.asarray(g.astype(jnp.float32)), np.asarray(d.astype(jnp.float32))
+        for layer in range(L):
+            for q in range(n[layer]):
+                np.testing.assert_array_equal(gh[slots[layer, q]], pool.bank("gate_up")[ids[layer, q]].astype(np.float32))
+                np.testing.assert_array_equal(dh[slots[layer, q]], pool.bank("down")[ids[layer, q]].astype(np.float32))
+    assert np.all(gh[[11, 12, 13, 14, 15]] == -3.0)  # never named by a valid entry
+    assert not cuda.background_error(bg)
+
+
 def test_fill_rejects_negative_blocks(pool):
     with pytest.raises(ValueError, match="blocks must be >= 0"):
         cuda.expert_fill(np.zeros(2, np.int32), np.zeros(2, np.int32), 1, jnp.zeros((4, 256, 128), jnp.bfloat16),

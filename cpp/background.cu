@@ -1,0 +1,215 @@
+// Background expert fills, batched per decode step (OffloadExperts(defer_fills=True) on the GPU).
+//
+// A decode call may defer its fills (plan.defer_fills): its missed experts are computed on the CPU in
+// that call, its fill lists go into per-layer rows of the step's state, and once per step, after the
+// last layer, `ftjax_bg_fork` hands them all to the side stream: it copies the lists (XLA
+// temporaries) into a private ring entry, bumps the background's sequence number, and launches one
+// few-block fill per layer on the side stream, each followed by a one-thread kernel that publishes
+// done[layer] = sequence. At the start of every later call of a layer, `ftjax_bg_wait` (a one-thread
+// kernel inside XLA's command buffer: all its values are device data) waits until done[layer] has
+// reached the sequence, so the layer reads its slots only after its background fill landed. One
+// custom call per step runs outside command buffers (the fork launches on another stream), where a
+// fork and a join per layer split the step's graph 80 times on 40 layers (bench/RESULTS.md,
+// session 9: host time per step 3.5 -> 6.5 ms).
+//
+// Hazards and why they cannot happen: the plan stamps a deferred slot with the clock of the layer's
+// next call, so no call chooses it as a victim or reads it before that call's wait (plan.py); the
+// fork reads a private copy of the lists, and an entry of the ring is reused only after XLA's
+// stream has waited for the fills that read it; the wait has a timeout (globaltimer) that sets a
+// flag the host reads (`background_error`), never a hang.
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include "cuda_common.h"
+#include "ffi_cuda.h"
+#include "pool.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace ftjax {
+namespace {
+
+constexpr int kBgRing = 16;
+
+struct Background {
+  int64_t layers = 0, max_fill = 0, entry_ints = 0;
+  int64_t* seq = nullptr;         // device: forks so far
+  int64_t* done = nullptr;        // device [layers]: the fork whose fill of the layer has landed
+  int32_t* error_host = nullptr;  // mapped: a wait timed out
+  int32_t* error_dev = nullptr;
+  int32_t* ring = nullptr;        // device [kBgRing, entry_ints]: [ids (L*F) | slots (L*F) | n (L)]
+  int64_t* ring_seq = nullptr;    // device [kBgRing]: the sequence number of the fork that used the entry
+  cudaEvent_t ring_done[kBgRing] = {};
+  bool ring_used[kBgRing] = {};
+  int next = 0;
+};
+
+std::mutex bg_mu;
+std::map<int64_t, std::unique_ptr<Background>>& backgrounds() {
+  static std::map<int64_t, std::unique_ptr<Background>> m;
+  return m;
+}
+
+Background* find_background(int64_t id) {
+  std::lock_guard<std::mutex> lock(bg_mu);
+  auto it = backgrounds().find(id);
+  return it == backgrounds().end() ? nullptr : it->second.get();
+}
+
+__global__ void bg_stage(const int32_t* __restrict__ ids, const int32_t* __restrict__ slots,
+                         const int32_t* __restrict__ n, int32_t* __restrict__ dst, int64_t lf, int64_t layers,
+                         int64_t* seq, int64_t* seq_at_fork) {
+  for (int64_t i = threadIdx.x; i < lf; i += blockDim.x) {
+    dst[i] = ids[i];
+    dst[lf + i] = slots[i];
+  }
+  for (int64_t i = threadIdx.x; i < layers; i += blockDim.x) dst[2 * lf + i] = n[i];
+  if (threadIdx.x == 0) *seq_at_fork = ++*seq;  // on XLA's stream: every later wait sees this number
+}
+
+__global__ void bg_publish(const int64_t* seq_at_fork, volatile int64_t* done) {
+  __threadfence();  // the fill before it on this stream has completed; make the flag follow its writes
+  *done = *seq_at_fork;
+}
+
+__global__ void bg_wait(const int64_t* seq, const volatile int64_t* done, uint64_t timeout_ns, int32_t* error) {
+  const int64_t want = *seq;
+  if (*done >= want) return;
+  uint64_t start, now;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+  while (*done < want) {
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+    if (now - start > timeout_ns) {
+      *reinterpret_cast<volatile int32_t*>(error) = 1;
+      __threadfence_system();
+      return;
+    }
+    __nanosleep(200);
+  }
+  __threadfence();
+}
+
+ffi::Error BgWaitImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> out, int64_t bg,
+                      int64_t layer, int64_t timeout_ms) {
+  if (out->untyped_data() != x.untyped_data())
+    return ffi::Error::InvalidArgument("bg_wait: the operand must be aliased to the output");
+  Background* b = find_background(bg);
+  if (!b) return ffi::Error::InvalidArgument("bg_wait: no background with id " + std::to_string(bg));
+  if (layer < 0 || layer >= b->layers)
+    return ffi::Error::InvalidArgument("bg_wait: layer " + std::to_string(layer) + " outside the background's " +
+                                       std::to_string(b->layers));
+  bg_wait<<<1, 1, 0, stream>>>(b->seq, b->done + layer, static_cast<uint64_t>(timeout_ms) * 1000000ull,
+                               b->error_dev);
+  const cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) return ffi::Error::Internal(std::string("bg_wait: ") + cudaGetErrorString(err));
+  return ffi::Error::Success();
+}
+
+ffi::Error BgForkImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::S32> slots,
+                      ffi::Buffer<ffi::S32> n_valid, ffi::AnyBuffer gate_up, ffi::AnyBuffer down,
+                      ffi::Result<ffi::AnyBuffer> gate_up_out, ffi::Result<ffi::AnyBuffer> down_out, uint64_t pool_id,
+                      int64_t bg, int64_t blocks) {
+  Background* b = find_background(bg);
+  if (!b) return ffi::Error::InvalidArgument("bg_fork: no background with id " + std::to_string(bg));
+  auto pool = find_pool(pool_id);
+  if (!pool) return ffi::Error::InvalidArgument("bg_fork: no host pool with id " + std::to_string(pool_id));
+  const auto dims = ids.dimensions();
+  if (dims.size() != 2 || dims[0] != b->layers || dims[1] > b->max_fill || slots.dimensions().size() != 2 ||
+      slots.dimensions()[0] != dims[0] || slots.dimensions()[1] != dims[1] ||
+      static_cast<int64_t>(n_valid.element_count()) != b->layers)
+    return ffi::Error::InvalidArgument("bg_fork: ids and slots must be [layers=" + std::to_string(b->layers) +
+                                       ", F <= " + std::to_string(b->max_fill) + "], n_valid [layers]");
+  const int64_t L = dims[0], F = dims[1], S = gate_up.dimensions().size() ? gate_up.dimensions()[0] : 0;
+  if (gate_up.size_bytes() != static_cast<size_t>(S) * pool->gate_up().expert_bytes ||
+      down.size_bytes() != static_cast<size_t>(S) * pool->down().expert_bytes)
+    return ffi::Error::InvalidArgument("bg_fork: cache sizes do not match the pool's expert rows");
+  if (gate_up_out->untyped_data() != gate_up.untyped_data() || down_out->untyped_data() != down.untyped_data())
+    return ffi::Error::InvalidArgument("bg_fork: the caches must be aliased to the outputs and donated");
+  try {
+    std::lock_guard<std::mutex> lock(bg_mu);  // one fork at a time per process: the ring and the side stream
+    cudaStream_t side = side_stream();
+    const int e = b->next;
+    b->next = (e + 1) % kBgRing;
+    int32_t* entry = b->ring + static_cast<int64_t>(e) * b->entry_ints;
+    if (b->ring_used[e]) cuda_check(cudaStreamWaitEvent(stream, b->ring_done[e], 0), "bg_fork: ring wait");
+    b->ring_used[e] = true;
+    int64_t* seq_at_fork = b->ring_seq + e;
+    bg_stage<<<1, 256, 0, stream>>>(ids.typed_data(), slots.typed_data(), n_valid.typed_data(), entry, L * F, L,
+                                    b->seq, seq_at_fork);
+    cuda_check(cudaGetLastError(), "bg_fork: stage");
+    fork_to_side(stream);
+    for (int64_t l = 0; l < L; ++l) {
+      launch_fill(side, *pool, entry + l * F, entry + L * F + l * F, entry + 2 * L * F + l, F, S,
+                  gate_up.untyped_data(), down.untyped_data(), blocks);
+      bg_publish<<<1, 1, 0, side>>>(seq_at_fork, b->done + l);
+    }
+    cuda_check(cudaGetLastError(), "bg_fork: fills");
+    cuda_check(cudaEventRecord(b->ring_done[e], side), "bg_fork: ring event");
+  } catch (const std::exception& e) {
+    return ffi::Error::Internal(std::string("bg_fork: ") + e.what());
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+int64_t create_background(int64_t layers, int64_t max_fill) {
+  if (layers < 1 || max_fill < 1) throw std::invalid_argument("create_background: layers and max_fill must be >= 1");
+  auto b = std::make_unique<Background>();
+  b->layers = layers;
+  b->max_fill = max_fill;
+  b->entry_ints = 2 * layers * max_fill + layers;
+  cuda_check(cudaMalloc(&b->seq, sizeof(int64_t) * (1 + layers)), "create_background: flags");
+  b->done = b->seq + 1;
+  cuda_check(cudaMemset(b->seq, 0, sizeof(int64_t) * (1 + layers)), "create_background: flags");
+  cuda_check(cudaHostAlloc(&b->error_host, sizeof(int32_t), cudaHostAllocMapped), "create_background: error flag");
+  *b->error_host = 0;
+  cuda_check(cudaHostGetDevicePointer(reinterpret_cast<void**>(&b->error_dev), b->error_host, 0),
+             "create_background: error flag");
+  cuda_check(cudaMalloc(&b->ring, sizeof(int32_t) * kBgRing * b->entry_ints), "create_background: list ring");
+  cuda_check(cudaMalloc(&b->ring_seq, sizeof(int64_t) * kBgRing), "create_background: list ring");
+  for (auto& ev : b->ring_done) cuda_check(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), "create_background");
+  cuda_check(cudaDeviceSynchronize(), "create_background");
+  std::lock_guard<std::mutex> lock(bg_mu);
+  static int64_t next_id = 1;
+  const int64_t id = next_id++;
+  backgrounds()[id] = std::move(b);
+  return id;
+}
+
+bool background_error(int64_t id) {
+  Background* b = find_background(id);
+  if (!b) throw std::invalid_argument("no background with id " + std::to_string(id));
+  return *reinterpret_cast<volatile int32_t*>(b->error_host) != 0;
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FtjaxBgWait, BgWaitImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("bg")
+                                  .Attr<int64_t>("layer")
+                                  .Attr<int64_t>("timeout_ms"),
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FtjaxBgFork, BgForkImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<uint64_t>("pool")
+                                  .Attr<int64_t>("bg")
+                                  .Attr<int64_t>("blocks"));
+
+void* bg_wait_handler() { return reinterpret_cast<void*>(FtjaxBgWait); }
+void* bg_fork_handler() { return reinterpret_cast<void*>(FtjaxBgFork); }
+
+}  // namespace ftjax
