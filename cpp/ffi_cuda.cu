@@ -20,6 +20,31 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kUnroll = 4;  // 16-byte loads in flight per thread: hides PCIe read latency
 
+// Copies expert `id` of the pool into cache slot `slot`, both banks, the rows split over `workers`
+// threads of which this is `worker`.
+__device__ __forceinline__ void copy_expert(int64_t id, int64_t slot, int64_t worker, int64_t workers,
+                                            const uint4* __restrict__ src0, uint4* __restrict__ dst0, int64_t row0,
+                                            const uint4* __restrict__ src1, uint4* __restrict__ dst1, int64_t row1) {
+  const int64_t total = row0 + row1;  // the two banks' rows, in 16-byte units, back to back
+  for (int64_t base = worker; base < total; base += kUnroll * workers) {
+    uint4 v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t i = base + u * workers;
+      if (i < total) v[u] = i < row0 ? src0[id * row0 + i] : src1[id * row1 + (i - row0)];
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t i = base + u * workers;
+      if (i < total) {
+        if (i < row0) dst0[slot * row0 + i] = v[u];
+        else dst1[slot * row1 + (i - row0)] = v[u];
+      }
+    }
+  }
+}
+
+// Grid (blocks per entry, capacity): entry blockIdx.y, if valid, by gridDim.x blocks.
 __global__ void fill_kernel(const int32_t* __restrict__ ids, const int32_t* __restrict__ slots,
                             const int32_t* __restrict__ n_valid, int64_t n_experts, int64_t n_slots,
                             const uint4* __restrict__ src0, uint4* __restrict__ dst0, int64_t row0,
@@ -28,24 +53,23 @@ __global__ void fill_kernel(const int32_t* __restrict__ ids, const int32_t* __re
   if (q >= *n_valid) return;
   const int64_t id = ids[q], slot = slots[q];
   if (id < 0 || id >= n_experts || slot < 0 || slot >= n_slots) return;  // masked entry
-  const int64_t total = row0 + row1;  // the two banks' rows, in 16-byte units, back to back
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t base = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; base < total;
-       base += kUnroll * stride) {
-    uint4 v[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int64_t i = base + u * stride;
-      if (i < total) v[u] = i < row0 ? src0[id * row0 + i] : src1[id * row1 + (i - row0)];
-    }
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int64_t i = base + u * stride;
-      if (i < total) {
-        if (i < row0) dst0[slot * row0 + i] = v[u];
-        else dst1[slot * row1 + (i - row0)] = v[u];
-      }
-    }
+  copy_expert(id, slot, static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x,
+              static_cast<int64_t>(gridDim.x) * blockDim.x, src0, dst0, row0, src1, dst1, row1);
+}
+
+// A fixed grid that walks the valid entries one after the other (a few blocks beside other work).
+__global__ void fill_loop_kernel(const int32_t* __restrict__ ids, const int32_t* __restrict__ slots,
+                                 const int32_t* __restrict__ n_valid, int64_t capacity, int64_t n_experts,
+                                 int64_t n_slots, const uint4* __restrict__ src0, uint4* __restrict__ dst0,
+                                 int64_t row0, const uint4* __restrict__ src1, uint4* __restrict__ dst1,
+                                 int64_t row1) {
+  const int64_t n = min(static_cast<int64_t>(*n_valid), capacity);
+  const int64_t worker = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t workers = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t q = 0; q < n; ++q) {
+    const int64_t id = ids[q], slot = slots[q];
+    if (id < 0 || id >= n_experts || slot < 0 || slot >= n_slots) continue;  // masked entry
+    copy_expert(id, slot, worker, workers, src0, dst0, row0, src1, dst1, row1);
   }
 }
 
@@ -63,18 +87,20 @@ void launch_fill(cudaStream_t stream, const ExpertPool& pool, const int32_t* ids
   if (max_blocks < 0) throw std::invalid_argument("max_blocks must be >= 0 (0: enough to fill the GPU)");
   if (capacity == 0) return;
   const int64_t row0 = g.expert_bytes / 16, row1 = d.expert_bytes / 16;
-  // Enough blocks per entry to fill the GPU when the list is short (1,056 = 132 SMs x 8 blocks), or at
-  // most `max_blocks` in all (at least one per entry) so that a fill on a side stream leaves SMs to the
-  // work beside it; no more than the row needs.
-  const int64_t budget = max_blocks > 0 ? max_blocks : 1056;
-  const int64_t per_row = std::max<int64_t>(1, std::min<int64_t>((row0 + row1 + kThreads - 1) / kThreads,
-                                                                 budget / capacity));
-  const dim3 grid(static_cast<unsigned>(per_row), static_cast<unsigned>(capacity));
-  fill_kernel<<<grid, kThreads, 0, stream>>>(ids, slots, n_valid, pool.n_experts(), n_slots,
-                                             static_cast<const uint4*>(g.device_ptr),
-                                             static_cast<uint4*>(cache_gate_up), row0,
-                                             static_cast<const uint4*>(d.device_ptr),
-                                             static_cast<uint4*>(cache_down), row1);
+  const auto* src0 = static_cast<const uint4*>(g.device_ptr);
+  const auto* src1 = static_cast<const uint4*>(d.device_ptr);
+  auto* dst0 = static_cast<uint4*>(cache_gate_up);
+  auto* dst1 = static_cast<uint4*>(cache_down);
+  if (max_blocks > 0) {  // `max_blocks` in all, walking the valid entries: leaves SMs to the work beside it
+    fill_loop_kernel<<<static_cast<unsigned>(max_blocks), kThreads, 0, stream>>>(
+        ids, slots, n_valid, capacity, pool.n_experts(), n_slots, src0, dst0, row0, src1, dst1, row1);
+  } else {  // enough blocks per entry to fill the GPU when the list is short (1,056 = 132 SMs x 8 blocks)
+    const int64_t per_row = std::max<int64_t>(1, std::min<int64_t>((row0 + row1 + kThreads - 1) / kThreads,
+                                                                   (1056 + capacity - 1) / capacity));
+    const dim3 grid(static_cast<unsigned>(per_row), static_cast<unsigned>(capacity));
+    fill_kernel<<<grid, kThreads, 0, stream>>>(ids, slots, n_valid, pool.n_experts(), n_slots, src0, dst0, row0,
+                                               src1, dst1, row1);
+  }
   cuda_check(cudaGetLastError(), "expert_fill launch");
 }
 

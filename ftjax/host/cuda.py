@@ -61,8 +61,10 @@ def _suffix(cmd_buffer: bool) -> str:
 def expert_fill(ids, slots, n_valid, gate_up_cache, down_cache, pool, *, cmd_buffer: bool = True,
                 after_submit=None, blocks: int = 0):
     """``after_submit``: a submit token; the fill is scheduled behind that submit so the CPU branch
-    starts first and runs under the fill. ``blocks``: thread blocks of the fill kernel in all (0: enough
-    to occupy the whole GPU, fastest alone; a few dozen leave SMs to kernels running beside it)."""
+    starts first and runs under the fill. ``blocks``: 0 (default) launches enough thread blocks
+    per entry to occupy the whole GPU (fastest alone); N > 0 launches N blocks in all that walk the valid
+    entries one after the other (on the H200 16 blocks move an expert at PCIe speed and leave the SMs to
+    kernels running beside them)."""
     register_targets()
     if after_submit is not None:
         ids, _ = jax.lax.optimization_barrier((ids, after_submit))
