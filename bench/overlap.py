@@ -18,7 +18,9 @@ stream (XLA's default); both with every fill under ``compute_on('gpu_stream:1')`
 annotation: the fill on a second stream, joined where its result is used); both with every fill forked
 by the experimental FFI pair `cuda.expert_fill_fork` / `cuda.join_banks` (the fill kernel on a side stream
 of ours after an event on XLA's stream, one join at the end; these two calls run outside command
-buffers). ``overlap = (work + fill -
+buffers); "bg", the decode step's form of background fills (`cuda.background_wait` for each layer
+inside the command buffer, one `cuda.background_fork` of every layer's fill after the last layer: the
+fills of a step run beside the next step's work). ``overlap = (work + fill -
 both) / min(work, fill)``: 0 means the two ran one after the other, 1 means the shorter one was hidden.
 Layer l's fill is issued after layer l-1's work (a data dependency; without it XLA scheduled every
 fork after all the work: serial, session 9), and for the fork layer l's work is issued after the fork.
@@ -81,7 +83,26 @@ def make_steps(pool, args):
                 lambda a, b, layer, after=None: fill(a, b, layer, after))
         return fill_with(cuda.expert_fill_fork, blocks) if mode == "fork" else fill
 
+    def bg_step(blocks):
+        """The decode step's form (OffloadExperts defer_fills): each layer waits for its own fill of the
+        last step (inside the command buffer), one fork of every layer's fill after the last layer."""
+        bg = cuda.create_background(L, F)
+
+        def f(x, gu, dn, w, stage_gu, stage_dn):
+            for layer in range(L):
+                stage_gu, stage_dn = cuda.background_wait(stage_gu, stage_dn, bg, layer)
+                x = work(x, gu, dn, w, layer)
+            ids = (jnp.arange(L * F, dtype=jnp.int32).reshape(L, F)) % n_pool
+            slots = jnp.broadcast_to(jnp.arange(F, dtype=jnp.int32), (L, F))
+            ids, x = jax.lax.optimization_barrier((ids, x))
+            stage_gu, stage_dn = cuda.background_fork(ids, slots, jnp.full((L,), F, jnp.int32), stage_gu, stage_dn,
+                                                      pool, bg, blocks=blocks or 16)
+            return x, stage_gu, stage_dn
+        return jax.jit(f, donate_argnums=(4, 5))
+
     def step(mode, blocks):
+        if mode == "bg":
+            return bg_step(blocks)
         fill = fills(mode, blocks) if mode != "work" else None
 
         def f(x, gu, dn, w, stage_gu, stage_dn):
@@ -99,7 +120,7 @@ def make_steps(pool, args):
 
     steps = {("work", None): step("work", None)}
     for blocks in args.blocks:
-        for mode in ("fill", "both", "side", "fork"):
+        for mode in ("fill", "both", "side", "fork", "bg"):
             steps[(mode, blocks)] = step(mode, blocks)
     return steps
 
@@ -161,6 +182,8 @@ def main(argv=None) -> int:
         try:
             ms[key], inputs = time_step(fn, inputs, args.reps)
             if mode != "work":
+                if mode == "bg":  # its last fills are still running beside nothing
+                    cuda.sync_fills()
                 ok[key] = filled(inputs[4])
                 inputs = inputs[:4] + (jnp.zeros((F, 2 * I, H), jnp.bfloat16), jnp.zeros((F, H, I), jnp.bfloat16))
         except Exception as e:  # noqa: BLE001  (an experiment: report what XLA refused, go on)
@@ -180,7 +203,8 @@ def main(argv=None) -> int:
           "variant checked: after its steps the staging bank holds the last layer's expert")
     print("blocks: the fill kernel's thread blocks in all (0 = as many as occupy the GPU); overlap = "
           "(work + fill - both) / min(work, fill): 0 = serial, 1 = the shorter one hidden")
-    names = {"both": "one stream", "side": "compute_on gpu_stream:1", "fork": "forked (FFI)"}
+    names = {"both": "one stream", "side": "compute_on gpu_stream:1", "fork": "forked (FFI)",
+             "bg": "per-step fork, waits"}
     work = ms.get(("work", None))
     print(f"work only: {work:.3f} ms/step, {work * 1e3 / args.layers:.1f} us/layer" if work else
           f"work only failed: {errors.get(('work', None))}")
