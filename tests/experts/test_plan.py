@@ -178,9 +178,10 @@ def test_no_deferral_when_the_rule_fills_everything():
         plan_layer(cache, 0, jnp.asarray([[1, 2]], jnp.int32), jnp.ones((1,), bool), num_experts=E, defer_horizon=-1)
 
 
-def test_lru_clock_rebases_before_int32_overflow():
+@pytest.mark.parametrize("defer", [False, True])
+def test_lru_clock_rebases_before_int32_overflow(defer):
     """A cache whose clock is about to pass REBASE_AT plans exactly like the same cache at a small clock,
-    and its stamps never approach 2^31."""
+    and its stamps never approach 2^31 (also the deferred fills' stamps, one forward pass ahead)."""
     from ftjax.experts.plan import REBASE_AT
 
     L, E, k, S, T = 2, 8, 2, 5, 2
@@ -192,11 +193,12 @@ def test_lru_clock_rebases_before_int32_overflow():
     def step(cache, ids):
         plans = []
         for layer in range(L):
-            p, cache = plan_layer(cache, layer, ids, jnp.ones((T,), bool), num_experts=E)
+            p, cache = plan_layer(cache, layer, ids, jnp.ones((T,), bool), num_experts=E,
+                                  defer_horizon=L if defer else 0)
             plans.append(p)
         return plans, cache
 
-    small = init_cache_state(geom, jnp.float32, fill_fraction=0.5)
+    small = init_cache_state(geom, jnp.float32, fill_fraction=0.3 if defer else 0.5)
     for ids in steps[:10]:
         _, small = step(small, jnp.asarray(ids))
     offset = REBASE_AT - 3 - int(small["step"])  # the rebase happens a few steps into the replay
@@ -207,11 +209,13 @@ def test_lru_clock_rebases_before_int32_overflow():
         p_small, small = step(small, jnp.asarray(ids))
         p_big, big = step(big, jnp.asarray(ids))
         for a, b in zip(p_small, p_big):
-            for name in ("route_slot", "fill_ids", "fill_slots", "n_fill", "cpu_routes", "n_cpu_routes"):
+            for name in ("route_slot", "fill_ids", "fill_slots", "n_fill", "cpu_routes", "n_cpu_routes", "deferred"):
                 np.testing.assert_array_equal(np.asarray(getattr(a, name)), np.asarray(getattr(b, name)), name)
         np.testing.assert_array_equal(np.asarray(small["slot_of"]), np.asarray(big["slot_of"]))
     assert REBASE_AT // 2 < int(big["step"]) < REBASE_AT  # rebased once, still counting
     assert int(np.asarray(big["last_use"]).max()) < REBASE_AT
+    if defer:
+        assert int(np.asarray(big["stats"]["deferred"]).sum()) > 0
 
 
 @pytest.mark.parametrize("S,count", [(5, 1), (40, 16), (40, 17), (2048, 8), (2048, 40), (64, 64)])
