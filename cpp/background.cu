@@ -4,8 +4,8 @@
 // that call, its fill lists go into per-layer rows of the step's state, and once per step, after the
 // last layer, `ftjax_bg_fork` hands them all to the side stream: it copies the lists (XLA
 // temporaries) into a private ring entry, bumps the background's sequence number, and launches one
-// few-block fill per layer on the side stream, each followed by a one-thread kernel that publishes
-// done[layer] = sequence. At the start of every later call of a layer, `ftjax_bg_wait` (a one-thread
+// few-block kernel on the side stream that fills layer after layer, publishing done[layer] = sequence
+// as each layer's fills land. At the start of every later call of a layer, `ftjax_bg_wait` (a one-thread
 // kernel inside XLA's command buffer: all its values are device data) waits until done[layer] has
 // reached the sequence, so the layer reads its slots only after its background fill landed. One
 // custom call per step runs outside command buffers (the fork launches on another stream), where a
@@ -24,6 +24,7 @@
 
 #include "cuda_common.h"
 #include "ffi_cuda.h"
+#include "fill_device.cuh"
 #include "pool.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -40,7 +41,7 @@ struct Background {
   int64_t* done = nullptr;        // device [layers]: the fork whose fill of the layer has landed
   int32_t* error_host = nullptr;  // mapped: a wait timed out
   int32_t* error_dev = nullptr;
-  int32_t* ring = nullptr;        // device [kBgRing, entry_ints]: [ids (L*F) | slots (L*F) | n (L)]
+  int32_t* ring = nullptr;        // device [kBgRing, entry_ints]: [ids (L*F) | slots (L*F) | n (L) | counters (L)]
   int64_t* ring_seq = nullptr;    // device [kBgRing]: the sequence number of the fork that used the entry
   cudaEvent_t ring_done[kBgRing] = {};
   bool ring_used[kBgRing] = {};
@@ -59,6 +60,7 @@ Background* find_background(int64_t id) {
   return it == backgrounds().end() ? nullptr : it->second.get();
 }
 
+// A ring entry: [ids (L*F) | slots (L*F) | n (L) | per-layer block counters (L)].
 __global__ void bg_stage(const int32_t* __restrict__ ids, const int32_t* __restrict__ slots,
                          const int32_t* __restrict__ n, int32_t* __restrict__ dst, int64_t lf, int64_t layers,
                          int64_t* seq, int64_t* seq_at_fork) {
@@ -66,13 +68,41 @@ __global__ void bg_stage(const int32_t* __restrict__ ids, const int32_t* __restr
     dst[i] = ids[i];
     dst[lf + i] = slots[i];
   }
-  for (int64_t i = threadIdx.x; i < layers; i += blockDim.x) dst[2 * lf + i] = n[i];
+  for (int64_t i = threadIdx.x; i < layers; i += blockDim.x) {
+    dst[2 * lf + i] = n[i];
+    dst[2 * lf + layers + i] = 0;
+  }
   if (threadIdx.x == 0) *seq_at_fork = ++*seq;  // on XLA's stream: every later wait sees this number
 }
 
-__global__ void bg_publish(const int64_t* seq_at_fork, volatile int64_t* done) {
-  __threadfence();  // the fill before it on this stream has completed; make the flag follow its writes
-  *done = *seq_at_fork;
+// Every layer's fills of one fork in one launch: the grid walks layer 0's valid entries, then layer 1's,
+// ...; the last block done with a layer publishes done[layer] = the fork's number (each block fences
+// its writes before it counts itself in), so layer l's wait is over as soon as its own fills landed.
+__global__ void bg_fill(int32_t* entry, int64_t layers, int64_t F, const int64_t* seq_at_fork, int64_t* done,
+                        int64_t n_experts, int64_t n_slots, const uint4* __restrict__ src0, uint4* __restrict__ dst0,
+                        int64_t row0, const uint4* __restrict__ src1, uint4* __restrict__ dst1, int64_t row1) {
+  const int64_t worker = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t workers = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int32_t* ids = entry;
+  const int32_t* slots = entry + layers * F;
+  const int32_t* n = entry + 2 * layers * F;
+  unsigned* counters = reinterpret_cast<unsigned*>(entry + 2 * layers * F + layers);
+  for (int64_t l = 0; l < layers; ++l) {
+    const int64_t count = min(static_cast<int64_t>(n[l]), F);
+    for (int64_t q = 0; q < count; ++q) {
+      const int64_t id = ids[l * F + q], slot = slots[l * F + q];
+      if (id < 0 || id >= n_experts || slot < 0 || slot >= n_slots) continue;  // masked entry
+      copy_expert(id, slot, worker, workers, src0, dst0, row0, src1, dst1, row1);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      __threadfence();
+      if (atomicAdd(counters + l, 1u) == gridDim.x - 1) {
+        __threadfence();
+        *reinterpret_cast<volatile int64_t*>(done + l) = *seq_at_fork;
+      }
+    }
+  }
 }
 
 __global__ void bg_wait(const int64_t* seq, const volatile int64_t* done, uint64_t timeout_ns, int32_t* error) {
@@ -141,11 +171,14 @@ ffi::Error BgForkImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> ids, ffi::Buffe
                                     b->seq, seq_at_fork);
     cuda_check(cudaGetLastError(), "bg_fork: stage");
     fork_to_side(stream);
-    for (int64_t l = 0; l < L; ++l) {
-      launch_fill(side, *pool, entry + l * F, entry + L * F + l * F, entry + 2 * L * F + l, F, S,
-                  gate_up.untyped_data(), down.untyped_data(), blocks);
-      bg_publish<<<1, 1, 0, side>>>(seq_at_fork, b->done + l);
-    }
+    const Bank& g = pool->gate_up();
+    const Bank& d = pool->down();
+    if (!pool->pinned() || !g.device_ptr || !d.device_ptr || g.expert_bytes % 16 || d.expert_bytes % 16)
+      throw std::invalid_argument("the host pool must be pinned, its expert rows multiples of 16 bytes");
+    bg_fill<<<static_cast<unsigned>(blocks > 0 ? blocks : 16), kFillThreads, 0, side>>>(
+        entry, L, F, seq_at_fork, b->done, pool->n_experts(), S, static_cast<const uint4*>(g.device_ptr),
+        static_cast<uint4*>(gate_up.untyped_data()), g.expert_bytes / 16, static_cast<const uint4*>(d.device_ptr),
+        static_cast<uint4*>(down.untyped_data()), d.expert_bytes / 16);
     cuda_check(cudaGetLastError(), "bg_fork: fills");
     cuda_check(cudaEventRecord(b->ring_done[e], side), "bg_fork: ring event");
   } catch (const std::exception& e) {
@@ -161,7 +194,7 @@ int64_t create_background(int64_t layers, int64_t max_fill) {
   auto b = std::make_unique<Background>();
   b->layers = layers;
   b->max_fill = max_fill;
-  b->entry_ints = 2 * layers * max_fill + layers;
+  b->entry_ints = 2 * layers * max_fill + 2 * layers;
   cuda_check(cudaMalloc(&b->seq, sizeof(int64_t) * (1 + layers)), "create_background: flags");
   b->done = b->seq + 1;
   cuda_check(cudaMemset(b->seq, 0, sizeof(int64_t) * (1 + layers)), "create_background: flags");

@@ -9,6 +9,7 @@
 
 #include "cuda_common.h"
 #include "ffi_cuda.h"
+#include "fill_device.cuh"
 #include "pool.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -16,33 +17,6 @@ namespace ffi = xla::ffi;
 
 namespace ftjax {
 namespace {
-
-constexpr int kThreads = 256;
-constexpr int kUnroll = 4;  // 16-byte loads in flight per thread: hides PCIe read latency
-
-// Copies expert `id` of the pool into cache slot `slot`, both banks, the rows split over `workers`
-// threads of which this is `worker`.
-__device__ __forceinline__ void copy_expert(int64_t id, int64_t slot, int64_t worker, int64_t workers,
-                                            const uint4* __restrict__ src0, uint4* __restrict__ dst0, int64_t row0,
-                                            const uint4* __restrict__ src1, uint4* __restrict__ dst1, int64_t row1) {
-  const int64_t total = row0 + row1;  // the two banks' rows, in 16-byte units, back to back
-  for (int64_t base = worker; base < total; base += kUnroll * workers) {
-    uint4 v[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int64_t i = base + u * workers;
-      if (i < total) v[u] = i < row0 ? src0[id * row0 + i] : src1[id * row1 + (i - row0)];
-    }
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int64_t i = base + u * workers;
-      if (i < total) {
-        if (i < row0) dst0[slot * row0 + i] = v[u];
-        else dst1[slot * row1 + (i - row0)] = v[u];
-      }
-    }
-  }
-}
 
 // Grid (blocks per entry, capacity): entry blockIdx.y, if valid, by gridDim.x blocks.
 __global__ void fill_kernel(const int32_t* __restrict__ ids, const int32_t* __restrict__ slots,
@@ -92,13 +66,13 @@ void launch_fill(cudaStream_t stream, const ExpertPool& pool, const int32_t* ids
   auto* dst0 = static_cast<uint4*>(cache_gate_up);
   auto* dst1 = static_cast<uint4*>(cache_down);
   if (max_blocks > 0) {  // `max_blocks` in all, walking the valid entries: leaves SMs to the work beside it
-    fill_loop_kernel<<<static_cast<unsigned>(max_blocks), kThreads, 0, stream>>>(
+    fill_loop_kernel<<<static_cast<unsigned>(max_blocks), kFillThreads, 0, stream>>>(
         ids, slots, n_valid, capacity, pool.n_experts(), n_slots, src0, dst0, row0, src1, dst1, row1);
   } else {  // enough blocks per entry to fill the GPU when the list is short (1,056 = 132 SMs x 8 blocks)
-    const int64_t per_row = std::max<int64_t>(1, std::min<int64_t>((row0 + row1 + kThreads - 1) / kThreads,
+    const int64_t per_row = std::max<int64_t>(1, std::min<int64_t>((row0 + row1 + kFillThreads - 1) / kFillThreads,
                                                                    (1056 + capacity - 1) / capacity));
     const dim3 grid(static_cast<unsigned>(per_row), static_cast<unsigned>(capacity));
-    fill_kernel<<<grid, kThreads, 0, stream>>>(ids, slots, n_valid, pool.n_experts(), n_slots, src0, dst0, row0,
+    fill_kernel<<<grid, kFillThreads, 0, stream>>>(ids, slots, n_valid, pool.n_experts(), n_slots, src0, dst0, row0,
                                                src1, dst1, row1);
   }
   cuda_check(cudaGetLastError(), "expert_fill launch");
