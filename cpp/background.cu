@@ -158,6 +158,10 @@ ffi::Error BgForkImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> ids, ffi::Buffe
     return ffi::Error::InvalidArgument("bg_fork: cache sizes do not match the pool's expert rows");
   if (gate_up_out->untyped_data() != gate_up.untyped_data() || down_out->untyped_data() != down.untyped_data())
     return ffi::Error::InvalidArgument("bg_fork: the caches must be aliased to the outputs and donated");
+  const Bank& g = pool->gate_up();
+  const Bank& d = pool->down();
+  if (!pool->pinned() || !g.device_ptr || !d.device_ptr || g.expert_bytes % 16 || d.expert_bytes % 16)
+    return ffi::Error::InvalidArgument("bg_fork: the host pool must be pinned, its expert rows multiples of 16 B");
   try {
     std::lock_guard<std::mutex> lock(bg_mu);  // one fork at a time per process: the ring and the side stream
     cudaStream_t side = side_stream();
@@ -171,10 +175,6 @@ ffi::Error BgForkImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> ids, ffi::Buffe
                                     b->seq, seq_at_fork);
     cuda_check(cudaGetLastError(), "bg_fork: stage");
     fork_to_side(stream);
-    const Bank& g = pool->gate_up();
-    const Bank& d = pool->down();
-    if (!pool->pinned() || !g.device_ptr || !d.device_ptr || g.expert_bytes % 16 || d.expert_bytes % 16)
-      throw std::invalid_argument("the host pool must be pinned, its expert rows multiples of 16 bytes");
     bg_fill<<<static_cast<unsigned>(blocks > 0 ? blocks : 16), kFillThreads, 0, side>>>(
         entry, L, F, seq_at_fork, b->done, pool->n_experts(), S, static_cast<const uint4*>(g.device_ptr),
         static_cast<uint4*>(gate_up.untyped_data()), g.expert_bytes / 16, static_cast<const uint4*>(d.device_ptr),
