@@ -173,6 +173,11 @@ void ensure_side(SideStream& s) {  // caller holds s.mu
   for (auto& ev : s.ring_done) cuda_check(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), "fill fork: ring event");
 }
 
+void fork_locked(SideStream& s, cudaStream_t stream) {  // caller holds s.mu; the side stream exists
+  cuda_check(cudaEventRecord(s.forked, stream), "fork: record");
+  cuda_check(cudaStreamWaitEvent(s.stream, s.forked, 0), "fork: wait");
+}
+
 cudaEvent_t lane_done(SideStream& s, int64_t lane) {  // caller holds s.mu
   cudaEvent_t& ev = s.done[lane];
   if (!ev) cuda_check(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), "fork lane event");
@@ -199,8 +204,7 @@ ffi::Error FillForkImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> ids, ffi::Buf
     stage_lists<<<1, 256, 0, stream>>>(ids.typed_data(), slots.typed_data(), n_valid.typed_data(), entry, cap);
     cuda_check(cudaGetLastError(), "fill fork: stage lists");
     cudaEvent_t done = lane_done(s, lane);
-    cuda_check(cudaEventRecord(s.forked, stream), "fill fork: record");
-    cuda_check(cudaStreamWaitEvent(s.stream, s.forked, 0), "fill fork: wait");
+    fork_locked(s, stream);
     ffi::Error err = CheckedFill(s.stream, ids, slots, n_valid, gate_up, down, gate_up_out, down_out, pool_id,
                                  blocks, entry);
     if (err.failure()) return err;
@@ -238,8 +242,7 @@ void fork_to_side(cudaStream_t stream) {
   SideStream& s = side();
   std::lock_guard<std::mutex> lock(s.mu);
   ensure_side(s);
-  cuda_check(cudaEventRecord(s.forked, stream), "fork: record");
-  cuda_check(cudaStreamWaitEvent(s.stream, s.forked, 0), "fork: wait");
+  fork_locked(s, stream);
 }
 
 void sync_side_stream() {

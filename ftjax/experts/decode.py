@@ -210,6 +210,7 @@ class OffloadExperts:
             raise ValueError(f"layer {layer} outside the pool's {self.num_layers} layers")
         rule = self.policy.rule(decode)
         background = self.background_fills and self.platform == "cuda"
+        bg_decode = background and decode  # this call may defer; the last layer forks the step's fills
         if background:  # this layer's background fill of its last call lands before anything reads the banks
             from ftjax.host import cuda
 
@@ -236,16 +237,13 @@ class OffloadExperts:
         else:
             y_cpu = cpu_experts(*cpu_args, self.pool)
 
-        if plan.fill_ids.shape[0]:
-            deferred = plan.deferred if background and decode else None
-            state = self._fill(state, plan, token, deferred)
-            if deferred is not None:  # this call's deferred fills, started after the step's last layer
+        if plan.fill_ids.shape[0]:  # (always, under a policy with background fills: T*k, E, S >= 1)
+            state = self._fill(state, plan, token, plan.deferred if bg_decode else None)
+            if bg_decode:  # this call's deferred fills (or none), started after the step's last layer
                 F = plan.fill_ids.shape[0]
                 state = dict(state, bg_ids=state["bg_ids"].at[layer, :F].set(plan.fill_ids),
                              bg_slots=state["bg_slots"].at[layer, :F].set(plan.fill_slots),
-                             bg_n=state["bg_n"].at[layer].set(jnp.where(deferred, plan.n_fill, 0)))
-        elif background and decode:
-            state = dict(state, bg_n=state["bg_n"].at[layer].set(0))
+                             bg_n=state["bg_n"].at[layer].set(jnp.where(plan.deferred, plan.n_fill, 0)))
         if self.num_slots:
             y = self._gpu_part(state, layer, x, expert_ids, gate_weights, token_valid, plan.route_slot)
         else:
@@ -255,7 +253,7 @@ class OffloadExperts:
             y_cpu, _status, y = cuda.cpu_experts_collect(token, T, x.shape[1], self.channel_base + layer, after=y,
                                                          fused=self.fused_handshake)
         y = (y.astype(jnp.float32) + y_cpu).astype(x.dtype)
-        if background and decode and layer == self.num_layers - 1:  # the step's background fills, after its work
+        if bg_decode and layer == self.num_layers - 1:  # the step's background fills, after its work
             ids, y = jax.lax.optimization_barrier((state["bg_ids"], y))
             gu, dn = cuda.background_fork(ids, state["bg_slots"], state["bg_n"], state["gate_up"], state["down"],
                                           self.pool, self.background_id, blocks=BACKGROUND_FILL_BLOCKS)

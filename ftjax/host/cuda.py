@@ -84,8 +84,8 @@ def _blocks(blocks: int) -> int:
 
 
 def expert_fill_fork(ids, slots, n_valid, gate_up_cache, down_cache, pool, *, lane: int = 0, blocks: int = 0):
-    """`expert_fill` on a side stream (the decode step's background fills; bench/overlap.py), forked from XLA's stream after the
-    work issued so far, so GPU work issued after it can run beside it. The returned caches are NOT filled
+    """Experimental (bench/overlap.py's "fork"): `expert_fill` on a side stream, forked from XLA's stream
+    after the work issued so far, so GPU work issued after it can run beside it. The returned caches are NOT filled
     until `join_banks` on the same ``lane``: read them only through its outputs. All lanes share one side
     stream (forked fills run in issue order); a join waits for its lane's latest fork only. Runs outside
     XLA's command buffers (the events do not survive graph capture)."""
@@ -137,7 +137,8 @@ def background_fork(ids, slots, n_valid, gate_up_cache, down_cache, pool, bg: in
 
 
 def sync_fills() -> None:
-    """The host waits until every fill forked so far (`expert_fill_fork`, any lane) has landed."""
+    """The host waits until every fill on the side stream so far (`expert_fill_fork`, `background_fork`)
+    has landed."""
     _host.sync_side_stream()
 
 

@@ -19,10 +19,10 @@ Plan (one screen):
   4. `routing.combine_rows`: fp32 weighted gather-sum back to tokens.
   The kernels always get at least one row tile (``max(n_tiles, 1)``, slots clamped into the
   cache): Mosaic GPU hung once on an all-empty launch, and an empty batch then computes one tile
-  of zero padding rows that no route reads. No ``lax.cond``: XLA:GPU ran the earlier
-  ``lax.cond(n_tiles > 0)`` by copying the predicate to the host and waiting (the H200 trace of an
-  8K-token Qwen-shape call, session 9: one device-to-host copy per call and 0.73 ms of a 1.97 ms
-  span with no GPU work).
+  of zero padding rows that no route reads. No ``lax.cond``: XLA:GPU runs a conditional by reading
+  its predicate on the host. The H200 trace of an 8K-token Qwen-shape call with the earlier
+  ``lax.cond(n_tiles > 0)`` showed one device-to-host copy per call and 0.73 ms of a 1.97 ms span
+  with no GPU work (session 9); that the cond caused them is not yet measured.
 
 Kernel layout (both kernels are one builder, `_grouped_matmul`): a persistent grid of one CTA
 per SM walks the output tiles ``(m, n)``, ``n`` fastest, so neighbouring CTAs share a row tile and
@@ -383,7 +383,7 @@ def _check_routing(x, expert_ids, gate_weights, token_valid, slot_of_expert):
 def _prefill(x, expert_ids, gate_weights, token_valid, slot_of_expert, gu_weights, d_weights,
              *, hidden, inter, tiles):
     tile_m, tile_n_gate_up, tile_n_down, tile_k, stages, num_sms, interpret = tiles
-    num_tokens, top_k = expert_ids.shape
+    top_k = expert_ids.shape[1]
     num_experts = slot_of_expert.shape[0]
     plan = routing.plan_routes(expert_ids, token_valid, num_experts, tile_m)
     n_slots = gu_weights[0].shape[0]

@@ -151,7 +151,7 @@ def test_deferred_fills_are_never_touched_before_their_join(S, T, victims_by):
             else:
                 assert int(plan.cpu_experts) == m - nf
             if layer == 0:  # every miss is either a hit-to-be or on the CPU: the CPU list covers them
-                flat = (ids[0] + 0).reshape(-1)
+                flat = ids[0].reshape(-1)
                 rv = np.repeat(valid, k)
                 missed = rv & (before_slot_of[flat] < 0)
                 if bool(plan.deferred):
