@@ -92,7 +92,7 @@ for s in "${steps[@]}"; do
          --decode-tokens 1 2 4 8 --iters 5 --profile /tmp/kprof --out "$OUT/kernels_profile.json"
        run kernels_profile 60 python3 bench/trace_summary.py /tmp/kprof --top 8 --steps 64 ;;
     overlap)  # can a fill run beside other GPU work in one jitted step, per fill block count? (~3 min)
-       run overlap 240 python3 bench/overlap.py --layers 40 --blocks 0 16 32 --profile /tmp/ov --out "$OUT/overlap.json"
+       run overlap 240 python3 bench/overlap.py --layers 40 --blocks ${OVERLAP_BLOCKS:-0 16 32} --profile /tmp/ov --out "$OUT/overlap.json"
        run overlap 60 python3 bench/trace_summary.py /tmp/ov --top 6 --steps 3 ;;
     prefill-profile)  # prefill, 8K tokens, both shapes, bf16: the Mosaic GPU kernels alone vs the call (~2 min)
        run prefill_profile 200 python3 bench/kernels.py --only prefill --shapes 2048x512 4096x2048 --dtypes bf16 \
