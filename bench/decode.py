@@ -264,9 +264,10 @@ def main(argv=None) -> int:
     ap.add_argument("--victims-by", choices=tuple(VICTIM_METHODS),
                     help="how the plan ranks the LRU victims (plan_layer's victims_by; same slots); default: the "
                          "backend's choice for the platform and cache size (default_victims_by: rank on the GPU)")
-    ap.add_argument("--defer", choices=("on", "off", "both"), default="off",
-                    help="lru-split's background fills (OffloadExperts defer_fills; off is the library default): "
-                         "on, off, or both: the lru-split row without them and a 'split bg-fills' row with them")
+    ap.add_argument("--defer", choices=("on", "off", "both"), default="on",
+                    help="lru-split's background fills (OffloadExperts defer_fills; on is the library default on "
+                         "the GPU): on, off, or both: the lru-split row without them and a 'split bg-fills' row "
+                         "with them")
     ap.add_argument("--tokenizer", default=str(TOKENIZER), help="the real Qwen3 tokenizer (routing text)")
     ap.add_argument("--worker-variants", nargs="*", default=[], metavar="N:SPIN_US",
                     help="also run lru-split with the CPU worker pool reconfigured (N workers, -1 = default; "

@@ -79,6 +79,9 @@ def add_expert_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--expert-kernel", choices=("jnp", "pallas"), default="jnp",
                    help="device-side expert code: jnp (gather/ragged dots) or pallas (Mosaic GPU kernels, "
                    "bf16 weights; Hopper)")
+    g.add_argument("--no-background-fills", dest="background_fills", action="store_false", default=None,
+                   help="lru-split on the GPU: fill every miss of a decode call in that call (default: a call "
+                   "the CPU serves faster computes its misses there and fills them beside the next step)")
 
 
 def _sampling_params(args):
@@ -114,7 +117,8 @@ def _run_generation(model, args, prompt: str, echo_prompt: bool = False) -> None
     if not prompt:
         raise CLIError("the prompt is empty")
     gen = Generator(model, batch=1, max_len=args.max_len, policy=args.policy, vram_gib=args.vram_gib,
-                    online_split=not args.fixed_split, expert_kernel=args.expert_kernel)
+                    online_split=not args.fixed_split, expert_kernel=args.expert_kernel,
+                    background_fills=args.background_fills)
     text = _prompt_text(gen.tokenizer, args, prompt)
     ids = gen.encode_prompt(text)
     if len(ids) > gen.max_len:

@@ -53,6 +53,9 @@ class EngineConfig:
     online_split: under lru-split, refine the fill fraction from measured decode step times
         (``ftjax.experts.bandwidth.SplitController``); False keeps the calibration profile's.
     expert_kernel: device-side expert code, "jnp" (default) or "pallas" (Mosaic GPU kernels, bf16).
+    background_fills: under lru-split, a decode call the CPU serves faster than the split computes its
+        misses on the CPU and fills them beside the next step (``OffloadExperts.defer_fills``); None =
+        on the GPU, off on the CPU.
     """
 
     max_slots: int = 4
@@ -64,11 +67,13 @@ class EngineConfig:
     vram_gib: float | None = None
     online_split: bool = True
     expert_kernel: str = "jnp"
+    background_fills: bool | None = None
 
     def __post_init__(self):
         from ftjax.experts.runtime import OffloadConfig
 
-        OffloadConfig(self.policy, self.vram_gib, kernel=self.expert_kernel)  # validates them
+        OffloadConfig(self.policy, self.vram_gib, kernel=self.expert_kernel,  # validates them
+                      background_fills=self.background_fills)
         _check_int("max_slots", self.max_slots, 1)
         if self.max_len is not None:
             _check_int("max_len", self.max_len, 2)

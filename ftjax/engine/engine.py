@@ -116,7 +116,8 @@ class Engine:
         return ModelAccelerator(model, self.config.max_slots, self.max_len, self.config.prefill_chunk,
                                 self.config.dtype, OffloadConfig(self.config.policy, self.config.vram_gib,
                                                               online=self.config.online_split,
-                                                              kernel=self.config.expert_kernel))
+                                                              kernel=self.config.expert_kernel,
+                                                              background_fills=self.config.background_fills))
 
     def _attach(self, accelerator) -> None:
         if accelerator.max_slots != self.config.max_slots:

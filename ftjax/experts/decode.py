@@ -79,10 +79,10 @@ class OffloadExperts:
     (``bg_ids``/``bg_slots``/``bg_n``, one row per layer), and after the step's last layer one
     ``cuda.background_fork`` starts them all on a side stream (BACKGROUND_FILL_BLOCKS thread blocks each,
     so they run beside the next step's GPU work); each layer's next call waits for its own
-    (``cuda.background_wait``, inside the command buffer). Off unless asked: the first form (a fork
-    and a join per layer, outside command buffers) ran at 0.94x of lru-split without background fills
-    on the H200 (40 layers, batch 1, 37%; bench/RESULTS.md, session 9); this form is not yet measured.
-    The CPU platform fills at once either way (the routing is the same, which CI tests).
+    (``cuda.background_wait``, inside the command buffer). None (default): on for the CUDA platform,
+    off for the CPU one (which would fill at once anyway: the routing is the same, which CI tests).
+    On the H200 (40 layers, 37%, trace routing; bench/RESULTS.md, session 10) it ran 1.06x lru-split
+    without it at batch 1 and 1.03x at batch 4.
     Call `drain` before dropping a state on the GPU (a background fill may still be writing its banks).
     """
 
@@ -99,12 +99,16 @@ class OffloadExperts:
     fused_handshake: bool = True
     plan_impl: str = "scatter"
     victims_by: str | None = None
-    defer_fills: bool = False
+    defer_fills: bool | None = None
     channel_base: int = -1
     background_id: int = -1
 
     def __post_init__(self):
         object.__setattr__(self, "policy", get_policy(self.policy))
+        if self.defer_fills is None:
+            object.__setattr__(self, "defer_fills", self.platform == "cuda")
+        if self.defer_fills not in (True, False):
+            raise ValueError(f"defer_fills must be None, True or False, got {self.defer_fills!r}")
         L, E = self.num_layers, self.num_experts
         if L * E != self.pool.n_experts:
             raise ValueError(f"{L} layers x {E} experts != the pool's {self.pool.n_experts} experts")

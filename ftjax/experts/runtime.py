@@ -25,7 +25,8 @@ class OffloadConfig:
     """policy: one of ``POLICIES`` or None (all resident, no cache); vram_gib: expert-cache budget
     (None: the whole pool); num_slots overrides the budget; fill_cap bounds fills per layer call;
     online: refine the miss split from measured step times; kernel: the device-side expert code,
-    "jnp" or "pallas" (``ftjax.experts.kernels``)."""
+    "jnp" or "pallas" (``ftjax.experts.kernels``); background_fills: lru-split decode calls may fill in
+    the background (``OffloadExperts.defer_fills``; None: on the GPU, not on the CPU)."""
 
     policy: str | None = None
     vram_gib: float | None = None
@@ -33,11 +34,14 @@ class OffloadConfig:
     fill_cap: int | None = None
     online: bool = True
     kernel: str = "jnp"
+    background_fills: bool | None = None
 
     def __post_init__(self):
         from ftjax.experts.kernels import check_kernel
 
         check_kernel(self.kernel)
+        if self.background_fills not in (None, True, False):
+            raise ValueError(f"background_fills must be None, True or False, got {self.background_fills!r}")
         if self.policy is not None and self.policy not in POLICIES:
             raise ValueError(f"policy={self.policy!r} unknown; valid: {sorted(POLICIES)}")
         if self.vram_gib is not None and not self.vram_gib >= 0:
@@ -96,7 +100,7 @@ def build_backend(cfg, banks=None, config: OffloadConfig | None = None, *, pool=
         pool.pin_if_cuda()
     band = bw.load_bandwidth()
     backend = OffloadExperts(pool, L, E, S, policy, fill_cap=config.fill_cap, platform=platform,
-                             max_tokens=max_tokens, kernel=config.kernel)
+                             max_tokens=max_tokens, kernel=config.kernel, defer_fills=config.background_fills)
     state = backend.init_state(fill_fraction=band.fill_fraction)
     info = {"policy": policy.name, "num_slots": S, "slot_bytes": slot_bytes, "platform": platform,
             "bandwidth": band, "cache_fraction": S / (L * E)}

@@ -169,7 +169,8 @@ def test_decode_step_never_copies_a_bank(model, defer):
 
 def test_defer_flag_defaults(model):
     cfg, params, banks, pool = model
-    assert not OffloadExperts(pool, L, E, 4, "lru-split").background_fills  # off unless asked
+    assert not OffloadExperts(pool, L, E, 4, "lru-split").background_fills  # default: on the GPU only
+    assert OffloadExperts(pool, L, E, 4, "lru-split", defer_fills=True).background_fills
     assert not OffloadExperts(pool, L, E, 4, "lru-fill", defer_fills=True).background_fills  # fills everything
     assert not OffloadExperts(pool, L, E, 4, "static", defer_fills=True).background_fills
 
@@ -188,6 +189,8 @@ def test_bad_sizes(model):
         OffloadExperts(pool, L, E, 3, plan_impl="sparse")
     with pytest.raises(ValueError, match="victims_by"):
         OffloadExperts(pool, L, E, 3, victims_by="sort")
+    with pytest.raises(ValueError, match="defer_fills"):
+        OffloadExperts(pool, L, E, 3, defer_fills="yes")
 
 
 def test_default_victims_by(model):

@@ -27,7 +27,8 @@ def tiny(tmp_path_factory):
     return load_store(store), Tokenizer.from_dir(store)
 
 
-def test_engine_lru_split_matches_resident(tiny):
+@pytest.mark.parametrize("background_fills", [None, True])
+def test_engine_lru_split_matches_resident(tiny, background_fills):
     model, tok = tiny
     prompts = ["the lighthouse", "a keeper of"]
     sp = SamplingParams(temperature=0.0, max_tokens=6)
@@ -37,14 +38,17 @@ def test_engine_lru_split_matches_resident(tiny):
     slot_gib = 3 * cfg.hidden_size * cfg.moe_intermediate_size * 4 / 2**30
     budget = slot_gib * max(2, int(0.37 * cfg.num_layers * cfg.num_experts))
     with Engine(model, tok, EngineConfig(max_slots=2, max_len=64, prefill_chunk=16, policy="lru-split",
-                                         vram_gib=budget)) as eng:
+                                         vram_gib=budget, background_fills=background_fills)) as eng:
+        assert eng.accelerator.backend.background_fills == bool(background_fills)  # None: the GPU only
         got = [r.token_ids for r in eng.generate(prompts, sp)]
         eng.accelerator.expert_stats.after_step(eng.accelerator.expert_state, force=True)
         stats = eng.stats()
     assert got == want
     ex = stats["experts"]
     assert ex["backend"] == "lru-split" and ex["num_slots"] >= 2
-    assert ex["misses"] == ex["fills"] + ex["cpu_experts"] and ex["hits"] + ex["misses"] > 0
+    assert ex["misses"] == ex["fills"] + ex["cpu_experts"] - ex["deferred"] and ex["hits"] + ex["misses"] > 0
+    if not background_fills:
+        assert ex["deferred"] == 0
     assert stats["bandwidth"]["b_pcie_gbps"] > 0
 
 
@@ -53,6 +57,8 @@ def test_budget_errors():
         OffloadConfig(policy="lfu")
     with pytest.raises(ValueError, match="vram_gib"):
         EngineConfig(vram_gib=-1)
+    with pytest.raises(ValueError, match="background_fills"):
+        EngineConfig(background_fills="yes")
 
 
 def test_bandwidth_from_profile_and_online_tuner():
