@@ -152,6 +152,11 @@ for s in "${steps[@]}"; do
        b=${s##*-b}  # (call 3 ran both batches in 417 s; each process now also times the resident engine, ~+65 s)
        run "decode_warm_b$b" 400 python3 bench/decode.py --layers 40 --batches $b --routing trace --fractions 0.37 \
          --policies lru-split lru-fill --steps 32 --warmup 24 --online-warmup 128 --out "$OUT/decode_warm_b$b.json" ;;
+    decode-text-defer-b1|decode-text-defer-b4)  # text routing, 37%, warm: lru-split with background fills vs without
+       b=${s##*-b}
+       run "decode_text_defer_b$b" 400 python3 bench/decode.py --layers 40 --batches $b --routing text --tokenizer "$tok" \
+         --fractions 0.37 --policies lru-split lru-fill --defer both --no-sweep --no-online --steps 32 --warmup 24 \
+         --out "$OUT/decode_text_defer_b$b.json" ;;
     decode-text-b1|decode-text-b4)  # session 7 call 4, one batch per step: text routing, 37% and 11% (~300 s each)
        b=${s##*-b}
        run "decode_text_b$b" 400 python3 bench/decode.py --layers 40 --batches $b --routing text --tokenizer "$tok" \
