@@ -213,6 +213,28 @@ int64_t create_background(int64_t layers, int64_t max_fill) {
   return id;
 }
 
+void destroy_background(int64_t id) {
+  cuda_check(cudaDeviceSynchronize(), "destroy_background");  // its fills, waits and stagings have run
+  std::unique_ptr<Background> b;
+  {
+    std::lock_guard<std::mutex> lock(bg_mu);
+    auto it = backgrounds().find(id);
+    if (it == backgrounds().end()) throw std::invalid_argument("no background with id " + std::to_string(id));
+    b = std::move(it->second);
+    backgrounds().erase(it);
+  }
+  for (auto& ev : b->ring_done) cudaEventDestroy(ev);
+  cudaFree(b->ring_seq);
+  cudaFree(b->ring);
+  cudaFree(b->seq);
+  cudaFreeHost(b->error_host);
+}
+
+int64_t live_backgrounds() {
+  std::lock_guard<std::mutex> lock(bg_mu);
+  return static_cast<int64_t>(backgrounds().size());
+}
+
 bool background_error(int64_t id) {
   Background* b = find_background(id);
   if (!b) throw std::invalid_argument("no background with id " + std::to_string(id));

@@ -125,6 +125,11 @@ void bind_cuda(nb::module_& m) {
     return std::string(prop.name);
   }, "device"_a = 0);
   m.def("create_channel", &create_channel, "channel"_a, "pool_id"_a, "max_tokens"_a, "max_tasks"_a);
+  m.def("destroy_channel", [](int64_t channel) {
+    nb::gil_scoped_release release;
+    destroy_channel(channel);
+  }, "channel"_a);
+  m.def("live_channels", &live_channels);
   m.def("channel_error", &channel_error, "channel"_a);
   m.def("channel_jobs", &channel_jobs, "channel"_a);
   m.def("channel_serve_seconds", &channel_serve_seconds, "channel"_a);
@@ -132,6 +137,11 @@ void bind_cuda(nb::module_& m) {
   m.def("memcpy_h2d_seconds", &memcpy_h2d_seconds, "nbytes"_a, "reps"_a = 10);
   m.def("create_background", &create_background, "layers"_a, "max_fill"_a);
   m.def("background_error", &background_error, "id"_a);
+  m.def("destroy_background", [](int64_t id) {
+    nb::gil_scoped_release release;
+    destroy_background(id);
+  }, "id"_a);
+  m.def("live_backgrounds", &live_backgrounds);
   m.def("sync_side_stream", []() {
     nb::gil_scoped_release release;
     sync_side_stream();

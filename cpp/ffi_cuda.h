@@ -23,6 +23,8 @@ void* bg_wait_handler();
 void* bg_fork_handler();
 int64_t create_background(int64_t layers, int64_t max_fill);  // -> id
 bool background_error(int64_t id);                            // a wait timed out
+void destroy_background(int64_t id);  // after the GPU is idle; its id is unknown from then on
+int64_t live_backgrounds();
 
 // The fill kernel outside XLA (benchmarks, calibration).
 void launch_fill(cudaStream_t stream, const ExpertPool& pool, const int32_t* ids, const int32_t* slots,
@@ -31,6 +33,8 @@ void launch_fill(cudaStream_t stream, const ExpertPool& pool, const int32_t* ids
 
 // CPU-branch channels: staging in mapped pinned memory, served by one coordinator thread.
 void create_channel(int64_t channel, uint64_t pool_id, int64_t max_tokens, int64_t max_tasks);
+void destroy_channel(int64_t channel);  // after the GPU is idle: frees its staging
+int64_t live_channels();
 std::string channel_error(int64_t channel);  // last CPU-side error message ("" if none)
 uint64_t channel_jobs(int64_t channel);      // jobs the coordinator completed on this channel
 double channel_serve_seconds(int64_t channel);  // their CPU time, request seen -> done published

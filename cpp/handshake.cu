@@ -68,6 +68,33 @@ class Coordinator {
     snapshot_version_.fetch_add(1);
     if (!thread_.joinable()) thread_ = std::thread(&Coordinator::run, this);
   }
+  // Takes the channel out of the served set; returns it once the coordinator thread no longer holds a
+  // pointer to it (it has taken a snapshot without it), so the caller may free its memory.
+  std::unique_ptr<Channel> remove(int64_t id) {
+    std::unique_ptr<Channel> ch;
+    uint64_t version;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = channels_.find(id);
+      if (it == channels_.end()) throw std::invalid_argument("channel " + std::to_string(id) + " was not created");
+      ch = std::move(it->second);
+      channels_.erase(it);
+      version = snapshot_version_.fetch_add(1) + 1;
+    }
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    while (thread_.joinable() && seen_version_.load() < version) {
+      if (std::chrono::steady_clock::now() > deadline) {
+        ch.release();  // the thread may still read it: leak rather than free under it
+        throw std::runtime_error("channel " + std::to_string(id) + ": the coordinator did not let go of it in 10 s");
+      }
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+    return ch;
+  }
+  size_t size() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return channels_.size();
+  }
 
  private:
   void serve(Channel& ch, uint32_t seq) {
@@ -110,6 +137,7 @@ class Coordinator {
         version = snapshot_version_.load();
         list.clear();
         for (auto& kv : channels_) list.push_back(kv.second.get());
+        seen_version_.store(version);  // no pointer of an older snapshot is used after this
       }
       bool any = false;
       for (Channel* ch : list) {
@@ -136,6 +164,7 @@ class Coordinator {
   std::mutex mu_;
   std::map<int64_t, std::unique_ptr<Channel>> channels_;
   std::atomic<uint64_t> snapshot_version_{0};
+  std::atomic<uint64_t> seen_version_{0};  // the snapshot the coordinator thread is using
   std::atomic<bool> stop_{false};
   std::thread thread_;
 };
@@ -395,6 +424,17 @@ void create_channel(int64_t channel, uint64_t pool_id, int64_t max_tokens, int64
   cuda_check(cudaHostGetDevicePointer(reinterpret_cast<void**>(&ch->stage_dev), p, 0), "cudaHostGetDevicePointer");
   coordinator().add(std::move(ch));
 }
+
+void destroy_channel(int64_t channel) {
+  // The GPU first: a submit or collect still in flight reads the staging, and the coordinator must
+  // still serve it (a collect would otherwise wait for its watchdog).
+  cuda_check(cudaDeviceSynchronize(), "destroy_channel");
+  std::unique_ptr<Channel> ch = coordinator().remove(channel);
+  cudaFreeHost(ch->stage);
+  cudaFreeHost(ch->ctrl);
+}
+
+int64_t live_channels() { return static_cast<int64_t>(coordinator().size()); }
 
 std::string channel_error(int64_t channel) {
   Channel* ch = coordinator().get(channel);

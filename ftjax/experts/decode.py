@@ -20,6 +20,8 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import warnings
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -58,6 +60,21 @@ def default_victims_by(platform: str, num_slots: int) -> str:
     37%, batch 4: lru-split 206.0 -> 262.1 tok/s; bench/RESULTS.md session 8); "topk" on the CPU
     backend (there the S^2 count is the slower: 94 vs 36 us per layer at 700 slots) and above that size."""
     return "rank" if platform == "cuda" and num_slots <= RANK_MAX_SLOTS else "topk"
+
+
+def _release_cuda(made: dict) -> None:
+    """A dropped CUDA backend's CPU-branch staging (pinned, ~4 MiB per layer at 256 tokens) and background
+    state. Runs when the backend is unreachable, so no step can still be enqueued on them; each destroy
+    first waits for the GPU to finish what was enqueued."""
+    from ftjax.host import cuda
+
+    try:
+        for ch in made["channels"]:
+            cuda.destroy_channel(ch)
+        if made["background"] is not None:
+            cuda.destroy_background(made["background"])
+    except Exception as e:  # noqa: BLE001  (a finalizer: report, never raise into the collector)
+        warnings.warn(f"freeing a CUDA expert backend's staging failed: {e}", RuntimeWarning, stacklevel=1)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -137,11 +154,15 @@ class OffloadExperts:
             object.__setattr__(self, "channel_base", base)
             if self.cpu_branch:
                 tune_workers_for_gpu()
+            made = {"channels": [], "background": None}  # freed with the backend, even if a creation fails
+            weakref.finalize(self, _release_cuda, made).atexit = False
             for layer in range(L if self.cpu_branch else 0):
                 cuda.create_channel(base + layer, self.pool, self.max_tokens,
                                     self.max_tokens * max(1, E))
+                made["channels"].append(base + layer)
             if self.background_fills:
                 object.__setattr__(self, "background_id", cuda.create_background(L, self.background_capacity))
+                made["background"] = self.background_id
 
     @property
     def background_fills(self) -> bool:

@@ -50,6 +50,16 @@ def create_channel(channel: int, pool, max_tokens: int, max_tasks: int) -> None:
     _host.create_channel(int(channel), int(pool.id), int(max_tokens), int(max_tasks))
 
 
+def destroy_channel(channel: int) -> None:
+    """Free a channel's staging (waits until the GPU is idle: work in flight may still use it)."""
+    _host.destroy_channel(int(channel))
+
+
+def live_channels() -> int:
+    """CPU-branch channels not yet destroyed."""
+    return int(_host.live_channels())
+
+
 def channel_error(channel: int) -> str:
     return _host.channel_error(int(channel))
 
@@ -103,6 +113,16 @@ def create_background(num_layers: int, max_fill: int) -> int:
     """Device state of one backend's background fills (`background_fork` / `background_wait`): a
     sequence number, one done flag per layer, a ring of list copies. Returns its id."""
     return int(_host.create_background(int(num_layers), int(max_fill)))
+
+
+def destroy_background(bg: int) -> None:
+    """Free a background's device state (waits until the GPU is idle: its fills may be running)."""
+    _host.destroy_background(int(bg))
+
+
+def live_backgrounds() -> int:
+    """Backgrounds not yet destroyed."""
+    return int(_host.live_backgrounds())
 
 
 def background_error(bg: int) -> bool:

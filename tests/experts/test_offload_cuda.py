@@ -71,3 +71,26 @@ def test_decode_step_never_copies_a_bank(setup, batch):
     hlo = decode_hlo(cfg, params, backend, state, batch)
     assert "ftjax_bg_wait" in hlo and "ftjax_bg_fork" in hlo
     assert not bank_copies(hlo, state), bank_copies(hlo, state)
+
+
+def test_dropped_backend_frees_its_staging(setup):
+    """A CUDA backend's CPU-branch channels (pinned staging, ~4 MiB per layer at 256 tokens) and its
+    background-fill state are freed once the backend is unreachable, after its steps ran (fills in flight)."""
+    import gc
+
+    cfg, params, pool, ref = setup
+    gc.collect()
+    channels, backgrounds = cuda.live_channels(), cuda.live_backgrounds()
+    backend = OffloadExperts(pool, L, E, SIZES["37%"], "lru-split", platform="cuda")  # background fills: default
+    assert backend.background_fills
+    assert (cuda.live_channels(), cuda.live_backgrounds()) == (channels + L, backgrounds + 1)
+    got, st = run(cfg, params, backend, backend.init_state(fill_fraction=0.4), 1)
+    assert np.abs(got - ref[1]).max() / np.abs(ref[1]).max() < 1e-4
+    assert int(np.asarray(st["stats"]["deferred"]).sum()) > 0  # a background fill ran (f = 0.4)
+    del backend, st
+    gc.collect()
+    assert (cuda.live_channels(), cuda.live_backgrounds()) == (channels, backgrounds)
+    # a new backend still works after the old one's staging is gone
+    backend = OffloadExperts(pool, L, E, SIZES["37%"], "lru-split", platform="cuda")
+    got, _ = run(cfg, params, backend, backend.init_state(fill_fraction=0.4), 1)
+    assert np.abs(got - ref[1]).max() / np.abs(ref[1]).max() < 1e-4
