@@ -19,10 +19,13 @@ Plan (one screen):
   4. `routing.combine_rows`: fp32 weighted gather-sum back to tokens.
   The kernels always get at least one row tile (``max(n_tiles, 1)``, slots clamped into the
   cache): Mosaic GPU hung once on an all-empty launch, and an empty batch then computes one tile
-  of zero padding rows that no route reads. No ``lax.cond``: XLA:GPU runs a conditional by reading
-  its predicate on the host. The H200 trace of an 8K-token Qwen-shape call with the earlier
-  ``lax.cond(n_tiles > 0)`` showed one device-to-host copy per call and 0.73 ms of a 1.97 ms span
-  with no GPU work (session 9); that the cond caused them is not yet measured.
+  of zero padding rows that no route reads. No ``lax.cond`` (XLA:GPU runs a conditional by reading
+  its predicate on the host); the route plan goes through an optimization barrier instead, which
+  also keeps XLA from fusing the plan's index math into the gather and the combine (without either,
+  that fusion cost 5.7 ms of glue at 8K tokens on the H200, session 10). The idle time of a single
+  call (0.55 ms of 1.8 at 8K, Qwen shape) stayed without the cond: it is mostly the host's launch
+  and wait; dispatched back to back a call took 1.38 ms against 1.27 ms of GPU work
+  (`bench/kernels.py` b2b column).
 
 Kernel layout (both kernels are one builder, `_grouped_matmul`): a persistent grid of one CTA
 per SM walks the output tiles ``(m, n)``, ``n`` fastest, so neighbouring CTAs share a row tile and
