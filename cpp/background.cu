@@ -241,6 +241,12 @@ bool background_error(int64_t id) {
   return *reinterpret_cast<volatile int32_t*>(b->error_host) != 0;
 }
 
+void clear_background_error(int64_t id) {
+  Background* b = find_background(id);
+  if (!b) throw std::invalid_argument("no background with id " + std::to_string(id));
+  *reinterpret_cast<volatile int32_t*>(b->error_host) = 0;
+}
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FtjaxBgWait, BgWaitImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()

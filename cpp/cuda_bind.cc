@@ -137,6 +137,7 @@ void bind_cuda(nb::module_& m) {
   m.def("memcpy_h2d_seconds", &memcpy_h2d_seconds, "nbytes"_a, "reps"_a = 10);
   m.def("create_background", &create_background, "layers"_a, "max_fill"_a);
   m.def("background_error", &background_error, "id"_a);
+  m.def("clear_background_error", &clear_background_error, "id"_a);
   m.def("destroy_background", [](int64_t id) {
     nb::gil_scoped_release release;
     destroy_background(id);

@@ -23,6 +23,7 @@ void* bg_wait_handler();
 void* bg_fork_handler();
 int64_t create_background(int64_t layers, int64_t max_fill);  // -> id
 bool background_error(int64_t id);                            // a wait timed out
+void clear_background_error(int64_t id);                      // (a fresh state: its waits have not)
 void destroy_background(int64_t id);  // after the GPU is idle; its id is unknown from then on
 int64_t live_backgrounds();
 

@@ -48,6 +48,10 @@ class Accelerator(Protocol):
 
     def memory(self) -> dict[str, int]: ...
 
+    def check_step(self) -> None: ...  # after the host read a step's outputs: raise if it went wrong
+
+    def drain(self) -> None: ...  # before the states are dropped: no device work still writes them
+
 
 def pow2_at_least(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
@@ -187,14 +191,35 @@ class ModelAccelerator:
         except Exception:
             # The donated state may be gone: start from empty slots (the scheduler fails their requests).
             log.warning("step failed; re-initialising the slot state")
-            self.state = get_family(self.cfg).init_state(self.cfg, self.max_slots, self.max_len, self.dtype)
-            if self.offload.offloaded:
-                f = self.split.fraction if self.split is not None else self.expert_info["bandwidth"].fill_fraction
-                self.expert_state = self.backend.init_state(f)
-            else:
-                self.expert_state = ResidentExperts.init_state(self._banks, dtype=self._jdtype)
+            self._fresh_states()
             raise
         return logits
+
+    def _fresh_states(self) -> None:
+        self.state = get_family(self.cfg).init_state(self.cfg, self.max_slots, self.max_len, self.dtype)
+        if self.offload.offloaded:
+            f = self.split.fraction if self.split is not None else self.expert_info["bandwidth"].fill_fraction
+            self.expert_state = self.backend.init_state(f)
+        else:
+            self.expert_state = ResidentExperts.init_state(self._banks, dtype=self._jdtype)
+
+    def check_step(self) -> None:
+        """Called once the host has read a step's outputs: raise if that step (or an earlier one) computed
+        with an expert slot whose background fill had not landed (the GPU's wait timed out); the slot and
+        expert states then start over, and the scheduler fails the requests they carried."""
+        failed = getattr(self.backend, "background_failed", None)  # OffloadExperts only
+        if failed is None or not failed():
+            return
+        log.warning("a background expert fill did not land in time; re-initialising the slot state")
+        self._fresh_states()
+        raise RuntimeError("a decode step gave up waiting for a background expert fill (timeout): its "
+                           "outputs may be wrong; the expert cache was reset")
+
+    def drain(self) -> None:
+        """Wait until the background expert fills of the last steps have landed (before the states are
+        dropped: a fill still writing a freed bank would write memory reused by someone else)."""
+        if hasattr(self.backend, "drain"):
+            self.backend.drain(check=False)
 
     def reset(self, mask: np.ndarray) -> None:
         self.state = reset_rows(self.state, jnp.asarray(mask, bool))

@@ -5,7 +5,8 @@ function of the row's whole history, so a correct scheduler produces the same to
 whatever else is batched with it and however its prompt is chunked. Every call is logged in
 ``calls`` (``("prefill", n_new)``, ``("decode", n_new)``, ``("reset", mask)``) for tests about
 interleaving; ``step_delay_s`` slows steps down (cancellation, deadlines); ``fail_after`` makes the
-n-th model step raise (error handling).
+n-th model step raise (error handling); ``fail_check_after`` makes `check_step` raise after the n-th
+step (a fault found once the step's outputs were read, like a background fill that did not land).
 """
 from __future__ import annotations
 
@@ -26,10 +27,12 @@ class FakeAccelerator:
     backend_name = "resident"
 
     def __init__(self, max_slots: int = 4, max_len: int = 128, vocab_size: int = 1024, *,
-                 step_delay_s: float = 0.0, fail_after: int | None = None, avoid: frozenset[int] = frozenset()):
+                 step_delay_s: float = 0.0, fail_after: int | None = None, fail_check_after: int | None = None,
+                 avoid: frozenset[int] = frozenset()):
         self.max_slots, self.max_len, self.vocab_size = max_slots, max_len, vocab_size
         self.step_delay_s = step_delay_s
         self.fail_after = fail_after
+        self.fail_check_after = fail_check_after
         self.avoid = avoid  # ids never produced (e.g. the tokenizer's eos), so streams run to max_tokens
         self.history: list[list[int]] = [[] for _ in range(max_slots)]
         self.calls: list[tuple[str, list]] = []
@@ -69,6 +72,14 @@ class FakeAccelerator:
 
     def decode(self, tokens: np.ndarray, n_new: np.ndarray) -> np.ndarray:
         return self._step("decode", np.asarray(tokens)[:, None], np.asarray(n_new))
+
+    def check_step(self) -> None:
+        with self._lock:
+            if self.fail_check_after is not None and self.steps > self.fail_check_after:
+                raise FakeAcceleratorError(f"scripted fault found after step {self.steps}")
+
+    def drain(self) -> None:
+        self.calls.append(("drain", []))
 
     def reset(self, mask: np.ndarray) -> None:
         with self._lock:

@@ -175,17 +175,27 @@ class OffloadExperts:
         cap = min(self.num_experts, self.num_slots)
         return max(1, cap if self.fill_cap is None else min(cap, self.fill_cap))
 
-    def drain(self) -> None:
+    def drain(self, check: bool = True) -> None:
         """Wait on the host until every background fill issued so far has landed (before dropping or
-        reading a state's banks outside a step; a no-op off the GPU). Raises if a layer's wait for its
-        background fill timed out (that layer then read slots not yet filled)."""
+        reading a state's banks outside a step; a no-op off the GPU). ``check``: raise if a layer's wait
+        for its background fill timed out (that layer then read slots not yet filled)."""
         if self.platform == "cuda" and self.background_fills:
             from ftjax.host import cuda
 
             cuda.sync_fills()
-            if cuda.background_error(self.background_id):
+            if check and self.background_failed():
                 raise RuntimeError("a decode step gave up waiting for a background expert fill (timeout): "
                                    "its outputs may be wrong")
+
+    def background_failed(self) -> bool:
+        """Whether a step of the current state gave up waiting for a background fill (its layer read
+        slots not yet filled). A flag in mapped host memory: no synchronization; exact for every step
+        whose outputs the host has read."""
+        if not (self.platform == "cuda" and self.background_fills):
+            return False
+        from ftjax.host import cuda
+
+        return cuda.background_error(self.background_id)
 
     @property
     def cpu_branch(self) -> bool:
@@ -198,8 +208,13 @@ class OffloadExperts:
 
     def init_state(self, fill_fraction: float = 0.5) -> dict:
         """An empty cache (``resident``: every expert preloaded) in the pool's compute dtype. Waits for
-        this backend's background fills first (they may still write the banks of a state being replaced)."""
-        self.drain()
+        this backend's background fills first (they may still write the banks of a state being replaced)
+        and clears `background_failed` (it was about the replaced state)."""
+        self.drain(check=False)
+        if self.platform == "cuda" and self.background_fills:
+            from ftjax.host import cuda
+
+            cuda.clear_background_error(self.background_id)
         state = init_cache_state(self.geometry, cache_dtype(self.pool), fill_fraction)
         if self.platform == "cuda" and self.background_fills:  # the step's deferred fill lists, per layer
             F = self.background_capacity

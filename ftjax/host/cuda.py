@@ -130,6 +130,11 @@ def background_error(bg: int) -> bool:
     return bool(_host.background_error(int(bg)))
 
 
+def clear_background_error(bg: int) -> None:
+    """Reset `background_error` (a new cache state starts with no failed wait)."""
+    _host.clear_background_error(int(bg))
+
+
 def background_wait(gate_up_cache, down_cache, bg: int, layer: int, *, timeout_ms: int = 10_000):
     """XLA's stream waits (a one-thread kernel, inside command buffers) until the fills of ``layer``
     in the last `background_fork` of ``bg`` have landed; returns the two caches ordered after the wait

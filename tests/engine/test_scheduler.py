@@ -189,6 +189,21 @@ def test_step_failure_ends_its_requests_with_error(tokenizer):
         assert eng.generate([prompt_of(3)], SamplingParams(temperature=0.0, max_tokens=4))[0].finish_reason == "length"
 
 
+def test_fault_found_after_a_step_publishes_none_of_its_tokens(tokenizer):
+    """A fault the accelerator finds once a step's outputs are read (a background expert fill that did
+    not land) ends the requests with an error before any token of that step reaches them."""
+    eng, accel = make_engine(tokenizer, slots=1, fail_check_after=4)
+    with eng:
+        r = eng.submit(Request(prompt_ids=prompt_of(3), sampling=LONG_RUN)).result(5)
+        # step 1 prefills the prompt (one chunk) and samples token 1, steps 2-4 decode tokens 2-4; the
+        # check after step 5 fails: its token is never published
+        assert r.finish_reason == "error"
+        assert list(r.token_ids) == reference(accel, prompt_of(3), 4)
+        accel.fail_check_after = None  # the engine keeps serving
+        assert eng.generate([prompt_of(3)], SamplingParams(temperature=0.0, max_tokens=4))[0].finish_reason == "length"
+    assert accel.calls[-1] == ("drain", [])  # stop() let the device finish writing the states
+
+
 def test_stop_ends_everything_and_refuses_new_work(tokenizer):
     eng, _ = make_engine(tokenizer, slots=1, step_delay_s=0.005)
     eng.start()

@@ -52,6 +52,32 @@ def test_engine_lru_split_matches_resident(tiny, background_fills):
     assert stats["bandwidth"]["b_pcie_gbps"] > 0
 
 
+def test_failed_background_fill_fails_the_requests_and_resets_the_cache(tiny, monkeypatch):
+    """When the backend reports that a step read a slot whose background fill had not landed (on the GPU
+    a wait timed out), the engine ends the requests of that step with an error, starts the expert cache
+    over, and goes on serving."""
+    from ftjax.experts.decode import OffloadExperts
+
+    model, tok = tiny
+    cfg = model.config
+    budget = 3 * cfg.hidden_size * cfg.moe_intermediate_size * 4 / 2**30 * max(2, cfg.num_layers * cfg.num_experts // 3)
+    sp = SamplingParams(temperature=0.0, max_tokens=6)
+    fault = {"on": False}
+    monkeypatch.setattr(OffloadExperts, "background_failed", lambda self: fault["on"])
+    with Engine(model, tok, EngineConfig(max_slots=1, max_len=64, prefill_chunk=16, policy="lru-split",
+                                         vram_gib=budget)) as eng:
+        want = eng.generate(["the lighthouse"], sp)[0]
+        acc = eng.accelerator
+        assert int(np.asarray(acc.expert_state["stats"]["calls"]).sum()) > 0
+        fault["on"] = True
+        got = eng.generate(["the lighthouse"], sp)[0]
+        assert got.finish_reason == "error" and not got.token_ids  # the prefill's token was not published
+        assert int(np.asarray(acc.expert_state["stats"]["calls"]).sum()) == 0  # a fresh expert cache
+        assert int(np.asarray(acc.expert_state["owner_of"] >= 0).sum()) == 0
+        fault["on"] = False
+        assert eng.generate(["the lighthouse"], sp)[0].token_ids == want.token_ids
+
+
 def test_budget_errors():
     with pytest.raises(ValueError, match="policy"):
         OffloadConfig(policy="lfu")

@@ -102,6 +102,31 @@ def test_background_fork_and_wait_fill_every_layer(pool):
     assert not cuda.background_error(bg)
 
 
+def test_background_wait_timeout_sets_the_error_flag(pool):
+    """A wait that gives up (here: timeout 0 ms against a 32-expert fill) sets `background_error`, never a
+    hang; `clear_background_error` resets it (a fresh cache state)."""
+    S, L, F = 32, 2, 16
+    bg = cuda.create_background(L, F)
+
+    @jax.jit
+    def step(ids, slots, n, g, d):
+        g, d = cuda.background_fork(ids, slots, n, g, d, pool, bg, blocks=1)
+        return cuda.background_wait(g, d, bg, L - 1, timeout_ms=0)
+
+    ids = np.arange(L * F, dtype=np.int32).reshape(L, F) % pool.n_experts
+    slots = np.arange(L * F, dtype=np.int32).reshape(L, F) % S
+    g, d = step(ids, slots, np.full(L, F, np.int32), jnp.zeros((S, 256, 128), jnp.bfloat16),
+                jnp.zeros((S, 128, 128), jnp.bfloat16))
+    jax.block_until_ready((g, d))
+    cuda.sync_fills()
+    assert cuda.background_error(bg)
+    cuda.clear_background_error(bg)
+    assert not cuda.background_error(bg)
+    cuda.destroy_background(bg)
+    with pytest.raises(ValueError, match="no background"):
+        cuda.background_error(bg)
+
+
 def test_fill_rejects_negative_blocks(pool):
     with pytest.raises(ValueError, match="blocks must be >= 0"):
         cuda.expert_fill(np.zeros(2, np.int32), np.zeros(2, np.int32), 1, jnp.zeros((4, 256, 128), jnp.bfloat16),
