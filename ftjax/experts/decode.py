@@ -170,6 +170,11 @@ class OffloadExperts:
         return bool(self.defer_fills) and self.policy.decode_rule == "balance" and self.policy.update
 
     @property
+    def _gpu_background(self) -> bool:
+        """Background fills on a side stream: the CUDA platform with `background_fills`."""
+        return self.platform == "cuda" and self.background_fills
+
+    @property
     def background_capacity(self) -> int:
         """Columns of the per-layer background fill lists: the most fills one decode call can make."""
         cap = min(self.num_experts, self.num_slots)
@@ -179,7 +184,7 @@ class OffloadExperts:
         """Wait on the host until every background fill issued so far has landed (before dropping or
         reading a state's banks outside a step; a no-op off the GPU). ``check``: raise if a layer's wait
         for its background fill timed out (that layer then read slots not yet filled)."""
-        if self.platform == "cuda" and self.background_fills:
+        if self._gpu_background:
             from ftjax.host import cuda
 
             cuda.sync_fills()
@@ -191,7 +196,7 @@ class OffloadExperts:
         """Whether a step of the current state gave up waiting for a background fill (its layer read
         slots not yet filled). A flag in mapped host memory: no synchronization; exact for every step
         whose outputs the host has read."""
-        if not (self.platform == "cuda" and self.background_fills):
+        if not self._gpu_background:
             return False
         from ftjax.host import cuda
 
@@ -211,12 +216,11 @@ class OffloadExperts:
         this backend's background fills first (they may still write the banks of a state being replaced)
         and clears `background_failed` (it was about the replaced state)."""
         self.drain(check=False)
-        if self.platform == "cuda" and self.background_fills:
+        state = init_cache_state(self.geometry, cache_dtype(self.pool), fill_fraction)
+        if self._gpu_background:  # no failed wait yet; the step's deferred fill lists, per layer
             from ftjax.host import cuda
 
             cuda.clear_background_error(self.background_id)
-        state = init_cache_state(self.geometry, cache_dtype(self.pool), fill_fraction)
-        if self.platform == "cuda" and self.background_fills:  # the step's deferred fill lists, per layer
             F = self.background_capacity
             state.update(bg_ids=jnp.zeros((self.num_layers, F), jnp.int32),
                          bg_slots=jnp.zeros((self.num_layers, F), jnp.int32),
@@ -249,7 +253,7 @@ class OffloadExperts:
         if not 0 <= layer < self.num_layers:
             raise ValueError(f"layer {layer} outside the pool's {self.num_layers} layers")
         rule = self.policy.rule(decode)
-        background = self.background_fills and self.platform == "cuda"
+        background = self._gpu_background
         bg_decode = background and decode  # this call may defer; the last layer forks the step's fills
         if background:  # this layer's background fill of its last call lands before anything reads the banks
             from ftjax.host import cuda
