@@ -94,6 +94,8 @@ for s in "${steps[@]}"; do
     overlap)  # can a fill run beside other GPU work in one jitted step, per fill block count? (~3 min)
        run overlap 240 python3 bench/overlap.py --layers 40 --blocks ${OVERLAP_BLOCKS:-0 16 32} --profile /tmp/ov --out "$OUT/overlap.json"
        run overlap 60 python3 bench/trace_summary.py /tmp/ov --top 6 --steps 3 ;;
+    row-gather)  # can prefill kernel 1 gather its own x rows? one TMA per row vs one per tile, checked (~1 min)
+       run row_gather 120 python3 bench/row_gather.py --tokens 8192 --out "$OUT/row_gather.json" ;;
     prefill-glue)  # the prefill kernels' XLA glue alone: row gather and combine forms vs the copy ceiling (~1 min)
        run prefill_glue 120 python3 bench/prefill_glue.py --tokens 8192 --out "$OUT/prefill_glue.json" ;;
     prefill-profile)  # prefill, 8K tokens, both shapes, bf16: the Mosaic GPU kernels alone vs the call (~2 min)
