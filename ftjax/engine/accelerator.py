@@ -48,6 +48,7 @@ class Accelerator(Protocol):
 
     def memory(self) -> dict[str, int]: ...
 
+    # Optional (the engine calls them where present):
     def check_step(self) -> None: ...  # after the host read a step's outputs: raise if it went wrong
 
     def drain(self) -> None: ...  # before the states are dropped: no device work still writes them

@@ -152,8 +152,9 @@ class Engine:
 
     def stop(self, timeout: float | None = 10.0) -> None:
         self.scheduler.stop(timeout)
-        if self.accelerator is not None:  # no step runs now: let the last background fills land
-            self.accelerator.drain()
+        drain = getattr(self.accelerator, "drain", None)  # optional verb (Accelerator)
+        if drain is not None:  # no step runs now: let the last background fills land
+            drain()
 
     def __enter__(self) -> "Engine":
         return self.start()

@@ -204,6 +204,19 @@ def test_fault_found_after_a_step_publishes_none_of_its_tokens(tokenizer):
     assert accel.calls[-1] == ("drain", [])  # stop() let the device finish writing the states
 
 
+def test_an_accelerator_without_the_optional_verbs(tokenizer):
+    """check_step and drain are optional: an accelerator with only the core verbs serves."""
+    fake = FakeAccelerator(1, 128, 1024, avoid=frozenset(tokenizer.eos_token_ids))
+
+    class Core:  # the fake's core verbs only
+        backend_name, max_slots, max_len, vocab_size = "resident", 1, 128, 1024
+        prefill, decode, reset, warmup, memory = fake.prefill, fake.decode, fake.reset, fake.warmup, fake.memory
+
+    with Engine(accelerator=Core(), tokenizer=tokenizer, config=EngineConfig(max_slots=1, prefill_chunk=8)) as eng:
+        r = eng.generate([prompt_of(3)], SamplingParams(temperature=0.0, max_tokens=4))[0]
+    assert r.finish_reason == "length" and list(r.token_ids) == reference(fake, prompt_of(3), 4)
+
+
 def test_stop_ends_everything_and_refuses_new_work(tokenizer):
     eng, _ = make_engine(tokenizer, slots=1, step_delay_s=0.005)
     eng.start()
