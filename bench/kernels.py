@@ -45,7 +45,7 @@ def _time_ms(fn, *args, iters, best=False):
     return float(np.min(times) if best else np.median(times))
 
 
-def _time_back_to_back_ms(fn, *args, iters):
+def time_back_to_back_ms(fn, *args, iters):
     """Wall time per call of ``iters`` calls dispatched back to back, the host waiting once at the end (as
     a model's layers run: host work between the kernels overlaps the GPU's). Median of 3 rounds."""
     jax.block_until_ready(fn(*args))
@@ -341,7 +341,7 @@ def main():
                 route, banks, slots = _inputs(jax.random.key(T), T, args.top_k, H, I,
                                               args.experts, args.slots, int4)
                 ms = _time_ms(fn, *route, *banks, slots, iters=args.iters)
-                b2b = _time_back_to_back_ms(fn, *route, *banks, slots,
+                b2b = time_back_to_back_ms(fn, *route, *banks, slots,
                                             iters=1 if args.smoke else max(args.iters, 8))
                 split = ""
                 if args.profile:  # the Mosaic GPU kernels alone vs every GPU kernel of the call

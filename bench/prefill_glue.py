@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import jax
@@ -33,7 +32,7 @@ import numpy as np
 from ftjax.pallas import routing
 
 sys.path.insert(0, str(Path(__file__).parent))
-from kernels import copy_ceiling_gbps  # noqa: E402  (bench/ sibling)
+from kernels import time_back_to_back_ms, copy_ceiling_gbps  # noqa: E402  (bench/ sibling)
 
 
 def gather_select(x, plan, k):
@@ -76,16 +75,12 @@ GATHERS = {"select": gather_select, "take": gather_take, "take-u32": gather_take
 COMBINES = {"current": combine_current, "u32": combine_u32}
 
 
-def _time_ms(fn, *args, iters):
-    """Per call, ``iters`` calls dispatched back to back, the host waiting once (median of 3 rounds)."""
-    jax.block_until_ready(fn(*args))
-    rounds = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        outs = [fn(*args) for _ in range(iters)]
-        jax.block_until_ready(outs)
-        rounds.append((time.perf_counter() - t0) * 1e3 / iters)
-    return float(np.median(rounds))
+def _timed_row(glue, name, f, args, nbytes, copy, iters):
+    """Time ``f(*args)`` back to back, print its table row, return its record."""
+    ms = time_back_to_back_ms(f, *args, iters=iters)
+    gbps = nbytes / ms / 1e6
+    print(f"{glue:<9} {name:<9} {ms * 1e3:>8.1f} {gbps:>7.0f} {gbps / copy:>6.2f}")
+    return dict(us=ms * 1e3, gbps=gbps)
 
 
 def main(argv=None) -> int:
@@ -124,10 +119,7 @@ def main(argv=None) -> int:
         if name != "select" and not np.array_equal(got[route_rows], rows_out["select"][route_rows]):
             print(f"gather {name}: rows differ from select", file=sys.stderr)
             return 1
-        ms = _time_ms(f, x, plan, k, iters=args.iters)
-        out[f"gather/{name}"] = dict(us=ms * 1e3, gbps=gather_bytes / ms / 1e6)
-        print(f"{'gather':<9} {name:<9} {ms * 1e3:>8.1f} {gather_bytes / ms / 1e6:>7.0f} "
-              f"{gather_bytes / ms / 1e6 / copy:>6.2f}")
+        out[f"gather/{name}"] = _timed_row("gather", name, f, (x, plan, k), gather_bytes, copy, args.iters)
     rows = jnp.asarray(rows_out["select"])
     combine_bytes = T * k * H * 2 + T * H * 4
     want = None
@@ -139,10 +131,7 @@ def main(argv=None) -> int:
         elif not np.array_equal(got, want):
             print(f"combine {name}: differs from current", file=sys.stderr)
             return 1
-        ms = _time_ms(f, rows, plan, w, iters=args.iters)
-        out[f"combine/{name}"] = dict(us=ms * 1e3, gbps=combine_bytes / ms / 1e6)
-        print(f"{'combine':<9} {name:<9} {ms * 1e3:>8.1f} {combine_bytes / ms / 1e6:>7.0f} "
-              f"{combine_bytes / ms / 1e6 / copy:>6.2f}")
+        out[f"combine/{name}"] = _timed_row("combine", name, f, (rows, plan, w), combine_bytes, copy, args.iters)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(dict(device=str(jax.devices()[0]), tokens=T, hidden=H, experts=E, top_k=k,
                                         padded_rows=R, copy_gbps=copy, forms=out), indent=1))

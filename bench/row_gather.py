@@ -24,7 +24,6 @@ import argparse
 import functools
 import json
 import sys
-import time
 from pathlib import Path
 
 import jax
@@ -32,6 +31,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
+
+sys.path.insert(0, str(Path(__file__).parent))
+from kernels import time_back_to_back_ms  # noqa: E402  (bench/ sibling)
 
 TM, TK = 128, 64
 STAGES = 2
@@ -111,17 +113,6 @@ def row_tile_matmul(idx, x, w, *, gather: bool, num_sms: int, interpret: bool = 
     return call(idx, x, w)
 
 
-def _time_us(fn, *args, iters):
-    jax.block_until_ready(fn(*args))
-    rounds = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        outs = [fn(*args) for _ in range(iters)]
-        jax.block_until_ready(outs)
-        rounds.append((time.perf_counter() - t0) * 1e6 / iters)
-    return float(np.median(rounds))
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=8192)
@@ -156,7 +147,7 @@ def main(argv=None) -> int:
             rows[name] = dict(error=str(e)[:500])
             continue
         err = float(np.abs(got - want).max() / np.abs(want).max())
-        us = _time_us(fn, idx, src, w, iters=args.iters)
+        us = 1e3 * time_back_to_back_ms(fn, idx, src, w, iters=args.iters)
         rows[name] = dict(us=us, tflops=flops / us / 1e6, rel_err=err)
         print(f"{name:<22} {us:>9.1f} {flops / us / 1e6:>8.1f} {err:>9.2e}")
     if all("us" in r for r in rows.values()):
