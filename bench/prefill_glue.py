@@ -5,11 +5,13 @@ the row gather ``x_rows [R_pad, H]`` (249 us) and the weighted combine (81 us) (
 session 10). This times candidate forms of each in isolation, every one checked against the current
 one on the rows the kernels read, so the next change to `ftjax.pallas.routing` can pick by measurement:
 
-- gather ``select``: the current `routing.gather_rows` (``where(is_route, x[token], 0)``);
+- gather ``select``: the padded rows, ``where(is_route, x[token], 0)`` (the form up to session 10);
 - gather ``take``: ``x[token]`` with padding rows pointing at token 0 (no select; padding rows hold
   a real row instead of zeros: no route reads them, and they stay finite);
 - gather ``take-u32``: the same on ``x`` viewed as uint32 words (2 bf16 per element: fewer, wider
   loads and stores for XLA's gather loop; uint64 needs jax_enable_x64);
+- gather ``input-rows``: `routing.gather_input_rows`, the kernels' current input: groups aligned to 8
+  rows instead of padded to the row tile (kernel 1 reads tile m from ``plan.tile_row0[m]``), u32 take;
 - combine ``current``: `routing.combine_rows`;
 - combine ``u32``: the routes' rows gathered as uint32 words (2 bf16), then widened and summed.
 
@@ -35,13 +37,14 @@ sys.path.insert(0, str(Path(__file__).parent))
 from kernels import time_back_to_back_ms, copy_ceiling_gbps  # noqa: E402  (bench/ sibling)
 
 
-def gather_select(x, plan, k):
-    return routing.gather_rows(x, plan, k)
-
-
 def _token_of_row(plan, num_tokens, k):
     is_route = plan.route_of_row < num_tokens * k
     return jnp.where(is_route, plan.route_of_row // k, 0)
+
+
+def gather_select(x, plan, k):
+    is_route = plan.route_of_row < x.shape[0] * k
+    return jnp.where(is_route[:, None], x[_token_of_row(plan, x.shape[0], k)], jnp.zeros((), x.dtype))
 
 
 def gather_take(x, plan, k):
@@ -71,7 +74,12 @@ def combine_u32(rows, plan, w):
     return contrib.reshape(T, k, H).sum(axis=1)
 
 
-GATHERS = {"select": gather_select, "take": gather_take, "take-u32": gather_take_u32}
+def gather_input(x, plan, k):
+    return routing.gather_input_rows(x, plan)
+
+
+GATHERS = {"select": gather_select, "take": gather_take, "take-u32": gather_take_u32,
+           "input-rows": gather_input}
 COMBINES = {"current": combine_current, "u32": combine_u32}
 
 
@@ -79,7 +87,7 @@ def _timed_row(glue, name, f, args, nbytes, copy, iters):
     """Time ``f(*args)`` back to back, print its table row, return its record."""
     ms = time_back_to_back_ms(f, *args, iters=iters)
     gbps = nbytes / ms / 1e6
-    print(f"{glue:<9} {name:<9} {ms * 1e3:>8.1f} {gbps:>7.0f} {gbps / copy:>6.2f}")
+    print(f"{glue:<9} {name:<10} {ms * 1e3:>8.1f} {gbps:>7.0f} {gbps / copy:>6.2f}")
     return dict(us=ms * 1e3, gbps=gbps)
 
 
@@ -110,16 +118,20 @@ def main(argv=None) -> int:
     print(f"{jax.devices()[0]} | {T} tokens, H {H}, {E} experts, top-{k}, tile_m {args.tile_m}: {R} padded rows "
           f"({int(route_rows.sum())} routes) | device copy ceiling {copy:.0f} GB/s (read + write)")
     rows_out, out = {}, {}
-    print(f"{'glue':<9} {'form':<9} {'us':>8} {'GB/s':>7} {'/copy':>6}")
-    gather_bytes = 2 * R * H * 2  # rows written + the same rows read (x's rows, repeated)
+    print(f"{'glue':<9} {'form':<10} {'us':>8} {'GB/s':>7} {'/copy':>6}")
+    # where each padded row's token sits in the kernels' input rows (tile m from tile_row0[m] on)
+    in_row = np.asarray(plan.tile_row0)[np.arange(R) // args.tile_m] + np.arange(R) % args.tile_m
     for name, fn in GATHERS.items():
         f = jax.jit(fn, static_argnums=2)
         got = np.asarray(f(x, plan, k))
         rows_out[name] = got
-        if name != "select" and not np.array_equal(got[route_rows], rows_out["select"][route_rows]):
+        mine = got[in_row[route_rows]] if name == "input-rows" else got[route_rows]
+        if name != "select" and not np.array_equal(mine, rows_out["select"][route_rows]):
             print(f"gather {name}: rows differ from select", file=sys.stderr)
             return 1
+        gather_bytes = 2 * got.shape[0] * H * 2  # rows written + the same rows read (x's rows, repeated)
         out[f"gather/{name}"] = _timed_row("gather", name, f, (x, plan, k), gather_bytes, copy, args.iters)
+        out[f"gather/{name}"]["rows"] = got.shape[0]
     rows = jnp.asarray(rows_out["select"])
     combine_bytes = T * k * H * 2 + T * H * 4
     want = None

@@ -34,6 +34,8 @@ def _np_plan(expert_ids, token_valid, num_experts, tile):
     starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
     padded = -(-sizes // tile) * tile
     pstarts = np.concatenate([[0], np.cumsum(padded)[:-1]])
+    in_padded = -(-sizes // routing.INPUT_ALIGN) * routing.INPUT_ALIGN
+    in_starts = np.concatenate([[0], np.cumsum(in_padded)[:-1]])
     num_rows = routing.padded_rows_bound(flat.size, num_experts, tile)
     row_of_route = np.full(flat.size, num_rows)
     route_of_row = np.full(num_rows, flat.size)
@@ -43,11 +45,14 @@ def _np_plan(expert_ids, token_valid, num_experts, tile):
         row_of_route[routes] = rows
         route_of_row[rows] = routes
     tile_group = np.full(num_rows // tile, num_experts - 1)
+    tile_row0 = np.zeros(num_rows // tile, np.int64)
     for g in range(num_experts):
-        tile_group[pstarts[g] // tile:(pstarts[g] + padded[g]) // tile] = g
+        first, end = pstarts[g] // tile, (pstarts[g] + padded[g]) // tile
+        tile_group[first:end] = g
+        tile_row0[first:end] = in_starts[g] + tile * np.arange(end - first)
     return dict(order=order, group_sizes=sizes, group_starts=starts, padded_starts=pstarts,
                 row_of_route=row_of_route, route_of_row=route_of_row, tile_group=tile_group,
-                n_tiles=padded.sum() // tile)
+                tile_row0=tile_row0, n_tiles=padded.sum() // tile)
 
 
 @pytest.mark.parametrize("case", [
@@ -87,20 +92,40 @@ def test_padded_rows_bound_is_tight_and_validated():
 
 def test_gather_and_combine_rows_match_numpy():
     rng = np.random.default_rng(3)
-    T, k, E, H = 11, 3, 5, 6
+    T, k, E, H, tile = 11, 3, 5, 6, 4
     ids = rng.integers(0, E, (T, k)).astype(np.int32)
     valid = rng.uniform(size=T) < 0.7
     x = rng.standard_normal((T, H)).astype(np.float32) + 0.1
     w = rng.uniform(0.1, 1.0, (T, k)).astype(np.float32)
-    plan = routing.plan_routes(jnp.asarray(ids), jnp.asarray(valid), E, 4)
-    rows = np.asarray(routing.gather_rows(jnp.asarray(x), plan, k))
+    plan = routing.plan_routes(jnp.asarray(ids), jnp.asarray(valid), E, tile)
+    want_plan = _np_plan(ids, valid, E, tile)
     r_of_row = np.asarray(plan.route_of_row)
     is_route = r_of_row < T * k
-    np.testing.assert_array_equal(rows[is_route], x[r_of_row[is_route] // k])
-    assert np.all(rows[~is_route] == 0.0)
-    # Pretend each row's result is the row itself plus a NaN in padding rows: combine skips them.
-    rows_nan = np.where(is_route[:, None], rows, np.nan).astype(np.float32)
-    y = np.asarray(routing.combine_rows(jnp.asarray(rows_nan), plan, jnp.asarray(w)))
+    # The kernels' input rows: tile m's rows from tile_row0[m] on are its routes' tokens, in the
+    # padded layout's order; groups start on INPUT_ALIGN rows; the spare rows keep every read inside.
+    align = routing.INPUT_ALIGN
+    for dtype in (np.float32, jnp.bfloat16):  # the plain take and the 32-bit-word take
+        xs = jnp.asarray(x, dtype)
+        got = np.asarray(routing.gather_input_rows(xs, plan)).astype(np.float32)
+        xs = np.asarray(xs).astype(np.float32)
+        assert got.shape == (routing.padded_rows_bound(T * k, E, align) + tile, H)
+        row0, n_tiles = np.asarray(plan.tile_row0), int(plan.n_tiles)
+        assert np.all(row0 % np.gcd(align, tile) == 0) and np.all(row0 + tile <= got.shape[0])
+        for m in range(n_tiles):
+            routes = r_of_row[tile * m:tile * (m + 1)]
+            n = int((routes < T * k).sum())
+            assert n > 0 and np.all(routes[:n] < T * k)
+            np.testing.assert_array_equal(got[row0[m]:row0[m] + n], xs[routes[:n] // k])
+        assert np.all(row0[n_tiles:] == 0)
+        in_rows = {tuple(r) for r in got}
+        assert in_rows <= {tuple(r) for r in xs}  # padding rows are copies of rows of x
+    np.testing.assert_array_equal(np.asarray(plan.tile_row0), want_plan["tile_row0"])
+    empty = routing.plan_routes(jnp.zeros((0, k), jnp.int32), jnp.zeros(0, bool), E, tile)
+    assert routing.gather_input_rows(jnp.zeros((0, H)), empty).shape == (align + tile, H)
+    # Pretend each padded row's result is its token's row, NaN in padding rows: combine skips them.
+    rows_nan = np.where(is_route[:, None], x[np.minimum(r_of_row, T * k - 1) // k], np.nan)
+    y = np.asarray(routing.combine_rows(jnp.asarray(rows_nan.astype(np.float32)), plan,
+                                        jnp.asarray(w)))
     want = np.where(valid[:, None], x * w.sum(1, keepdims=True), 0.0)
     np.testing.assert_allclose(y, want, rtol=1e-6, atol=1e-6)
 
