@@ -240,13 +240,14 @@ def _dequant_tile(q_ref, s_ref, k, *, tile_k):
     return w * scale
 
 
-def _grouped_matmul(a, tile_slot, tile_row0, n_tiles, weights, *, n_out, swiglu, tile_m, tile_n,
+def _grouped_matmul(a, tile_slot, tile_row0, tile_rows, n_tiles, weights, *, n_out, swiglu, tile_m, tile_n,
                     tile_k, stages, num_sms, interpret):
     """``out[tile m's rows] = epilogue(a[tile_row0[m] : tile_row0[m] + tile_m] @ W[slot]^T)`` over
     the active row tiles; tile m's output rows are ``m * tile_m ..`` (the padded layout).
 
-    ``a [rows, K]`` bf16 with ``tile_row0[m] + tile_m <= rows``; ``tile_slot``, ``tile_row0``
-    ``[R_pad/tile_m]`` and ``n_tiles [1]`` int32;
+    ``a [rows, K]`` bf16 with ``tile_row0[m] + tile_m <= rows``; ``tile_slot``, ``tile_row0``,
+    ``tile_rows`` (rows of tile m that hold routes: its 64-row slabs past them skip their WGMMAs
+    and write garbage) ``[R_pad/tile_m]`` and ``n_tiles [1]`` int32;
     ``weights`` is ``(w,)`` with ``w [S, n_w, K]`` bf16, or ``(q, s)`` with ``q [S, n_w, K]`` int4
     and ``s [S, n_w, K/32]`` bf16. ``swiglu``: ``n_w = 2 * n_out`` and the output is
     ``silu(a @ W[:n_out]^T) * (a @ W[n_out:]^T)``; otherwise ``n_w = n_out``. Returns
@@ -263,6 +264,7 @@ def _grouped_matmul(a, tile_slot, tile_row0, n_tiles, weights, *, n_out, swiglu,
     k_iters = k_dim // tile_k
     k_per_scale_block = (QUANT_GROUP * _SCALE_BLOCK) // tile_k if int4 else 1
     epi_n = min(tile_n, _EPI_N)
+    n_slabs = tile_m // _WG_ROWS
 
     a_tr = _swizzled(tile_k, jnp.bfloat16)
     w_tr = _swizzled(tile_k, jnp.int4 if int4 else jnp.bfloat16)
@@ -291,7 +293,7 @@ def _grouped_matmul(a, tile_slot, tile_row0, n_tiles, weights, *, n_out, swiglu,
                 refs.append(w_gmem[1].at[slot, pl.ds(row0, cta_n)])
         return refs
 
-    def kernel(slot_ref, row0_ref, nt_ref, a_gmem, *refs, o_smem, deq_smem=None):
+    def kernel(slot_ref, row0_ref, rows_ref, nt_ref, a_gmem, *refs, o_smem, deq_smem=None):
         w_gmem, o_gmem = refs[:-1], refs[-1]
         ignore = lambda *_, **__: None
         allocs = get_pipeline(ignore, ignore).get_allocations(
@@ -307,21 +309,29 @@ def _grouped_matmul(a, tile_slot, tile_row0, n_tiles, weights, *, n_out, swiglu,
                 mi, ni = info.index
                 slot = slot_ref[mi]
 
+                live_rows = rows_ref[mi]  # rows of the tile that hold routes (>= 1 when active)
+
                 def compute_context(run_pipeline):
-                    accs = [plgpu.ACC((tile_m, tile_n), jnp.float32) for _ in range(n_b)]
+                    # one accumulator per weight block per 64-row slab: a slab without routes
+                    # skips its WGMMAs (half of a group's last tile, often)
+                    accs = [plgpu.ACC((_WG_ROWS, tile_n), jnp.float32)
+                            for _ in range(n_b * n_slabs)]
 
                     @functools.partial(pl.run_scoped, accs=accs)
                     def _acc_scope(accs):
                         run_pipeline(tuple(accs))
-                        if swiglu:
-                            g, u = accs[0][...], accs[1][...]
-                            val = g / (1.0 + jnp.exp(-g)) * u
-                        else:
-                            val = accs[0][...]
-                        val = val.astype(o_gmem.dtype)
+                        vals = []
+                        for h in range(n_slabs):
+                            if swiglu:
+                                g, u = accs[h][...], accs[n_slabs + h][...]
+                                vals.append((g / (1.0 + jnp.exp(-g)) * u).astype(o_gmem.dtype))
+                            else:
+                                vals.append(accs[h][...].astype(o_gmem.dtype))
                         for j in range(tile_n // epi_n):
                             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                            o_smem[wg] = val[:, j * epi_n:(j + 1) * epi_n]
+                            for h, val in enumerate(vals):
+                                o_smem[wg, pl.ds(h * _WG_ROWS, _WG_ROWS)] = \
+                                    val[:, j * epi_n:(j + 1) * epi_n]
                             plgpu.commit_smem()
                             col0 = ni * cta_n + wg * tile_n + j * epi_n
                             plgpu.copy_smem_to_gmem(
@@ -340,8 +350,14 @@ def _grouped_matmul(a, tile_slot, tile_row0, n_tiles, weights, *, n_out, swiglu,
                         b_tiles = [deq_smem.at[wg, b] for b in range(n_b)]
                     else:
                         b_tiles = [b_ref.at[wg_rows] for b_ref in b_refs]
-                    for acc, b_tile in zip(accs, b_tiles):
-                        plgpu.wgmma(acc, a_smem, b_tile.T)
+                    for b, b_tile in enumerate(b_tiles):
+                        plgpu.wgmma(accs[b * n_slabs], a_smem.at[pl.ds(0, _WG_ROWS)], b_tile.T)
+                    for h in range(1, n_slabs):
+                        @pl.when(live_rows > h * _WG_ROWS)
+                        def _slab():
+                            for b, b_tile in enumerate(b_tiles):
+                                plgpu.wgmma(accs[b * n_slabs + h],
+                                            a_smem.at[pl.ds(h * _WG_ROWS, _WG_ROWS)], b_tile.T)
                     # Done before the step returns its SMEM slot (and dequant buffer): a WGMMA
                     # left in flight past the last step would race the next tile's prologue
                     # copies. The other compute warpgroup keeps the tensor cores busy meanwhile.
@@ -367,7 +383,7 @@ def _grouped_matmul(a, tile_slot, tile_row0, n_tiles, weights, *, n_out, swiglu,
             lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )
-    return call(tile_slot, tile_row0, n_tiles, a, *weights)
+    return call(tile_slot, tile_row0, tile_rows, n_tiles, a, *weights)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -403,11 +419,11 @@ def _prefill(x, expert_ids, gate_weights, token_valid, slot_of_expert, gu_weight
     common = dict(tile_m=tile_m, tile_k=tile_k, stages=stages, num_sms=num_sms,
                   interpret=interpret)
     x_rows = routing.gather_input_rows(x.astype(jnp.bfloat16), plan)
-    act = _grouped_matmul(x_rows, tile_slot, plan.tile_row0, n_tiles, gu_weights, n_out=inter,
-                          swiglu=True, tile_n=tile_n_gate_up, **common)
+    act = _grouped_matmul(x_rows, tile_slot, plan.tile_row0, plan.tile_rows, n_tiles, gu_weights,
+                          n_out=inter, swiglu=True, tile_n=tile_n_gate_up, **common)
     padded_row0 = jnp.arange(plan.tile_row0.shape[0], dtype=jnp.int32) * tile_m
-    out = _grouped_matmul(act, tile_slot, padded_row0, n_tiles, d_weights, n_out=hidden,
-                          swiglu=False, tile_n=tile_n_down, **common)
+    out = _grouped_matmul(act, tile_slot, padded_row0, plan.tile_rows, n_tiles, d_weights,
+                          n_out=hidden, swiglu=False, tile_n=tile_n_down, **common)
     return routing.combine_rows(out, plan, gate_weights)
 
 

@@ -46,6 +46,7 @@ class RoutePlan(NamedTuple):
     tile_group: jax.Array  # [num_rows // tile] expert of each row tile (clamped for idle tiles)
     tile_row0: jax.Array  # [num_rows // tile] input-buffer row of each row tile's first row (0 if idle)
     token_of_input_row: jax.Array  # [input rows] token gathered into each input-buffer row
+    tile_rows: jax.Array  # [num_rows // tile] rows of each row tile that hold routes (0 if idle)
     n_tiles: jax.Array  # [] row tiles in use: rows 0 .. n_tiles * tile - 1
 
 
@@ -104,9 +105,12 @@ def plan_routes(expert_ids: jax.Array, token_valid: jax.Array, num_experts: int,
     token_of_input_row = jnp.concatenate([token_of_input_row, jnp.zeros(tile, jnp.int32)])
     tile_row0 = jnp.where(tile_first < padded_ends[-1],
                           in_starts[tile_group] + tile_first - padded_starts[tile_group], 0)
+    in_group = tile_first - padded_starts[tile_group]
+    tile_rows = jnp.where(tile_first < padded_ends[-1],
+                          jnp.clip(sizes[tile_group] - in_group, 0, tile), 0)
     return RoutePlan(order, rank, sizes, starts, padded_starts.astype(jnp.int32), row_of_route,
                      route_of_row, tile_group, tile_row0.astype(jnp.int32),
-                     token_of_input_row.astype(jnp.int32), n_tiles)
+                     token_of_input_row.astype(jnp.int32), tile_rows.astype(jnp.int32), n_tiles)
 
 
 def _group_layout(order, sizes, starts, num_rows: int, multiple: int):

@@ -46,13 +46,15 @@ def _np_plan(expert_ids, token_valid, num_experts, tile):
         route_of_row[rows] = routes
     tile_group = np.full(num_rows // tile, num_experts - 1)
     tile_row0 = np.zeros(num_rows // tile, np.int64)
+    tile_rows = np.zeros(num_rows // tile, np.int64)
     for g in range(num_experts):
         first, end = pstarts[g] // tile, (pstarts[g] + padded[g]) // tile
         tile_group[first:end] = g
         tile_row0[first:end] = in_starts[g] + tile * np.arange(end - first)
+        tile_rows[first:end] = np.minimum(sizes[g] - tile * np.arange(end - first), tile)
     return dict(order=order, group_sizes=sizes, group_starts=starts, padded_starts=pstarts,
                 row_of_route=row_of_route, route_of_row=route_of_row, tile_group=tile_group,
-                tile_row0=tile_row0, n_tiles=padded.sum() // tile)
+                tile_row0=tile_row0, tile_rows=tile_rows, n_tiles=padded.sum() // tile)
 
 
 @pytest.mark.parametrize("case", [
@@ -181,6 +183,23 @@ def test_prefill_bf16_matches_reference(case, mgpu_interpret):
     out = pg.prefill_experts(*args, gu, dn, slots, **SMALL)
     ref = pg.reference_prefill_experts(*args, gu, dn, slots)
     _check(out, ref, np.asarray(args[3]))
+
+
+def test_prefill_slabs_without_routes_skip_exactly(mgpu_interpret):
+    """tile_m 128 = two 64-row slabs: a slab holding no route skips its WGMMAs. Groups of 130
+    (a full tile + 2 rows), 100 (both slabs live) and 30 routes (the upper slab skipped)."""
+    (x, _, w, _), slots, gate_up, down = _inputs(7, T=130, k=2, H=128, I=128, E=3, S=4)
+    ids = np.zeros((130, 2), np.int32)
+    ids[:100, 1], ids[100:, 1] = 1, 2
+    valid = jnp.ones(130, bool)
+    plan = routing.plan_routes(jnp.asarray(ids), valid, 3, 128)
+    live = np.asarray(plan.tile_rows)[:int(plan.n_tiles)]
+    assert sorted(live.tolist()) == [2, 30, 100, 128]
+    gu, dn = jnp.asarray(gate_up, jnp.bfloat16), jnp.asarray(down, jnp.bfloat16)
+    tiles = {**SMALL, "tile_m": 128}
+    out = pg.prefill_experts(x, jnp.asarray(ids), w, valid, gu, dn, slots, **tiles)
+    ref = pg.reference_prefill_experts(x, jnp.asarray(ids), w, valid, gu, dn, slots)
+    _check(out, ref, np.ones(130, bool))
 
 
 def test_prefill_per_route_validity(mgpu_interpret):
