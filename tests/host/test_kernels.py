@@ -99,12 +99,13 @@ def test_odd_sizes_bf16_activations(tier, hidden, inter):
 
 
 @pytest.mark.parametrize("tier", TIERS)
-@pytest.mark.parametrize("hidden,inter", [(64, 32), (80, 48)])
-def test_more_tokens_than_a_tile_bf16_activations(tier, hidden, inter):
+@pytest.mark.parametrize("fmt,hidden,inter", [("bf16", 64, 32), ("bf16", 80, 48), ("int4", 64, 32),
+                                              ("int4", 96, 160)])
+def test_more_tokens_than_a_tile_bf16_activations(tier, fmt, hidden, inter):
     """20 tokens on one expert: more than one 16-token group of the AMX tier, then 3 on another."""
     set_tier(tier)
     rng = np.random.default_rng(8)
-    pool, ref = make_pool(rng, "bf16", 3, hidden, inter)
+    pool, ref = make_pool(rng, fmt, 3, hidden, inter)
     x = rng.standard_normal((20, hidden)).astype(BF16)
     tok = np.concatenate([np.arange(20), [4, 9, 9]]).astype(np.int32)
     eid = np.array([1] * 20 + [2] * 3, np.int32)
