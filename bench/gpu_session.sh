@@ -63,6 +63,11 @@ for s in "${steps[@]}"; do
        run "decode_defer_b$b" 420 python3 bench/decode.py --layers 40 --batches $b --routing trace --fractions 0.37 \
          --policies lru-split lru-fill --defer both --no-sweep --no-online --steps 32 --warmup 24 \
          --out "$OUT/decode_defer_b$b.json" ;;
+    tune-prefill-both)  # prefill tile sweep (tile_m / tile_k / tile_n / stages, b2b), 8K tokens, both shapes (~5 min)
+       for shape in 4096x2048 2048x512; do
+         run "tune_prefill_$shape" 280 python3 bench/kernels.py --only prefill --shapes $shape --dtypes bf16 --tokens 8192 \
+           --tune-prefill $shape --iters 3 --out "$OUT/tune_prefill_$shape.json"
+       done ;;
     tests-pallas) run gpu_tests_pallas 200 python3 -m pytest -q -m gpu tests/pallas ;;
     prefill-sizes)  # prefill b2b, bf16, both shapes, 1K / 8K / 16K tokens (~3 min)
        run prefill_sizes 300 python3 bench/kernels.py --only prefill --shapes 2048x512 4096x2048 --dtypes bf16 \

@@ -234,21 +234,23 @@ def bench_prefill_tiles(args, ceiling, rows):
     route, banks, slots = _inputs(jax.random.key(T), T, args.top_k, H, I, args.experts, args.slots, False)
     flops = pg.prefill_flops(T, args.top_k, H, I)
     print(f"\nprefill tile sweep: H {H}, I {I}, {T} tokens, bf16 (matmul ceiling {ceiling:.0f} TFLOP/s)")
-    for tm in (64, 128):
-        for tng in (64, 128):
-            for tnd in (64, 128):
-                for st in (3, 4, 5):
-                    cfg = dict(tile_m=tm, tile_n_gate_up=tng, tile_n_down=tnd, stages=st)
-                    try:
-                        fn = jax.jit(lambda *a, _c=cfg: pg.prefill_experts(*a, **_c))
-                        ms = _time_ms(fn, *route, *banks, slots, iters=args.iters)
-                    except (ValueError, jax.errors.JaxRuntimeError) as e:
-                        rows.append(dict(kind="prefill_tile", H=H, I=I, T=T, **cfg, error=str(e)[:160]))
-                        continue
-                    tf = flops / ms / 1e9
-                    rows.append(dict(kind="prefill_tile", H=H, I=I, T=T, **cfg, ms=ms, tflops=tf, ratio=tf / ceiling))
-                    print(f"  tile_m {tm:>3} tile_n gate_up {tng:>3} down {tnd:>3} stages {st}: {ms:7.3f} ms "
-                          f"{tf:7.1f} TFLOP/s {tf / ceiling:5.2f}", flush=True)
+    configs = [dict(tile_m=tm, tile_k=tk, tile_n_gate_up=tng, tile_n_down=tnd, stages=st)
+               for tk in (64, 128) for tm in ((64, 128) if tk == 64 else (128,))
+               for tng in (64, 128) for tnd in (64, 128) for st in ((3, 4) if tk == 64 else (2, 3))]
+    for cfg in configs:
+        tm, tk, tng, tnd, st = (cfg[key] for key in ("tile_m", "tile_k", "tile_n_gate_up", "tile_n_down", "stages"))
+        try:
+            fn = jax.jit(lambda *a, _c=cfg: pg.prefill_experts(*a, **_c))
+            ms = time_back_to_back_ms(fn, *route, *banks, slots, iters=args.iters)
+        except (ValueError, jax.errors.JaxRuntimeError) as e:
+            rows.append(dict(kind="prefill_tile", H=H, I=I, T=T, **cfg, error=str(e)[:160]))
+            print(f"  tile_m {tm:>3} tile_k {tk:>3} tile_n gate_up {tng:>3} down {tnd:>3} stages {st}: "
+                  f"{type(e).__name__}: {str(e)[:100]}", flush=True)
+            continue
+        tf = flops / ms / 1e9
+        rows.append(dict(kind="prefill_tile", H=H, I=I, T=T, **cfg, b2b_ms=ms, tflops=tf, ratio=tf / ceiling))
+        print(f"  tile_m {tm:>3} tile_k {tk:>3} tile_n gate_up {tng:>3} down {tnd:>3} stages {st}: {ms:7.3f} ms "
+              f"b2b {tf:7.1f} TFLOP/s {tf / ceiling:5.2f}", flush=True)
 
 
 def _inputs(key, T, k, H, I, E, S, int4):
