@@ -100,9 +100,10 @@ def test_odd_sizes_bf16_activations(tier, hidden, inter):
 
 @pytest.mark.parametrize("tier", TIERS)
 @pytest.mark.parametrize("fmt,hidden,inter", [("bf16", 64, 32), ("bf16", 80, 48), ("int4", 64, 32),
-                                              ("int4", 96, 160)])
+                                              ("int4", 96, 160), ("int4", 320, 288)])
 def test_more_tokens_than_a_tile_bf16_activations(tier, fmt, hidden, inter):
-    """20 tokens on one expert: more than one 16-token group of the AMX tier, then 3 on another."""
+    """20 tokens on one expert: more than one 16-token group of the AMX tier, then 3 on another.
+    (320, 288): int4 widths past the AMX tier's 256-column dequant chunk, with a partial last chunk."""
     set_tier(tier)
     rng = np.random.default_rng(8)
     pool, ref = make_pool(rng, fmt, 3, hidden, inter)
