@@ -1,7 +1,5 @@
-// AMX tier (AMX-TILE + AMX-BF16): bf16 or int4 weights times bf16 activations on the tile unit
-// with TDPBF16PS (bf16 pair products summed in fp32, like VDPBF16PS); int4 rows are dequantized to
-// bf16 (q - 8) * scale (rounded once) into an L1 buffer a chunk ahead of the tile loads, so the
-// tile unit does the multiply-adds of every token of the call at once. Every other case - f32
+// AMX tier (AMX-TILE + AMX-BF16): bf16 weights times bf16 activations on the tile unit with
+// TDPBF16PS (bf16 pair products summed in fp32, like VDPBF16PS). Every other case - f32 or int4
 // weights, f32 activations, K < 32, the rows past the last full block of 16 - goes to the
 // AVX-512-BF16 tier unchanged.
 // It computes C^T = W . X^T, 16 weight rows x up to 16 tokens per C tile: the A tiles (16 rows x
@@ -142,67 +140,6 @@ void row_blocks(const uint16_t* w, int64_t K, const uint32_t* b, int n, int nb, 
   for (int i = 0; i < 16 * NB; ++i)
     for (int j = 0; j < nb; ++j) out[i * n + j] = c[i][j];
 }
-
-// One int4 weight row's group of 32 (16 bytes of nibbles, element 2b in the low nibble of byte b)
-// times its bf16 scale, as 32 bf16 of (q - 8) * scale (the fp32 product rounded to bf16 once, as
-// the GPU int4 kernels do), stored at dst (64 bytes).
-inline void dequant_group(const uint8_t* q, uint16_t scale, uint16_t* dst) {
-  alignas(64) static constexpr float kMinus8[16] = {-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7};
-  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q)), nib = _mm_set1_epi8(0x0F);
-  const __m128i lo = _mm_and_si128(bytes, nib), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), nib);
-  const __m512i idx = _mm512_cvtepu8_epi16(_mm256_set_m128i(_mm_unpackhi_epi8(lo, hi), _mm_unpacklo_epi8(lo, hi)));
-  const __m512 vals = _mm512_mul_ps(_mm512_set1_ps(bf16_to_f32(scale)), _mm512_load_ps(kMinus8));
-  const __m512i lut = _mm512_castsi256_si512(reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(vals)));
-  _mm512_storeu_si512(dst, _mm512_permutexvar_epi16(idx, lut));
-}
-
-// int4 rows: NB blocks of 16 rows from q (packed, row stride K / 2 bytes) and s (bf16 scales, row
-// stride K / 32), K % 32 == 0. The rows are dequantized kChunk columns at a time into an L1 double
-// buffer, one chunk ahead of the tile unit: chunk c + 1 is written while the tiles read chunk c, so
-// a tile load never reads stores still in flight (the first version, which dequantized each group
-// just before its tile load, ran at 0.13-0.25 of STREAM on the H200 host, session 11).
-template <int NB>
-void row_blocks_int4(const uint8_t* q, const uint16_t* s, int64_t K, const uint32_t* b, int n, int nb, float* out,
-                     int64_t pf) {
-  constexpr int64_t kChunk = 256;  // 16 * NB rows x 256 bf16: 8 / 16 KiB per buffer
-  alignas(64) uint16_t deq[2][16 * NB][kChunk];
-  const int64_t chunks = (K + kChunk - 1) / kChunk;
-  const auto dequant = [&](int64_t c) {
-    const int64_t k0 = c * kChunk, kc = std::min(kChunk, K - k0);
-    for (int i = 0; i < 16 * NB; ++i) {
-      const uint8_t* qi = q + i * (K / 2) + k0 / 2;
-      const uint16_t* si = s + i * (K / 32) + k0 / 32;
-      if (pf > 0) {  // the row's kChunk / 2 = 128 bytes of this chunk, pf bytes ahead
-        _mm_prefetch(reinterpret_cast<const char*>(qi) + pf, _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(qi) + pf + 64, _MM_HINT_T0);
-      }
-      for (int64_t g = 0; g < kc / 32; ++g) dequant_group(qi + g * 16, si[g], &deq[c & 1][i][g * 32]);
-    }
-  };
-  _tile_zero(0);
-  if constexpr (NB == 2) _tile_zero(1);
-  dequant(0);
-  for (int64_t c = 0; c < chunks; ++c) {
-    publish(deq);  // the tile loads of chunk c - 1 stay before the stores into their buffer
-    if (c + 1 < chunks) dequant(c + 1);
-    publish(deq);
-    const int64_t k0 = c * kChunk, kc = std::min(kChunk, K - k0);
-    for (int64_t kk = 0; kk < kc; kk += 32) {
-      _tile_loadd(4, b + (k0 + kk) / 2 * n, 4 * n);
-      _tile_loadd(2, &deq[c & 1][0][kk], 2 * kChunk);
-      _tile_dpbf16ps(0, 2, 4);
-      if constexpr (NB == 2) {
-        _tile_loadd(3, &deq[c & 1][16][kk], 2 * kChunk);
-        _tile_dpbf16ps(1, 3, 4);
-      }
-    }
-  }
-  alignas(64) float c[16 * NB][16];
-  _tile_stored(0, c[0], 64);
-  if constexpr (NB == 2) _tile_stored(1, c[16], 64);
-  for (int i = 0; i < 16 * NB; ++i)
-    for (int j = 0; j < nb; ++j) out[i * n + j] = c[i][j];
-}
 }  // namespace
 
 bool amx_enable() {
@@ -214,8 +151,7 @@ bool amx_enable() {
 
 void dot_rows_amx(const MatrixRef& w, int64_t r0, int64_t r1, const ActRef& a, float* out) {
   const int64_t K = w.cols, r_amx = r0 + (r1 - r0) / 16 * 16;  // AMX rows: [r0, r_amx)
-  const bool int4 = w.format == WeightFormat::kInt4 && K % 32 == 0;
-  if ((w.format != WeightFormat::kBF16 && !int4) || a.bf16 == nullptr || K < 32 || r_amx == r0)
+  if (w.format != WeightFormat::kBF16 || a.bf16 == nullptr || K < 32 || r_amx == r0)
     return dot_rows_avx512bf16(w, r0, r1, a, out);
   const uint32_t* b = repack(a, K);
   const int64_t pf = prefetch_bytes();
@@ -224,16 +160,8 @@ void dot_rows_amx(const MatrixRef& w, int64_t r0, int64_t r1, const ActRef& a, f
     const int nb = std::min(16, a.n - j0);
     configure(nb);
     int64_t r = r0;
-    float* o = out + j0;
-    if (int4) {
-      const auto q = [&](int64_t row) { return w.data + row * (K / 2); };
-      const auto sc = [&](int64_t row) { return w.scales + row * (K / 32); };
-      for (; r + 32 <= r_amx; r += 32) row_blocks_int4<2>(q(r), sc(r), K, b + j0, a.n, nb, o + (r - r0) * a.n, pf);
-      if (r < r_amx) row_blocks_int4<1>(q(r), sc(r), K, b + j0, a.n, nb, o + (r - r0) * a.n, pf);
-      continue;
-    }
-    for (; r + 32 <= r_amx; r += 32) row_blocks<2>(wd + r * K, K, b + j0, a.n, nb, o + (r - r0) * a.n, pf);
-    if (r < r_amx) row_blocks<1>(wd + r * K, K, b + j0, a.n, nb, o + (r - r0) * a.n, pf);
+    for (; r + 32 <= r_amx; r += 32) row_blocks<2>(wd + r * K, K, b + j0, a.n, nb, out + (r - r0) * a.n + j0, pf);
+    if (r < r_amx) row_blocks<1>(wd + r * K, K, b + j0, a.n, nb, out + (r - r0) * a.n + j0, pf);
   }
   if (r_amx < r1) dot_rows_avx512bf16(w, r_amx, r1, a, out + (r_amx - r0) * a.n);
 }
