@@ -31,13 +31,14 @@ from ftjax.host import measure  # noqa: E402
 SHAPES = {"qwen3.6 (H2048 I512)": measure.ExpertShape(2048, 512), "large (H4096 I2048)": measure.ExpertShape(4096, 2048)}
 
 
-def cpu_part(window_gib: float, calls: int, tiers: list[str], prefetch: list[int]) -> list[dict]:
+def cpu_part(window_gib: float, calls: int, tiers: list[str], prefetch: list[int],
+             formats: tuple[str, ...] = ("bf16", "int4")) -> list[dict]:
     window = int(window_gib * 2**30)
     default_pf = _host.prefetch_bytes()
     stream = measure.stream_read_gbps(window)
     rows = []
     for name, shape in SHAPES.items():
-        for fmt in ("bf16", "int4"):
+        for fmt in formats:
             pool = measure.make_pool(shape, fmt, window)
             for tier, pf in [(t, p) for t in tiers for p in prefetch]:
                 _host.set_tier(tier)
@@ -155,6 +156,8 @@ def main(argv=None) -> int:
     ap.add_argument("--window-gib", type=float, default=2.0)
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--all-tiers", action="store_true", help="time every available CPU tier, not only the best")
+    ap.add_argument("--tiers", nargs="+", help="time these CPU tiers (e.g. amx avx512bf16)")
+    ap.add_argument("--formats", nargs="+", choices=("bf16", "int4"), default=["bf16", "int4"])
     ap.add_argument("--prefetch", type=int, nargs="+", default=None,
                     help="weight-row prefetch distances (bytes) to time, e.g. 0 256 512 1024 (default: the built-in one)")
     ap.add_argument("--per-core", action="store_true",
@@ -165,10 +168,15 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     # scalar is the correctness reference, far too slow to time on GiB windows
     tiers = [t for t in _host.available_tiers() if t != "scalar"] if args.all_tiers else [_host.active_tier()]
+    if args.tiers:
+        missing = sorted(set(args.tiers) - set(_host.available_tiers()))
+        if missing:
+            ap.error(f"tiers {missing} not available here; available: {_host.available_tiers()}")
+        tiers = args.tiers
     res = {"cpu": _host.cpu_brand(), "workers": _host.worker_info(), "window_gib": args.window_gib,
            "routing": "synthetic: fresh expert window per call (no reuse), DRAM-bound"}
     prefetch = args.prefetch if args.prefetch else [_host.prefetch_bytes()]
-    res["kernel"] = [] if args.no_cpu else cpu_part(args.window_gib, args.calls, tiers, prefetch)
+    res["kernel"] = [] if args.no_cpu else cpu_part(args.window_gib, args.calls, tiers, prefetch, tuple(args.formats))
     if res["kernel"]:
         print(f"CPU: {res['cpu']}, {res['workers']['n_threads']} threads; STREAM read "
               f"{res['kernel'][0]['stream_gbps']:.1f} GB/s ({args.window_gib} GiB, same threads)")
