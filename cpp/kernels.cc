@@ -120,9 +120,29 @@ DotRowsFn dot_rows_for(Tier t) {
 
 MatrixRef matrix_of(const Bank& bank, int64_t expert) {
   const uint8_t* base = bank.expert(expert);
-  MatrixRef m{bank.format, bank.rows, bank.cols, base, nullptr};
+  MatrixRef m{bank.format, bank.rows, bank.cols, base, nullptr, bank.cols};
   if (bank.format == WeightFormat::kInt4)
     m.scales = reinterpret_cast<const uint16_t*>(base + static_cast<size_t>(bank.rows) * bank.cols / 2);
+  return m;
+}
+
+MatrixRef column_window(const MatrixRef& w, int64_t c0, int64_t n) {
+  if (c0 < 0 || n < 0 || c0 + n > w.cols)
+    throw std::invalid_argument("column window [" + std::to_string(c0) + ", " + std::to_string(c0 + n) +
+                                ") is outside the matrix's " + std::to_string(w.cols) + " columns");
+  MatrixRef m = w;
+  m.cols = n;
+  switch (w.format) {
+    case WeightFormat::kF32: m.data += c0 * 4; break;
+    case WeightFormat::kBF16: m.data += c0 * 2; break;
+    case WeightFormat::kInt4:
+      if (c0 % 32 || n % 32)
+        throw std::invalid_argument("an int4 column window must start and end on a 32-column group, got [" +
+                                    std::to_string(c0) + ", " + std::to_string(c0 + n) + ")");
+      m.data += c0 / 2;
+      m.scales += c0 / 32;
+      break;
+  }
   return m;
 }
 

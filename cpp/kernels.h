@@ -11,14 +11,17 @@
 
 namespace ftjax {
 
-// One expert's [rows, cols] matrix inside a bank row.
+// One expert's [rows, cols] matrix inside a bank row, or a window of its columns (column_window).
 struct MatrixRef {
   WeightFormat format;
   int64_t rows, cols;
-  const uint8_t* data;  // f32/bf16: rows * cols elements; int4: packed nibbles [rows, cols/2]
-  const uint16_t* scales;  // int4 only: bf16 [rows, cols/32]
+  const uint8_t* data;  // f32/bf16: row r at data + r * ld elements; int4: packed nibbles, ld / 2 bytes a row
+  const uint16_t* scales;  // int4 only: bf16, ld / 32 a row
+  int64_t ld;              // row stride in elements: cols for a whole matrix, more for a column window
 };
 MatrixRef matrix_of(const Bank& bank, int64_t expert);
+// Columns [c0, c0 + n) of w (every row): the same memory, ld unchanged. int4: c0 and n multiples of 32.
+MatrixRef column_window(const MatrixRef& w, int64_t c0, int64_t n);
 
 // n activation vectors of length cols, each in f32 (always) and, when the call runs in bf16
 // activations, also as bf16 bits (the same values) for the tiers that multiply in bf16.
@@ -72,8 +75,8 @@ inline float bf16_to_f32(uint16_t b) {
 // Weight (row, k) of an f32 or bf16 matrix: the SIMD tiers' scalar tail for widths that are not a
 // multiple of their vector length.
 inline float dense_weight(const MatrixRef& w, int64_t row, int64_t k) {
-  return w.format == WeightFormat::kF32 ? reinterpret_cast<const float*>(w.data)[row * w.cols + k]
-                                        : bf16_to_f32(reinterpret_cast<const uint16_t*>(w.data)[row * w.cols + k]);
+  return w.format == WeightFormat::kF32 ? reinterpret_cast<const float*>(w.data)[row * w.ld + k]
+                                        : bf16_to_f32(reinterpret_cast<const uint16_t*>(w.data)[row * w.ld + k]);
 }
 inline uint16_t f32_to_bf16(float f) {  // round to nearest even (NaN kept quiet)
   union { float f; uint32_t u; } v{f};

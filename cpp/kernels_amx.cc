@@ -3,7 +3,7 @@
 // weights, f32 activations, K < 32, the rows past the last full block of 16 - goes to the
 // AVX-512-BF16 tier unchanged.
 // It computes C^T = W . X^T, 16 weight rows x up to 16 tokens per C tile: the A tiles (16 rows x
-// 32 k) load straight from the bank with row stride K * 2 bytes, so only the few activation
+// 32 k) load straight from the bank with the matrix's row stride, so only the few activation
 // vectors are repacked, once per call, into the VNNI pair layout that the B tile needs.
 #include <immintrin.h>
 #include <sys/syscall.h>
@@ -103,25 +103,25 @@ const uint32_t* repack(const ActRef& a, int64_t K) {
   return vnni;
 }
 
-// NB blocks of 16 weight rows from w (row stride K) times the B tiles at b (row stride n pairs):
+// NB blocks of 16 weight rows from w (K columns, row stride ld) times the B tiles at b (row stride n pairs):
 // out[i * n + j] for i < 16 * NB, j < nb. Each B tile is loaded once for the NB blocks.
 // Each k-step also prefetches every row's line `pf` bytes ahead (prefetch_bytes(); 0 = off).
 template <int NB>
-void row_blocks(const uint16_t* w, int64_t K, const uint32_t* b, int n, int nb, float* out, int64_t pf) {
+void row_blocks(const uint16_t* w, int64_t K, int64_t ld, const uint32_t* b, int n, int nb, float* out, int64_t pf) {
   alignas(64) uint16_t tail[16 * NB][32];
   _tile_zero(0);
   if constexpr (NB == 2) _tile_zero(1);
   for (int64_t k = 0; k < K; k += 32) {
     if (pf > 0) {
       const char* ahead = reinterpret_cast<const char*>(w + k) + pf;
-      for (int i = 0; i < 16 * NB; ++i) _mm_prefetch(ahead + i * K * 2, _MM_HINT_T0);
+      for (int i = 0; i < 16 * NB; ++i) _mm_prefetch(ahead + i * ld * 2, _MM_HINT_T0);
     }
     const uint16_t* a0 = w + k;
-    int64_t stride = K;  // elements
+    int64_t stride = ld;  // elements
     if (k + 32 > K) {    // last partial step: a zero-padded copy of the weight columns [k, K);
                          // B is zero there too, and both pads are zero so no NaN x 0 leaks in
       std::memset(tail, 0, sizeof tail);
-      for (int i = 0; i < 16 * NB; ++i) std::memcpy(tail[i], w + i * K + k, (K - k) * 2);
+      for (int i = 0; i < 16 * NB; ++i) std::memcpy(tail[i], w + i * ld + k, (K - k) * 2);
       publish(tail);
       a0 = tail[0];
       stride = 32;
@@ -160,8 +160,9 @@ void dot_rows_amx(const MatrixRef& w, int64_t r0, int64_t r1, const ActRef& a, f
     const int nb = std::min(16, a.n - j0);
     configure(nb);
     int64_t r = r0;
-    for (; r + 32 <= r_amx; r += 32) row_blocks<2>(wd + r * K, K, b + j0, a.n, nb, out + (r - r0) * a.n + j0, pf);
-    if (r < r_amx) row_blocks<1>(wd + r * K, K, b + j0, a.n, nb, out + (r - r0) * a.n + j0, pf);
+    for (; r + 32 <= r_amx; r += 32)
+      row_blocks<2>(wd + r * w.ld, K, w.ld, b + j0, a.n, nb, out + (r - r0) * a.n + j0, pf);
+    if (r < r_amx) row_blocks<1>(wd + r * w.ld, K, w.ld, b + j0, a.n, nb, out + (r - r0) * a.n + j0, pf);
   }
   if (r_amx < r1) dot_rows_avx512bf16(w, r_amx, r1, a, out + (r_amx - r0) * a.n);
 }

@@ -40,8 +40,8 @@ void tile(const MatrixRef& w, int64_t r, const ActRef& a, int j0, float* out) {
     const uint8_t* row[R];
     const uint16_t* sc[R];
     for (int i = 0; i < R; ++i) {
-      row[i] = w.data + (r + i) * (K / 2);
-      sc[i] = w.scales + (r + i) * (K / 32);
+      row[i] = w.data + (r + i) * (w.ld / 2);
+      sc[i] = w.scales + (r + i) * (w.ld / 32);
     }
     for (int64_t g = 0; g < K / 32; ++g) {
 #pragma GCC unroll 16
@@ -74,8 +74,8 @@ void tile(const MatrixRef& w, int64_t r, const ActRef& a, int j0, float* out) {
       for (int j = 0; j < N; ++j) xv[j] = _mm256_loadu_ps(x[j] + k);
 #pragma GCC unroll 16
       for (int i = 0; i < R; ++i) {
-        const __m256 wv = bf16 ? load_bf16x8(reinterpret_cast<const uint16_t*>(w.data) + (r + i) * K + k)
-                               : _mm256_loadu_ps(reinterpret_cast<const float*>(w.data) + (r + i) * K + k);
+        const __m256 wv = bf16 ? load_bf16x8(reinterpret_cast<const uint16_t*>(w.data) + (r + i) * w.ld + k)
+                               : _mm256_loadu_ps(reinterpret_cast<const float*>(w.data) + (r + i) * w.ld + k);
 #pragma GCC unroll 16
         for (int j = 0; j < N; ++j) acc[i][j] = _mm256_fmadd_ps(wv, xv[j], acc[i][j]);
       }

@@ -40,8 +40,8 @@ alignas(64) constexpr uint16_t kInt4Bf16[32] = {
 template <int R>
 inline void int4_rows(const MatrixRef& w, int64_t r, const uint8_t* (&row)[R], const uint16_t* (&sc)[R]) {
   for (int i = 0; i < R; ++i) {
-    row[i] = w.data + (r + i) * (w.cols / 2);
-    sc[i] = w.scales + (r + i) * (w.cols / 32);
+    row[i] = w.data + (r + i) * (w.ld / 2);
+    sc[i] = w.scales + (r + i) * (w.ld / 32);
   }
 }
 
@@ -156,7 +156,7 @@ void tile(const MatrixRef& w, int64_t r, const ActRef& a, int j0, float* out) {
   } else if (w.format == WeightFormat::kBF16 && a.bf16 != nullptr) {
     const uint16_t* row[R];
     const uint16_t* xh[N];
-    for (int i = 0; i < R; ++i) row[i] = reinterpret_cast<const uint16_t*>(w.data) + (r + i) * K;
+    for (int i = 0; i < R; ++i) row[i] = reinterpret_cast<const uint16_t*>(w.data) + (r + i) * w.ld;
     for (int j = 0; j < N; ++j) xh[j] = a.bf16 + (j0 + j) * a.stride;
     for (; k + 32 <= K; k += 32) {
       __m512bh xv[N];
@@ -172,7 +172,7 @@ void tile(const MatrixRef& w, int64_t r, const ActRef& a, int j0, float* out) {
     }
   } else if (w.format == WeightFormat::kBF16) {  // own loop: one with a per-load branch ran ~8% slower (dev box)
     const uint16_t* row[R];
-    for (int i = 0; i < R; ++i) row[i] = reinterpret_cast<const uint16_t*>(w.data) + (r + i) * K;
+    for (int i = 0; i < R; ++i) row[i] = reinterpret_cast<const uint16_t*>(w.data) + (r + i) * w.ld;
     for (; k + 16 <= K; k += 16) {
       if (pf > 0 && (k & 31) == 0) prefetch_rows<R>(row, k, pf);
       __m512 xv[N];
@@ -187,7 +187,7 @@ void tile(const MatrixRef& w, int64_t r, const ActRef& a, int j0, float* out) {
     }
   } else {
     const float* row[R];
-    for (int i = 0; i < R; ++i) row[i] = reinterpret_cast<const float*>(w.data) + (r + i) * K;
+    for (int i = 0; i < R; ++i) row[i] = reinterpret_cast<const float*>(w.data) + (r + i) * w.ld;
     for (; k + 16 <= K; k += 16) {
       __m512 xv[N];
 #pragma GCC unroll 16

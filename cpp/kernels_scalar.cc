@@ -4,25 +4,25 @@
 namespace ftjax {
 
 void dot_rows_scalar(const MatrixRef& w, int64_t r0, int64_t r1, const ActRef& a, float* out) {
-  const int64_t K = w.cols;
+  const int64_t K = w.cols, ld = w.ld;
   for (int64_t r = r0; r < r1; ++r) {
     for (int j = 0; j < a.n; ++j) {
       const float* x = a.f32 + j * a.stride;
       float acc = 0.f;
       switch (w.format) {
         case WeightFormat::kF32: {
-          const float* row = reinterpret_cast<const float*>(w.data) + r * K;
+          const float* row = reinterpret_cast<const float*>(w.data) + r * ld;
           for (int64_t k = 0; k < K; ++k) acc += row[k] * x[k];
           break;
         }
         case WeightFormat::kBF16: {
-          const uint16_t* row = reinterpret_cast<const uint16_t*>(w.data) + r * K;
+          const uint16_t* row = reinterpret_cast<const uint16_t*>(w.data) + r * ld;
           for (int64_t k = 0; k < K; ++k) acc += bf16_to_f32(row[k]) * x[k];
           break;
         }
         case WeightFormat::kInt4: {
-          const uint8_t* row = w.data + r * (K / 2);
-          const uint16_t* sc = w.scales + r * (K / 32);
+          const uint8_t* row = w.data + r * (ld / 2);
+          const uint16_t* sc = w.scales + r * (ld / 32);
           for (int64_t g = 0; g < K / 32; ++g) {
             float part = 0.f;
             for (int i = 0; i < 16; ++i) {

@@ -2,11 +2,13 @@
 // XLA FFI handlers (CPU; CUDA where built), exposed to Python with nanobind.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
 #include <chrono>
 #include <memory>
+#include <optional>
 #include <stdexcept>
 
 #include "cpu_features.h"
@@ -48,7 +50,8 @@ using I32Array = nb::ndarray<const int32_t, nb::ndim<1>, nb::c_contig, nb::devic
 nb::ndarray<nb::numpy, float, nb::ndim<2>> run_experts_py(PoolHandle& h, nb::ndarray<nb::c_contig, nb::device::cpu> x,
                                                          I32Array token_idx, I32Array expert_ids,
                                                          nb::ndarray<const float, nb::ndim<1>, nb::c_contig, nb::device::cpu> weights,
-                                                         int64_t n_valid, bool x_bf16) {
+                                                         int64_t n_valid, bool x_bf16,
+                                                         std::optional<I32Array> unit_start) {
   ExpertPool& pool = h.get();
   if (x.ndim() != 2 || static_cast<int64_t>(x.shape(1)) != pool.hidden())
     throw std::invalid_argument("x must be [T, " + std::to_string(pool.hidden()) + "]");
@@ -62,7 +65,10 @@ nb::ndarray<nb::numpy, float, nb::ndim<2>> run_experts_py(PoolHandle& h, nb::nda
   const int64_t T = static_cast<int64_t>(x.shape(0)), H = pool.hidden();
   float* y = new float[T * H];
   nb::capsule owner(y, [](void* p) noexcept { delete[] static_cast<float*>(p); });
-  ExpertCall call{&pool, x.data(), x_bf16, T, token_idx.data(), expert_ids.data(), weights.data(), n_valid, y};
+  if (unit_start && static_cast<int64_t>(unit_start->shape(0)) != cap)
+    throw std::invalid_argument("unit_start must have the tasks' length");
+  ExpertCall call{&pool, x.data(), x_bf16, T, token_idx.data(), expert_ids.data(), weights.data(), n_valid, y,
+                  unit_start ? unit_start->data() : nullptr};
   {
     nb::gil_scoped_release release;
     run_experts(global_workers(), call, active_tier());
@@ -148,7 +154,9 @@ NB_MODULE(_host, m) {
       .def("close", &PoolHandle::close);
 
   m.def("run_experts", &run_experts_py, "pool"_a, "x"_a, "token_idx"_a, "expert_ids"_a, "weights"_a,
-        "n_valid"_a, "x_bf16"_a = false, "The CPU expert kernel outside JAX (tests, benchmarks).");
+        "n_valid"_a, "x_bf16"_a = false, "unit_start"_a = nb::none(),
+        "The CPU expert kernel outside JAX (tests, benchmarks). unit_start [tasks] (optional): each task "
+        "computes only its expert's intermediate units [u, I).");
   m.def("available_tiers", [] {
     std::vector<std::string> out;
     for (Tier t : available_tiers()) out.push_back(tier_name(t));

@@ -46,18 +46,30 @@ void run_experts(WorkerPool& workers, const ExpertCall& c, Tier tier) {
     if (c.expert_ids[i] < 0 || c.expert_ids[i] >= pool.n_experts())
       throw std::invalid_argument("task " + std::to_string(i) + ": expert id " + std::to_string(c.expert_ids[i]) +
                                   " is outside the pool's [0, " + std::to_string(pool.n_experts()) + ")");
+    if (c.unit_start) {
+      const int64_t u = c.unit_start[i];
+      if (u < 0 || u > I)
+        throw std::invalid_argument("task " + std::to_string(i) + ": unit start " + std::to_string(u) +
+                                    " is outside [0, " + std::to_string(I) + "]");
+      if (pool.down().format == WeightFormat::kInt4 && u % 32)
+        throw std::invalid_argument("task " + std::to_string(i) + ": unit start " + std::to_string(u) +
+                                    " is not a multiple of 32 (an int4 group of the down matrix)");
+    }
   }
+  const auto unit_of = [&](int64_t task) -> int64_t { return c.unit_start ? c.unit_start[task] : 0; };
   std::fill(c.y, c.y + c.T * H, 0.f);
   if (n == 0) return;
 
-  // Routes sorted by expert; group g covers routes [start[g], start[g + 1]).
+  // Routes sorted by (expert, unit start); group g covers routes [start[g], start[g + 1]).
   std::vector<int64_t> order(n);
   std::iota(order.begin(), order.end(), 0);
-  std::stable_sort(order.begin(), order.end(),
-                   [&](int64_t a, int64_t b) { return c.expert_ids[a] < c.expert_ids[b]; });
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+    return c.expert_ids[a] != c.expert_ids[b] ? c.expert_ids[a] < c.expert_ids[b] : unit_of(a) < unit_of(b);
+  });
   std::vector<int64_t> start{0};
   for (int64_t r = 1; r < n; ++r)
-    if (c.expert_ids[order[r]] != c.expert_ids[order[r - 1]]) start.push_back(r);
+    if (c.expert_ids[order[r]] != c.expert_ids[order[r - 1]] || unit_of(order[r]) != unit_of(order[r - 1]))
+      start.push_back(r);
   start.push_back(n);
   const int64_t groups = static_cast<int64_t>(start.size()) - 1;
 
@@ -95,8 +107,10 @@ void run_experts(WorkerPool& workers, const ExpertCall& c, Tier tier) {
   const int64_t blocks1 = (I + rows1 - 1) / rows1;
   const int64_t item1_bytes = rows1 * static_cast<int64_t>(pool.gate_up().expert_bytes) / I;  // 2 rows1 of 2I rows
   workers.parallel_for(groups * blocks1, [&](int64_t item, int) {
-    const int64_t g = item / blocks1, i0 = (item % blocks1) * rows1, i1 = std::min(I, i0 + rows1);
-    const int64_t r0 = start[g], nr = start[g + 1] - r0;
+    const int64_t g = item / blocks1, r0 = start[g], nr = start[g + 1] - r0;
+    const int64_t i1 = std::min(I, (item % blocks1 + 1) * rows1);
+    const int64_t i0 = std::max((item % blocks1) * rows1, unit_of(order[r0]));  // the group's units only
+    if (i0 >= i1) return;
     const MatrixRef w = matrix_of(pool.gate_up(), c.expert_ids[order[r0]]);
     const ActRef a{&xg[r0 * H], c.x_bf16 ? &xg_h[r0 * H] : nullptr, H, static_cast<int>(nr),
                    pair_x ? &xg_p[r0 * H] : nullptr};
@@ -127,10 +141,12 @@ void run_experts(WorkerPool& workers, const ExpertCall& c, Tier tier) {
   workers.parallel_for(blocks2, [&](int64_t item, int) {
     const int64_t h0 = item * rows2, h1 = std::min(H, h0 + rows2);
     for (int64_t g = 0; g < groups; ++g) {
-      const int64_t r0 = start[g], nr = start[g + 1] - r0;
-      const MatrixRef w = matrix_of(pool.down(), c.expert_ids[order[r0]]);
-      const ActRef a{&act[r0 * I], c.x_bf16 ? &act_h[r0 * I] : nullptr, I, static_cast<int>(nr),
-                     pair_act ? &act_p[r0 * I] : nullptr};
+      const int64_t r0 = start[g], nr = start[g + 1] - r0, u = unit_of(order[r0]);
+      if (u == I) continue;  // no unit of this expert here
+      // the down columns of the group's units; pair64 spans stay aligned only from a multiple of 64
+      const MatrixRef w = column_window(matrix_of(pool.down(), c.expert_ids[order[r0]]), u, I - u);
+      const ActRef a{&act[r0 * I + u], c.x_bf16 ? &act_h[r0 * I + u] : nullptr, I, static_cast<int>(nr),
+                     pair_act && u % 64 == 0 ? &act_p[r0 * I + u] : nullptr};
       float* out = scratch(rows2 * nr).data();
       dot(w, h0, h1, a, out);
       for (int64_t j = 0; j < nr; ++j) {

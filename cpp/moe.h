@@ -1,5 +1,6 @@
 // The CPU expert computation of one MoE layer over a task list:
 //   y[t] = sum over tasks (t, e, w) of w * down_e(silu(gate_e(x[t])) * up_e(x[t]))
+// (or the sum over the units [u, I) of the expert's intermediate only, per task: unit_start)
 // Tasks are grouped by expert so each expert's weights are read once per call, however many
 // tokens route to it; both phases split the work across threads by output rows.
 #pragma once
@@ -21,6 +22,10 @@ struct ExpertCall {
   const float* weights;       // [n_tasks]
   int64_t n_tasks;            // the valid prefix of the task arrays
   float* y;                   // [T, H], overwritten
+  // [n_tasks] or nullptr (all 0): the task computes only the expert's intermediate units [u, I),
+  // i.e. gate/up rows u.. and down columns u.. (the other units' share of the sum is computed
+  // elsewhere, e.g. on the GPU from a partial fill). int4 pools need u % 32 == 0.
+  const int32_t* unit_start = nullptr;
 };
 
 // Throws std::invalid_argument naming the bad task (index and value) before touching y.

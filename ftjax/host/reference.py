@@ -8,8 +8,10 @@ def silu(v):
     return v / (1.0 + np.exp(-v))
 
 
-def experts_reference(x, token_idx, expert_ids, weights, n_valid, gate_up, down, *, bf16_act: bool = False):
-    """``y[t] += w * down_e(silu(gate_e(x[t])) * up_e(x[t]))`` over the first ``n_valid`` tasks.
+def experts_reference(x, token_idx, expert_ids, weights, n_valid, gate_up, down, *, bf16_act: bool = False,
+                      unit_start=None):
+    """``y[t] += w * down_e(silu(gate_e(x[t])) * up_e(x[t]))`` over the first ``n_valid`` tasks;
+    with ``unit_start`` only the intermediate units ``[u, I)`` of each task's expert count.
 
     gate_up [N, 2I, H] and down [N, H, I] as floats (dequantize int4 first). With ``bf16_act`` the
     SwiGLU intermediate is rounded to bf16, as the kernel does for bf16 activations.
@@ -25,5 +27,7 @@ def experts_reference(x, token_idx, expert_ids, weights, n_valid, gate_up, down,
         act = silu(h[:inter]) * h[inter:]
         if bf16_act:
             act = act.astype(np.float32).astype(ml_dtypes.bfloat16).astype(np.float64)
+        if unit_start is not None:
+            act[:int(unit_start[i])] = 0.0
         y[t] += w * (np.asarray(down[e], np.float64) @ act)
     return y

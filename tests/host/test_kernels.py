@@ -117,6 +117,53 @@ def test_more_tokens_than_a_tile_bf16_activations(tier, fmt, hidden, inter):
 
 
 @pytest.mark.parametrize("tier", TIERS)
+@pytest.mark.parametrize("fmt,act", [("f32", "f32"), ("bf16", "f32"), ("bf16", "bf16"), ("int4", "f32"),
+                                     ("int4", "bf16")])
+def test_unit_start_computes_only_those_units(tier, fmt, act):
+    """unit_start u: a task adds only its expert's intermediate units [u, I) (gate/up rows and down
+    columns from u). u = 0 (all), u = I (nothing), int4 starts on and off a 64-column span, one
+    expert at two starts in one call; the units below u are what the other side adds."""
+    set_tier(tier)
+    hidden, inter = 192, 128
+    rng = np.random.default_rng(zlib.crc32(f"units{tier}{fmt}{act}".encode()))
+    pool, ref = make_pool(rng, fmt, 5, hidden, inter)
+    T, cap = 6, 14
+    x = rng.standard_normal((T, hidden)).astype(np.float32)
+    if act == "bf16":
+        x = x.astype(BF16)
+    tok, eid, w = tasks(rng, T, cap, 5)
+    starts = [0, 32, 64, 96, 128] if fmt == "int4" else [0, 5, 37, 64, 127, 128]
+    unit = rng.choice(starts, cap).astype(np.int32)
+    unit[:2] = (starts[1], starts[-2])  # tasks 0 and 1 share an expert (tasks()): two starts, one expert
+    y = _host.run_experts(pool._h, x.view(np.uint16) if act == "bf16" else x, tok, eid, w, cap,
+                          x_bf16=act == "bf16", unit_start=unit)
+    xf = x.astype(np.float32)
+    want = experts_reference(xf, tok, eid, w, cap, ref["gate_up"], ref["down"], bf16_act=act == "bf16",
+                             unit_start=unit)
+    tol = 2e-5 if act == "f32" else 2e-2
+    assert rel_err(y, want) < tol
+    # the two shares add up to the whole
+    below = (experts_reference(xf, tok, eid, w, cap, ref["gate_up"], ref["down"], bf16_act=act == "bf16")
+             - want)
+    whole = run(pool, x, tok, eid, w, cap)
+    assert rel_err(y + below, whole) < tol
+
+
+def test_unit_start_is_validated():
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((2, 64)).astype(np.float32)
+    tok, eid, w = np.zeros(2, np.int32), np.zeros(2, np.int32), np.ones(2, np.float32)
+    pool, _ = make_pool(rng, "bf16", 2, 64, 64)
+    with pytest.raises(ValueError, match="unit start 65 is outside"):
+        _host.run_experts(pool._h, x, tok, eid, w, 2, unit_start=np.array([0, 65], np.int32))
+    with pytest.raises(ValueError, match="unit_start must have"):
+        _host.run_experts(pool._h, x, tok, eid, w, 2, unit_start=np.zeros(3, np.int32))
+    pool4, _ = make_pool(rng, "int4", 2, 64, 64)
+    with pytest.raises(ValueError, match="not a multiple of 32"):
+        _host.run_experts(pool4._h, x, tok, eid, w, 2, unit_start=np.array([16, 0], np.int32))
+
+
+@pytest.mark.parametrize("tier", TIERS)
 def test_many_tokens_one_expert_and_repeated_task(tier):
     set_tier(tier)
     rng = np.random.default_rng(4)
