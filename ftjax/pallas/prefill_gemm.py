@@ -309,7 +309,6 @@ def _grouped_matmul(a, tile_slot, tile_row0, tile_rows, n_tiles, weights, *, n_o
             def _tile(info):
                 mi, ni = info.index
                 slot = slot_ref[mi]
-
                 live_rows = rows_ref[mi]  # rows of the tile that hold routes (>= 1 when active)
 
                 def compute_context(run_pipeline):
@@ -365,9 +364,9 @@ def _grouped_matmul(a, tile_slot, tile_row0, tile_rows, n_tiles, weights, *, n_o
                     plgpu.wgmma_wait(0)
                     return accs
 
+                row0 = pl.multiple_of(row0_ref[mi], routing.INPUT_ALIGN)  # a TMA starts on an 8-row tile
                 get_pipeline(mma, compute_context)(
-                    a_gmem.at[pl.ds(pl.multiple_of(row0_ref[mi], routing.INPUT_ALIGN), tile_m)], *weight_refs(w_gmem, slot, ni),
-                    allocations=allocs)
+                    a_gmem.at[pl.ds(row0, tile_m)], *weight_refs(w_gmem, slot, ni), allocations=allocs)
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 

@@ -102,11 +102,10 @@ def plan_routes(expert_ids: jax.Array, token_valid: jax.Array, num_experts: int,
     in_starts, _, in_is_route, in_route = _group_layout(order, sizes, starts, num_in, INPUT_ALIGN)
     token_of_input_row = jnp.where(in_is_route, in_route // top_k, 0)
     token_of_input_row = jnp.concatenate([token_of_input_row, jnp.zeros(tile, jnp.int32)])
-    tile_row0 = jnp.where(tile_first < padded_ends[-1],
-                          in_starts[tile_group] + tile_first - padded_starts[tile_group], 0)
-    in_group = tile_first - padded_starts[tile_group]
-    tile_rows = jnp.where(tile_first < padded_ends[-1],
-                          jnp.clip(sizes[tile_group] - in_group, 0, tile), 0)
+    active = tile_first < padded_ends[-1]
+    in_group = tile_first - padded_starts[tile_group]  # the tile's first row within its group
+    tile_row0 = jnp.where(active, in_starts[tile_group] + in_group, 0)
+    tile_rows = jnp.where(active, jnp.clip(sizes[tile_group] - in_group, 0, tile), 0)
     return RoutePlan(order, rank, sizes, starts, padded_starts.astype(jnp.int32), row_of_route,
                      route_of_row, tile_group, tile_row0.astype(jnp.int32),
                      token_of_input_row.astype(jnp.int32), tile_rows.astype(jnp.int32), n_tiles)
