@@ -15,7 +15,7 @@ namespace {
 
 ffi::Error CpuExpertsImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> token_idx, ffi::Buffer<ffi::S32> expert_ids,
                           ffi::Buffer<ffi::F32> weights, ffi::Buffer<ffi::S32> n_valid,
-                          ffi::ResultBuffer<ffi::F32> y, uint64_t pool_id) {
+                          ffi::Buffer<ffi::S32> unit_start, ffi::ResultBuffer<ffi::F32> y, uint64_t pool_id) {
   auto pool = find_pool(pool_id);
   if (!pool) return ffi::Error::InvalidArgument("cpu_experts: no host pool with id " + std::to_string(pool_id) +
                                                 " (closed, or from another process?)");
@@ -28,13 +28,15 @@ ffi::Error CpuExpertsImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> token_idx, ffi
   const int64_t cap = static_cast<int64_t>(token_idx.element_count());
   if (static_cast<int64_t>(expert_ids.element_count()) != cap || static_cast<int64_t>(weights.element_count()) != cap)
     return ffi::Error::InvalidArgument("cpu_experts: token_idx, expert_ids and weights must have one length");
+  if (static_cast<int64_t>(unit_start.element_count()) != cap)
+    return ffi::Error::InvalidArgument("cpu_experts: unit_start must have the tasks' length");
   if (n_valid.element_count() != 1) return ffi::Error::InvalidArgument("cpu_experts: n_valid must be a scalar");
   const int64_t n = n_valid.typed_data()[0];
   if (n < 0 || n > cap)
     return ffi::Error::InvalidArgument("cpu_experts: n_valid " + std::to_string(n) + " outside [0, " +
                                        std::to_string(cap) + "]");
   ExpertCall call{pool.get(), x.untyped_data(), bf16, xd[0], token_idx.typed_data(), expert_ids.typed_data(),
-                  weights.typed_data(), n, y->typed_data()};
+                  weights.typed_data(), n, y->typed_data(), unit_start.typed_data()};
   try {
     run_experts(global_workers(), call, active_tier());
   } catch (const std::exception& e) {
@@ -51,6 +53,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FtjaxCpuExperts, CpuExpertsImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<uint64_t>("pool"));

@@ -50,6 +50,9 @@ def cache_dtype(pool: HostPool):
 # Thread blocks of a background fill: on the H200 8-16 blocks move a 6.3 MB expert at PCIe speed (44-47
 # GB/s) and leave the SMs to the work beside it (16: 0.95 of the fill hidden; 1,056 blocks: none).
 BACKGROUND_FILL_BLOCKS = 16
+def unit_granule(pool: HostPool) -> int:
+    """unit_split: units per step of the split: an int4 group of the down matrix, else 8."""
+    return quant.GROUP if pool.format == "int4" else 8
 RANK_MAX_SLOTS = 8192  # victims_by="rank" counts over S^2 slot pairs: measured at 3,788 slots only
 
 
@@ -100,6 +103,12 @@ class OffloadExperts:
     off for the CPU one (which would fill at once anyway: the routing is the same, which CI tests).
     On the H200 (40 layers, 37%, trace routing; bench/RESULTS.md, session 10) it ran 1.06x lru-split
     without it at batch 1 and 1.03x at batch 4.
+    ``unit_split`` (with ``defer_fills``): a decode call splits the experts it fills by intermediate
+    units instead of deferring whole experts (``plan.split_units``): the GPU computes units [0, u) of
+    their routes from the filled slot, the CPU units [u, I) (``ExpertCall.unit_start``), and the slot
+    is completed in the background. CPU platform only for now (there the fill is whole and at once);
+    the CUDA partial fill and the Pallas GEMV's unit mask are not built yet. A model of what it buys
+    on the H200: bench/split_model.py (1.09x at batch 1, 37%).
     Call `drain` before dropping a state on the GPU (a background fill may still be writing its banks).
     """
 
@@ -117,6 +126,7 @@ class OffloadExperts:
     plan_impl: str = "scatter"
     victims_by: str | None = None
     defer_fills: bool | None = None
+    unit_split: bool = False
     channel_base: int = -1
     background_id: int = -1
 
@@ -136,6 +146,16 @@ class OffloadExperts:
         if not lo <= self.num_slots <= hi:
             raise ValueError(f"policy {self.policy.name!r} needs {lo} <= num_slots <= {hi}, got {self.num_slots}"
                              + (" (the expert pool does not fit the VRAM budget)" if self.policy.preload == "all" else ""))
+        if self.unit_split:
+            if not self.background_fills:
+                raise ValueError("unit_split completes the split slots in the background: it needs defer_fills "
+                                 "and a policy that splits misses (lru-split)")
+            if self.platform != "cpu" or self.kernel != "jnp":
+                raise NotImplementedError("unit_split runs on the CPU platform with the jnp kernel only: the CUDA "
+                                          "partial fill and the Pallas GEMV's unit mask are not built yet")
+            if self.pool.inter % unit_granule(self.pool):
+                raise ValueError(f"unit_split needs the expert intermediate size ({self.pool.inter}) to be a "
+                                 f"multiple of {unit_granule(self.pool)}")
         check_kernel(self.kernel, self.pool.hidden, self.pool.inter, cache_dtype(self.pool) if self.num_slots else None)
         if self.plan_impl not in PLAN_IMPLS:
             raise ValueError(f"plan_impl {self.plan_impl!r} unknown; valid: {PLAN_IMPLS}")
@@ -263,7 +283,8 @@ class OffloadExperts:
         plan, state = plan_layer(state, layer, expert_ids, token_valid, num_experts=E, rule=rule,
                                  fill_cap=self.fill_cap, update=self.policy.update, impl=self.plan_impl,
                                  victims_by=self.victims_by,
-                                 defer_horizon=self.num_layers if self.background_fills and decode else 0)
+                                 defer_horizon=self.num_layers if self.background_fills and decode else 0,
+                                 unit_split=(self.pool.inter, unit_granule(self.pool)) if self.unit_split else None)
 
         flat = layer * E + expert_ids.reshape(-1).astype(jnp.int32)
         tasks = plan.cpu_routes
@@ -279,7 +300,7 @@ class OffloadExperts:
             token = cuda.cpu_experts_submit(*cpu_args, channel=self.channel_base + layer,
                                             fused=self.fused_handshake)
         else:
-            y_cpu = cpu_experts(*cpu_args, self.pool)
+            y_cpu = cpu_experts(*cpu_args, self.pool, unit_start=plan.cpu_units if self.unit_split else None)
 
         if plan.fill_ids.shape[0]:  # (always, under a policy with background fills: T*k, E, S >= 1)
             state = self._fill(state, plan, token, plan.deferred if bg_decode else None)
@@ -289,7 +310,8 @@ class OffloadExperts:
                              bg_slots=state["bg_slots"].at[layer, :F].set(plan.fill_slots),
                              bg_n=state["bg_n"].at[layer].set(jnp.where(plan.deferred, plan.n_fill, 0)))
         if self.num_slots:
-            y = self._gpu_part(state, layer, x, expert_ids, gate_weights, token_valid, plan.route_slot)
+            y = self._gpu_part(state, layer, x, expert_ids, gate_weights, token_valid, plan.route_slot,
+                               plan.route_units if self.unit_split else None)
         else:
             y = jnp.zeros_like(x)
 
@@ -333,7 +355,7 @@ class OffloadExperts:
             dn = dn.at[dst].set(rows_dn, mode="drop")
         return dict(state, gate_up=gu, down=dn)
 
-    def _gpu_part(self, state, layer, x, expert_ids, gate_weights, token_valid, route_slot):
+    def _gpu_part(self, state, layer, x, expert_ids, gate_weights, token_valid, route_slot, route_units=None):
         """``y [T, H]``: the weighted sum over the routes with a cache slot (the others are the CPU's)."""
         T, k = expert_ids.shape
         E = self.num_experts
@@ -347,20 +369,21 @@ class OffloadExperts:
             slot_e = jnp.maximum(state["slot_of"][layer * E:(layer + 1) * E], 0)
             y = prefill_layer(x, expert_ids, gate_weights, route_valid, gu, dn, slot_e)
             return jnp.where(token_valid[:, None], y.astype(x.dtype), jnp.zeros((), x.dtype))
-        out = self._gpu_routes(state, layer, x, expert_ids, route_slot)
+        out = self._gpu_routes(state, layer, x, expert_ids, route_slot, route_units)
         return combine_routes(out.reshape(T, k, -1), expert_ids, gate_weights, token_valid)
 
-    def _gpu_routes(self, state, layer, x, expert_ids, route_slot):
-        """Per-route outputs ``[T*k, H]`` of the routes with a slot; zeros for the others (jnp)."""
+    def _gpu_routes(self, state, layer, x, expert_ids, route_slot, route_units=None):
+        """Per-route outputs ``[T*k, H]`` of the routes with a slot; zeros for the others (jnp).
+        ``route_units`` (unit split): a route computes only its expert's units [0, u)."""
         T, k = expert_ids.shape
         E = self.num_experts
         gu, dn = state["gate_up"], state["down"]
         limit = E if self.gather_max_routes is None else self.gather_max_routes
         on_gpu = route_slot >= 0
         xc = x.astype(gu.dtype)
-        if T * k <= limit:
+        if T * k <= limit or route_units is not None:  # (the ragged dots compute whole experts only)
             slot = jnp.maximum(route_slot, 0)
-            out = expert_mlp(jnp.repeat(xc, k, axis=0), gu[slot], dn[slot])
+            out = expert_mlp(jnp.repeat(xc, k, axis=0), gu[slot], dn[slot], units=route_units)
         else:  # prefill: the layer's experts as one bank view over their slots, ragged dots
             slot_e = jnp.maximum(state["slot_of"][layer * E:(layer + 1) * E], 0)
             out = _ragged_routes(xc, expert_ids, gu[slot_e], dn[slot_e])

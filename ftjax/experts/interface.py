@@ -30,11 +30,14 @@ class ExpertBackend(Protocol):
                  decode: bool = False) -> tuple[jax.Array, ExpertState]: ...
 
 
-def expert_mlp(x: jax.Array, gate_up: jax.Array, down: jax.Array) -> jax.Array:
-    """SwiGLU of one route per row: ``x [N, H]``, ``gate_up [N, 2I, H]`` (gate rows first), ``down [N, H, I]``."""
+def expert_mlp(x: jax.Array, gate_up: jax.Array, down: jax.Array, units: jax.Array | None = None) -> jax.Array:
+    """SwiGLU of one route per row: ``x [N, H]``, ``gate_up [N, 2I, H]`` (gate rows first), ``down [N, H, I]``.
+    ``units [N]`` (optional): row n sums only the intermediate units ``[0, units[n])``."""
     h = jnp.einsum("nh,nih->ni", x, gate_up)
     inter = gate_up.shape[1] // 2
     act = jax.nn.silu(h[:, :inter]) * h[:, inter:]
+    if units is not None:  # where, not a multiply: units past u may hold another expert's (finite) rows
+        act = jnp.where(jnp.arange(inter)[None, :] < units[:, None], act, jnp.zeros((), act.dtype))
     return jnp.einsum("ni,nhi->nh", act, down)
 
 

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from jax import lax
 
 FILL_RULES = ("balance", "all", "none")
+E_UNITS_NONE = 1 << 30  # route_units of a plan without unit split: more than any expert's units
 
 
 class LayerPlan(NamedTuple):
@@ -34,6 +35,8 @@ class LayerPlan(NamedTuple):
     misses: jax.Array        # [] i32 unique experts not resident (m)
     cpu_experts: jax.Array   # [] i32 unique experts computed on the CPU (m - n_fill; m when deferred)
     deferred: jax.Array      # [] bool: the fills run in the background (their experts on the CPU now)
+    route_units: jax.Array   # [R] i32: intermediate units [0, u) a GPU route computes (I: the whole expert)
+    cpu_units: jax.Array     # [R] i32: per CPU route (cpu_routes order), its first unit (0: the whole expert)
 
 
 def balance_fill(m: jax.Array, fill_fraction: jax.Array) -> jax.Array:
@@ -59,6 +62,19 @@ def defer_fills(m: jax.Array, n_fill: jax.Array, fill_fraction: jax.Array) -> ja
     f = jnp.clip(fill_fraction.astype(jnp.float32), 0.0, 1.0)
     mf, nf = m.astype(jnp.float32), n_fill.astype(jnp.float32)
     return (n_fill > 0) & (mf * f < jnp.maximum(nf * (1.0 - f), (mf - nf) * f))
+
+
+def split_units(m: jax.Array, n_fill: jax.Array, fill_fraction: jax.Array, num_units: int,
+                granule: int) -> jax.Array:
+    """Units ``u`` of each of the ``n_fill`` experts a unit-split call fills synchronously (the CPU
+    computes their units ``[u, I)`` beside the ``m - n_fill`` whole misses): the share ``q = m f / n_fill``
+    that balances ``n_fill q`` expert fills on PCIe against ``m - n_fill q`` experts on the CPU (``f =
+    B_P / (B_P + B_H)``), capped at 1, rounded to ``granule`` units (int4 groups, the CPU's 64-column
+    spans). ``u = I``: whole fills (no split); ``u = 0``: every unit on the CPU."""
+    f = jnp.clip(fill_fraction.astype(jnp.float32), 0.0, 1.0)
+    q = jnp.minimum(1.0, m.astype(jnp.float32) * f / jnp.maximum(n_fill, 1).astype(jnp.float32))
+    steps = num_units // granule
+    return (jnp.round(q * steps).astype(jnp.int32) * granule).clip(0, num_units)
 
 
 def compact(mask: jax.Array, size: int, fill_value: int | None) -> jax.Array:
@@ -189,7 +205,8 @@ DENSE_MAX_ROUTES = 64  # "mixed": the call-sized parts dense up to this many rou
 
 def plan_layer(cache: dict, layer: int, expert_ids: jax.Array, token_valid: jax.Array, *, num_experts: int,
                rule: str = "balance", fill_cap: int | None = None, update: bool = True,
-               impl: str = "scatter", victims_by: str = "topk", defer_horizon: int = 0) -> tuple[LayerPlan, dict]:
+               impl: str = "scatter", victims_by: str = "topk", defer_horizon: int = 0,
+               unit_split: tuple[int, int] | None = None) -> tuple[LayerPlan, dict]:
     """Plan one MoE layer call and return the updated cache maps (banks untouched: the caller fills).
 
     ``expert_ids [T, k]`` per-layer ids; ``token_valid [T]``. ``rule``: "balance" (the miss split with
@@ -212,6 +229,12 @@ def plan_layer(cache: dict, layer: int, expert_ids: jax.Array, token_valid: jax.
     layer's next call. The filled slots get ``last_use = step + defer_horizon`` (the clock value of the
     layer's next call: one tick per MoE layer call, so the number of MoE layers), so no call before that
     one can choose them as victims: nothing overwrites or reads a slot while its background fill runs.
+
+    ``unit_split = (I, granule)`` (with ``defer_horizon`` > 0, instead of deferring whole experts) splits
+    the experts a call fills by intermediate units (:func:`split_units`): their routes keep their slots
+    for units ``[0, u)`` (``route_units``; the caller fills those units now) and also go to the CPU for
+    ``[u, I)`` (``cpu_units``); a call with ``u < I`` is ``deferred``: its slots are completed in the
+    background, protected as above.
     """
     if rule not in FILL_RULES:
         raise ValueError(f"fill rule {rule!r} unknown; valid: {FILL_RULES}")
@@ -226,6 +249,8 @@ def plan_layer(cache: dict, layer: int, expert_ids: jax.Array, token_valid: jax.
     if defer_horizon < 0:
         raise ValueError(f"defer_horizon must be >= 0, got {defer_horizon}")
     defer = defer_horizon > 0 and rule == "balance" and update
+    if unit_split is not None and (unit_split[1] < 1 or unit_split[0] % unit_split[1]):
+        raise ValueError(f"unit_split (I, granule) = {unit_split}: the granule must divide I")
     if layer == 0 and update:
         cache = rebase_clock(cache)
     S, N = cache["owner_of"].shape[0], cache["slot_of"].shape[0]
@@ -268,7 +293,14 @@ def plan_layer(cache: dict, layer: int, expert_ids: jax.Array, token_valid: jax.
         # Victims: the F least recently used slots of the whole pool (used slots carry `step`).
         victims, evictable = VICTIM_METHODS[victims_by](last_use, step, F)  # evictable: min(F, slots not used this step)
         n_fill = jnp.minimum(jnp.minimum(want, F), evictable)
-        deferred = defer_fills(m, n_fill, cache["fill_fraction"]) if defer else jnp.zeros((), bool)
+        units = jnp.asarray(E_UNITS_NONE, jnp.int32)
+        if defer and unit_split is not None:
+            units = split_units(m, n_fill, cache["fill_fraction"], *unit_split)
+            deferred = (n_fill > 0) & (units < unit_split[0])
+        elif defer:
+            deferred = defer_fills(m, n_fill, cache["fill_fraction"])
+        else:
+            deferred = jnp.zeros((), bool)
         # Misses first, most recently routed first, ties to the lower id (lexsort: last key is primary).
         # Reads of arrays updated in place further down go through a barrier with the array: XLA copies a
         # donated array twice when a read of it and its in-place update have no data dependency between them.
@@ -288,17 +320,24 @@ def plan_layer(cache: dict, layer: int, expert_ids: jax.Array, token_valid: jax.
     else:
         n_fill = jnp.zeros((), jnp.int32)
         deferred = jnp.zeros((), bool)
+        units = jnp.asarray(E_UNITS_NONE, jnp.int32)
         fill_ids = fill_slots = jnp.zeros((0,), jnp.int32)
 
     route_slot = jnp.where(route_valid, slot_of[flat_routes], -1)
-    if defer:  # a deferred call's filled experts are computed on the CPU this time
+    num_units = unit_split[0] if unit_split is not None else E_UNITS_NONE
+    route_units = jnp.full((R,), num_units, jnp.int32)
+    if defer and unit_split is not None:  # a split call's filled experts: units [0, u) here, [u, I) on the CPU
+        split_route = deferred & route_missed & (route_slot >= 0)
+        route_units = jnp.where(split_route, units, route_units)
+    elif defer:  # a deferred call's filled experts are computed on the CPU this time
         route_slot = jnp.where(deferred & route_missed, -1, route_slot)
     cpu_experts = jnp.where(deferred, m, m - n_fill)
-    on_cpu = route_valid & (route_slot < 0)
+    on_cpu = route_valid & ((route_slot < 0) | (route_units < num_units))
     cpu_routes = (compact_dense if dense else compact)(on_cpu, R, fill_value=None)
+    cpu_units = jnp.where(route_slot[cpu_routes] >= 0, route_units[cpu_routes], 0)
     plan = LayerPlan(route_slot=route_slot, cpu_routes=cpu_routes, n_cpu_routes=jnp.sum(on_cpu, dtype=jnp.int32),
                      fill_ids=fill_ids, fill_slots=fill_slots, n_fill=n_fill, hits=hits, misses=m,
-                     cpu_experts=cpu_experts, deferred=deferred)
+                     cpu_experts=cpu_experts, deferred=deferred, route_units=route_units, cpu_units=cpu_units)
 
     stats = dict(cache["stats"])
     counts = (("hits", hits), ("misses", m), ("fills", n_fill), ("cpu_experts", cpu_experts),

@@ -36,12 +36,13 @@ def _pool_id(pool) -> np.uint64:
     return np.uint64(pool if isinstance(pool, (int, np.integer)) else pool.id)
 
 
-def cpu_experts(x, token_idx, expert_ids, weights, n_valid, pool):
+def cpu_experts(x, token_idx, expert_ids, weights, n_valid, pool, unit_start=None):
     """CPU expert computation over a task list, usable inside ``jax.jit`` on the CPU backend.
 
     x [T, H] f32 or bf16; token_idx, expert_ids (flat ids ``l*E + e``) [N] i32; weights [N] f32;
-    n_valid: scalar i32, the number of valid leading tasks; pool: a ``HostPool`` (or its id).
-    Returns y [T, H] f32. Bad ids or counts raise when the computation runs.
+    n_valid: scalar i32, the number of valid leading tasks; pool: a ``HostPool`` (or its id);
+    unit_start [N] i32 (optional, default 0): each task computes only its expert's intermediate
+    units ``[u, I)``. Returns y [T, H] f32. Bad ids, counts or unit starts raise when the computation runs.
     """
     register_targets()
     x = jnp.asarray(x)
@@ -54,6 +55,10 @@ def cpu_experts(x, token_idx, expert_ids, weights, n_valid, pool):
         raise ValueError(f"task arrays differ in length: token_idx {token_idx.shape}, expert_ids "
                          f"{expert_ids.shape}, weights {weights.shape}")
     n_valid = jnp.asarray(n_valid, jnp.int32).reshape(())
+    unit_start = (jnp.zeros_like(token_idx) if unit_start is None
+                  else jnp.asarray(unit_start, jnp.int32).reshape(-1))
+    if unit_start.shape != token_idx.shape:
+        raise ValueError(f"unit_start {unit_start.shape} must match the tasks {token_idx.shape}")
     call = jax.ffi.ffi_call("ftjax_cpu_experts", jax.ShapeDtypeStruct(x.shape, jnp.float32),
                             vmap_method="sequential")
-    return call(x, token_idx, expert_ids, weights, n_valid, pool=_pool_id(pool))
+    return call(x, token_idx, expert_ids, weights, n_valid, unit_start, pool=_pool_id(pool))

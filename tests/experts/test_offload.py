@@ -132,6 +132,31 @@ def test_deferred_fills_equal_resident(model, reference, size, batch):
         assert stats["deferred"].sum() > 0
 
 
+@pytest.mark.parametrize("size,batch", [("min", 3), ("37%", 3), ("all", 3), ("37%", 1), ("layer", 1)])
+def test_unit_split_equals_resident(model, reference, size, batch):
+    """lru-split with unit split (a call's filled experts computed in two parts: units [0, u) from the slot,
+    [u, I) on the CPU): the resident logits, the invariants, and the statistics' accounting."""
+    cfg, params, banks, pool = model
+    backend = OffloadExperts(pool, L, E, SIZES[size], "lru-split", defer_fills=True, unit_split=True)
+    got, st = run(cfg, params, backend, backend.init_state(fill_fraction=0.4), batch, check=check_invariants)
+    want = reference[batch]
+    assert np.abs(got - want).max() / np.abs(want).max() < 1e-5
+    stats = {k: np.asarray(v) for k, v in st["stats"].items()}
+    assert np.array_equal(stats["misses"], stats["fills"] + stats["cpu_experts"] - stats["deferred"])
+    if size == "37%" and batch == 1:  # f = 0.4, I = 16 in steps of 8: a lone miss splits at u = 8
+        assert stats["deferred"].sum() > 0
+
+
+def test_unit_split_is_checked(model):
+    *_, pool = model
+    with pytest.raises(ValueError, match="needs defer_fills"):
+        OffloadExperts(pool, L, E, 4, "lru-split", defer_fills=False, unit_split=True)
+    with pytest.raises(ValueError, match="needs defer_fills"):
+        OffloadExperts(pool, L, E, 4, "lru-fill", defer_fills=True, unit_split=True)
+    with pytest.raises(NotImplementedError, match="CPU platform with the jnp kernel"):
+        OffloadExperts(pool, L, E, 4, "lru-split", defer_fills=True, unit_split=True, kernel="pallas")
+
+
 def decode_hlo(cfg, params, backend, expert_state, batch: int) -> str:
     """The compiled decode step's text (also the GPU tests)."""
     _, decode = make_step_fns(cfg, backend, batch, PROMPT, MAX_LEN)

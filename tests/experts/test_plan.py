@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 from ftjax.experts.cache import CacheGeometry, check_invariants, init_cache_state
-from ftjax.experts.plan import balance_fill, defer_fills, lru_victims, lru_victims_rank, plan_layer
+from ftjax.experts.plan import (balance_fill, defer_fills, lru_victims, lru_victims_rank, plan_layer,
+                                split_units)
 
 
 @pytest.fixture(autouse=True)
@@ -106,6 +107,44 @@ def test_defer_rule():
     assert bool(defer_fills(jnp.int32(1), jnp.int32(1), jnp.float32(0.36)))  # the H200: a lone miss
     assert not bool(defer_fills(jnp.int32(2), jnp.int32(1), jnp.float32(0.36)))
     assert not bool(defer_fills(jnp.int32(1), jnp.int32(1), jnp.float32(0.6)))  # PCIe faster: fill now
+
+
+def test_split_units_balance_the_fill_against_the_cpu():
+    u = lambda m, n, f, I=512, g=64: int(split_units(jnp.int32(m), jnp.int32(n), jnp.float32(f), I, g))  # noqa: E731
+    assert u(1, 1, 0.37) == 192  # q = 0.37 of 8 steps of 64 -> 3 steps
+    assert u(2, 1, 0.37) == 384  # q = 0.74 -> 6 steps
+    assert u(3, 1, 0.37) == 512  # q >= 1: the whole expert (no split)
+    assert u(4, 2, 0.37) == 384 and u(1, 1, 0.0) == 0 and u(1, 1, 1.0) == 512
+    for m in range(1, 9):  # GPU n q e / B_P against CPU (m - n q) e / B_H: balanced within one step
+        for f in (0.2, 0.37, 0.5):
+            n = int(balance_fill(jnp.int32(m), jnp.float32(f)))
+            q = u(m, n, f, 512, 8) / 512
+            if q < 1:
+                assert abs(n * q * (1 - f) - (m - n * q) * f) <= n * (8 / 512) * max(f, 1 - f) + 1e-6, (m, f)
+
+
+def test_unit_split_plan_sends_split_routes_to_both_sides():
+    """A unit-split call: the filled expert's routes keep their slot for units [0, u) and go to the CPU for
+    [u, I); its slot is protected like a deferred fill's; the other misses are the CPU's, whole."""
+    geo = CacheGeometry(1, 8, 4, 2, 64)
+    cache = init_cache_state(geo, jnp.float32, 0.37)
+    ids = jnp.asarray([[0, 1]], jnp.int32)  # two misses: balance(2, 0.37) fills one, q = 0.74 -> u = 48
+    plan, new = plan_layer(cache, 0, ids, jnp.ones(1, bool), num_experts=8, defer_horizon=1, unit_split=(64, 8))
+    assert int(plan.n_fill) == 1 and bool(plan.deferred) and int(plan.cpu_experts) == 2
+    slots, units = np.asarray(plan.route_slot), np.asarray(plan.route_units)
+    filled = int(np.flatnonzero(slots >= 0)[0])
+    assert units[filled] == 48 and np.all(units[slots < 0] == 64) and (slots >= 0).sum() == 1
+    n_cpu = int(plan.n_cpu_routes)
+    cpu = np.asarray(plan.cpu_routes)[:n_cpu]
+    assert sorted(cpu.tolist()) == [0, 1]  # both routes: the split one for [48, 64), the other whole
+    cpu_units = dict(zip(cpu.tolist(), np.asarray(plan.cpu_units)[:n_cpu].tolist()))
+    assert cpu_units[filled] == 48 and cpu_units[1 - filled] == 0
+    assert int(new["last_use"][slots[filled]]) == int(new["step"]) + 1  # protected until its next call
+    check_invariants(new)
+    # without unit_split the same call fills one expert whole, synchronously
+    plain, _ = plan_layer(cache, 0, ids, jnp.ones(1, bool), num_experts=8, defer_horizon=1)
+    assert not bool(plain.deferred) and int(plain.cpu_experts) == 1
+    assert np.all(np.asarray(plain.cpu_units)[:int(plain.n_cpu_routes)] == 0)
 
 
 @pytest.mark.parametrize("S,T,victims_by", [(2, 1, "topk"), (6, 1, "rank"), (12, 2, "topk"), (24, 1, "topk")])

@@ -49,6 +49,22 @@ def test_bf16_activations(pool_and_banks):
     np.testing.assert_allclose(np.asarray(y), want, rtol=2e-2, atol=2e-2)
 
 
+def test_unit_start(pool_and_banks):
+    """unit_start u: a task adds only its expert's intermediate units [u, I) (I = 48 here)."""
+    pool, banks = pool_and_banks
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((3, 64)).astype(np.float32)
+    tok, eid, w = np.array([0, 1, 2, 2], np.int32), np.array([1, 1, 4, 7], np.int32), np.ones(4, np.float32)
+    units = np.array([0, 17, 48, 40], np.int32)
+    y = jax.jit(lambda *a: cpu_experts(*a[:5], pool=pool, unit_start=a[5]))(jnp.asarray(x), tok, eid, w, 4, units)
+    want = experts_reference(x, tok, eid, w, 4, banks["gate_up"], banks["down"], unit_start=units)
+    np.testing.assert_allclose(np.asarray(y), want, rtol=2e-5, atol=2e-5)
+    with pytest.raises(Exception, match="unit start 49 is outside"):
+        cpu_experts(x, tok, eid, w, 4, pool, unit_start=np.array([0, 0, 49, 0], np.int32)).block_until_ready()
+    with pytest.raises(ValueError, match="must match the tasks"):
+        cpu_experts(x, tok, eid, w, 4, pool, unit_start=np.zeros(3, np.int32))
+
+
 def test_errors_surface_as_python_exceptions(pool_and_banks):
     pool, _ = pool_and_banks
     x = np.ones((2, 64), np.float32)
