@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax import lax
 
 FILL_RULES = ("balance", "all", "none")
-E_UNITS_NONE = 1 << 30  # route_units of a plan without unit split: more than any expert's units
+ALL_UNITS = 1 << 30  # route_units of a route computed whole (no unit split): more than any expert's units
 
 
 class LayerPlan(NamedTuple):
@@ -69,8 +69,8 @@ def split_units(m: jax.Array, n_fill: jax.Array, fill_fraction: jax.Array, num_u
     """Units ``u`` of each of the ``n_fill`` experts a unit-split call fills synchronously (the CPU
     computes their units ``[u, I)`` beside the ``m - n_fill`` whole misses): the share ``q = m f / n_fill``
     that balances ``n_fill q`` expert fills on PCIe against ``m - n_fill q`` experts on the CPU (``f =
-    B_P / (B_P + B_H)``), capped at 1, rounded to ``granule`` units (int4 groups, the CPU's 64-column
-    spans). ``u = I``: whole fills (no split); ``u = 0``: every unit on the CPU."""
+    B_P / (B_P + B_H)``), capped at 1, rounded to ``granule`` units (an int4 group for int4 pools).
+    ``u = I``: whole fills (no split); ``u = 0``: every unit on the CPU."""
     f = jnp.clip(fill_fraction.astype(jnp.float32), 0.0, 1.0)
     q = jnp.minimum(1.0, m.astype(jnp.float32) * f / jnp.maximum(n_fill, 1).astype(jnp.float32))
     steps = num_units // granule
@@ -293,7 +293,6 @@ def plan_layer(cache: dict, layer: int, expert_ids: jax.Array, token_valid: jax.
         # Victims: the F least recently used slots of the whole pool (used slots carry `step`).
         victims, evictable = VICTIM_METHODS[victims_by](last_use, step, F)  # evictable: min(F, slots not used this step)
         n_fill = jnp.minimum(jnp.minimum(want, F), evictable)
-        units = jnp.asarray(E_UNITS_NONE, jnp.int32)
         if defer and unit_split is not None:
             units = split_units(m, n_fill, cache["fill_fraction"], *unit_split)
             deferred = (n_fill > 0) & (units < unit_split[0])
@@ -320,13 +319,12 @@ def plan_layer(cache: dict, layer: int, expert_ids: jax.Array, token_valid: jax.
     else:
         n_fill = jnp.zeros((), jnp.int32)
         deferred = jnp.zeros((), bool)
-        units = jnp.asarray(E_UNITS_NONE, jnp.int32)
         fill_ids = fill_slots = jnp.zeros((0,), jnp.int32)
 
     route_slot = jnp.where(route_valid, slot_of[flat_routes], -1)
-    num_units = unit_split[0] if unit_split is not None else E_UNITS_NONE
+    num_units = unit_split[0] if unit_split is not None else ALL_UNITS
     route_units = jnp.full((R,), num_units, jnp.int32)
-    if defer and unit_split is not None:  # a split call's filled experts: units [0, u) here, [u, I) on the CPU
+    if defer and unit_split is not None and F > 0:  # a split call's filled experts: [0, u) here, [u, I) on the CPU
         split_route = deferred & route_missed & (route_slot >= 0)
         route_units = jnp.where(split_route, units, route_units)
     elif defer:  # a deferred call's filled experts are computed on the CPU this time
