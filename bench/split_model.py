@@ -15,7 +15,7 @@ Per layer call (critical path of the misses only; the hits' GPU work runs beside
     fill-only (lru-fill)   n * (e / B_P) + t_fill                    (every miss filled)
     cpu-only               t_cpu + m * e / B_H
     whole split (today)    max(n (e / B_P) + t_fill, t_cpu + (m - n) e / B_H), or, deferred, t_cpu + m e / B_H
-    unit split (proposal)  min over q in units of 1/steps: max(n q e / B_P + t_fill, t_cpu + (m - n q) e / B_H)
+    unit split (proposal)  max(n q e / B_P + t_fill, t_cpu + (m - n q) e / B_H), q from `plan.split_units`
 
 with ``e`` the expert's bytes, ``t_fill`` a fill launch and ``t_cpu`` the CPU branch's round trip beyond
 its compute. Which experts the cache holds comes from an LRU simulation per policy (whole and unit split
@@ -56,10 +56,17 @@ def split_rule(m: int, f: float) -> tuple[int, bool]:
     return int(n), bool(plan.defer_fills(m_, n, f_))
 
 
+@functools.lru_cache(maxsize=None)
+def unit_share(m: int, n: int, f: float, steps: int) -> float:
+    """The share q of each split expert's units on the GPU: `plan.split_units` in ``steps`` steps."""
+    return int(plan.split_units(jnp.int32(m), jnp.int32(n), jnp.float32(f), steps, 1)) / steps
+
+
 def call_costs(m: int, p) -> dict:
     """Critical miss time (us) and PCIe bytes (sync, background) of one layer call with ``m`` misses."""
     e, bp, bh = p.expert_bytes, p.b_p * 1e3, p.b_h * 1e3  # bytes per us
-    n, defer = split_rule(m, p.b_p / (p.b_p + p.b_h))
+    f = p.b_p / (p.b_p + p.b_h)
+    n, defer = split_rule(m, f)
     out = {"fill": (m * e / bp + p.t_fill if m else 0.0, m * e, 0.0, m),
            "cpu": (p.t_cpu + m * e / bh if m else 0.0, 0.0, 0.0, 0)}
     if m == 0:
@@ -70,16 +77,11 @@ def call_costs(m: int, p) -> dict:
     else:
         cpu = p.t_cpu + (m - n) * e / bh if m > n else 0.0
         out["whole"] = (max(n * e / bp + p.t_fill, cpu), n * e, 0.0, n)
-    best = None
-    for j in range(p.unit_steps + 1):  # q = j / steps of each split expert's units on the GPU
-        q = j / p.unit_steps
-        gpu = n * q * e / bp + p.t_fill if q > 0 else 0.0
-        left = m - n * q
-        cpu = p.t_cpu + left * e / bh if left > 1e-9 else 0.0
-        t = max(gpu, cpu)
-        if best is None or t < best[0]:
-            best = (t, n * q * e, n * (1 - q) * e, n)
-    out["unit"] = best
+    q = unit_share(m, n, f, p.unit_steps)  # the plan's rule (bandwidths only, no fixed costs)
+    gpu = n * q * e / bp + p.t_fill if q > 0 else 0.0
+    left = m - n * q
+    cpu = p.t_cpu + left * e / bh if left > 1e-9 else 0.0
+    out["unit"] = (max(gpu, cpu), n * q * e, n * (1 - q) * e, n)
     return out
 
 
@@ -140,7 +142,8 @@ def main(argv=None) -> int:
     ap.add_argument("--plan-us", type=float, default=19.0, help="the plan's bookkeeping per layer call")
     ap.add_argument("--t-cpu", type=float, default=20.0, help="CPU-branch round trip beyond compute, us")
     ap.add_argument("--t-fill", type=float, default=6.0, help="a fill launch, us")
-    ap.add_argument("--unit-steps", type=int, default=8, help="split granularity: I / 64 for I = 512")
+    ap.add_argument("--unit-steps", type=int, default=64,
+                    help="split granularity: I / 8 (OffloadExperts' unit_granule for bf16 pools), I = 512")
     ap.add_argument("--check", action="store_true", help="print session 10's measured figures beside the model")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "out" / "split_model.json")
     args = ap.parse_args(argv)
