@@ -50,10 +50,12 @@ def cache_dtype(pool: HostPool):
 # Thread blocks of a background fill: on the H200 8-16 blocks move a 6.3 MB expert at PCIe speed (44-47
 # GB/s) and leave the SMs to the work beside it (16: 0.95 of the fill hidden; 1,056 blocks: none).
 BACKGROUND_FILL_BLOCKS = 16
+RANK_MAX_SLOTS = 8192  # victims_by="rank" counts over S^2 slot pairs: measured at 3,788 slots only
+
+
 def unit_granule(pool: HostPool) -> int:
     """unit_split: units per step of the split: an int4 group of the down matrix, else 8."""
     return quant.GROUP if pool.format == "int4" else 8
-RANK_MAX_SLOTS = 8192  # victims_by="rank" counts over S^2 slot pairs: measured at 3,788 slots only
 
 
 def default_victims_by(platform: str, num_slots: int) -> str:

@@ -407,7 +407,6 @@ def _check_routing(x, expert_ids, gate_weights, token_valid, slot_of_expert):
 def _prefill(x, expert_ids, gate_weights, token_valid, slot_of_expert, gu_weights, d_weights,
              *, hidden, inter, tiles):
     tile_m, tile_n_gate_up, tile_n_down, tile_k, stages, num_sms, interpret = tiles
-    top_k = expert_ids.shape[1]
     num_experts = slot_of_expert.shape[0]
     # materialized before the gather and the combine: without this barrier (or the lax.cond it
     # replaces) XLA fused the plan's index math (searchsorted, gathers) into both and recomputed it
