@@ -176,18 +176,21 @@ BF16_CASES = {
 }
 
 
+@pytest.mark.parametrize("wg", ["columns", "gate_up"])
 @pytest.mark.parametrize("case", BF16_CASES.values(), ids=BF16_CASES.keys())
-def test_prefill_bf16_matches_reference(case, mgpu_interpret):
+def test_prefill_bf16_matches_reference(case, wg, mgpu_interpret):
     args, slots, gate_up, down = _inputs(1, **{"H": 128, "I": 128, **case})
     gu, dn = jnp.asarray(gate_up, jnp.bfloat16), jnp.asarray(down, jnp.bfloat16)
-    out = pg.prefill_experts(*args, gu, dn, slots, **SMALL)
+    out = pg.prefill_experts(*args, gu, dn, slots, **SMALL, gate_up_wg=wg)
     ref = pg.reference_prefill_experts(*args, gu, dn, slots)
     _check(out, ref, np.asarray(args[3]))
 
 
-def test_prefill_slabs_without_routes_skip_exactly(mgpu_interpret):
+@pytest.mark.parametrize("wg", ["columns", "gate_up"])
+def test_prefill_slabs_without_routes_skip_exactly(wg, mgpu_interpret):
     """tile_m 128 = two 64-row slabs: a slab holding no route skips its WGMMAs. Groups of 130
-    (a full tile + 2 rows), 100 (both slabs live) and 30 routes (the upper slab skipped)."""
+    (a full tile + 2 rows), 100 (both slabs live) and 30 routes (the upper slab skipped).
+    ``gate_up``: the up accumulators cross warpgroups one slab at a time, over several tiles."""
     (x, _, w, _), slots, gate_up, down = _inputs(7, T=130, k=2, H=128, I=128, E=3, S=4)
     ids = np.zeros((130, 2), np.int32)
     ids[:100, 1], ids[100:, 1] = 1, 2
@@ -196,7 +199,7 @@ def test_prefill_slabs_without_routes_skip_exactly(mgpu_interpret):
     live = np.asarray(plan.tile_rows)[:int(plan.n_tiles)]
     assert sorted(live.tolist()) == [2, 30, 100, 128]
     gu, dn = jnp.asarray(gate_up, jnp.bfloat16), jnp.asarray(down, jnp.bfloat16)
-    tiles = {**SMALL, "tile_m": 128}
+    tiles = {**SMALL, "tile_m": 128, "gate_up_wg": wg}
     out = pg.prefill_experts(x, jnp.asarray(ids), w, valid, gu, dn, slots, **tiles)
     ref = pg.reference_prefill_experts(x, jnp.asarray(ids), w, valid, gu, dn, slots)
     _check(out, ref, np.ones(130, bool))
@@ -280,6 +283,10 @@ def _shapes(T=8, k=2, H=128, I=128, E=4, S=4):
                            r"warpgroup\), got 100"),
     ({}, dict(tile_k=48), r"tile_k must be one of 32, 64, 128, 256, got 48"),
     ({}, dict(stages=9, tile_m=256), r"needs \d+ bytes of SMEM"),
+    ({}, dict(gate_up_wg="rows"), r"gate_up_wg must be 'columns' or 'gate_up', got 'rows'"),
+    # the fp32 exchange slab counts: 4 stages fit with columns (tile_m 128), not with gate_up
+    ({}, dict(tile_m=128, tile_n_gate_up=64, stages=4, gate_up_wg="gate_up"),
+     r"gate_up: .*stages=4 needs \d+ bytes of SMEM"),
 ])
 def test_bad_sizes_raise_value_error(sizes, kwargs, match):
     fn = functools.partial(pg.prefill_experts, **{**SMALL, **kwargs})
@@ -307,6 +314,9 @@ def test_int4_size_limits():
     bad[4] = jax.ShapeDtypeStruct(bad[4].shape, jnp.int8)
     with pytest.raises(ValueError, match="gate_up_packed must be uint8"):
         jax.eval_shape(fn, *bad)
+    fn = functools.partial(pg.prefill_experts_int4, **{**SMALL, "gate_up_wg": "gate_up"})
+    with pytest.raises(ValueError, match=r"gate_up_wg='gate_up' is bf16 only"):
+        jax.eval_shape(fn, *_int4_shapes(H=256, I=256))
 
 
 def test_cost_model():
@@ -331,8 +341,9 @@ def _export(fn, *shapes):
 
 
 @pytest.mark.parametrize("H, I", [(2048, 512), (4096, 2048)])
-@pytest.mark.parametrize("int4", [False, True], ids=["bf16", "int4"])
-def test_lowers_for_cuda_at_real_shape(int4, H, I, mgpu):
+@pytest.mark.parametrize("int4, wg", [(False, "columns"), (False, "gate_up"), (True, "columns")],
+                         ids=["bf16", "bf16-gate_up", "int4"])
+def test_lowers_for_cuda_at_real_shape(int4, wg, H, I, mgpu):
     sd = jax.ShapeDtypeStruct
     T, k, E, S = 1024, 8, 256, 256
     common = [sd((T, H), jnp.bfloat16), sd((T, k), jnp.int32), sd((T, k), jnp.float32),
@@ -343,7 +354,7 @@ def test_lowers_for_cuda_at_real_shape(int4, H, I, mgpu):
         fn = functools.partial(pg.prefill_experts_int4, num_sms=132)
     else:
         banks = [sd((S, 2 * I, H), jnp.bfloat16), sd((S, H, I), jnp.bfloat16)]
-        fn = functools.partial(pg.prefill_experts, num_sms=132)
+        fn = functools.partial(pg.prefill_experts, num_sms=132, gate_up_wg=wg)
     text = _export(fn, *common, *banks, sd((E,), jnp.int32))
     assert text.count("stablehlo.custom_call @mosaic_gpu") == 2  # gate_up and down kernels
 
@@ -369,8 +380,11 @@ def _chunked_reference(ref_fn, args, banks, slots, chunk=32):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _on_gpu(), reason="needs JAX's GPU backend (Hopper)")
-@pytest.mark.parametrize("tiles", [{}, dict(tile_m=64)], ids=["default", "tile_m64"])
-@pytest.mark.parametrize("int4", [False, True], ids=["bf16", "int4"])
+@pytest.mark.parametrize("int4, tiles", [
+    (False, {}), (False, dict(tile_m=64)), (False, dict(gate_up_wg="gate_up")),
+    (False, dict(tile_m=64, gate_up_wg="gate_up")), (True, {}), (True, dict(tile_m=64))],
+    ids=["bf16-default", "bf16-tile_m64", "bf16-gate_up", "bf16-tile_m64-gate_up", "int4-default",
+         "int4-tile_m64"])
 def test_compiled_matches_reference_on_gpu(int4, tiles):
     T, k, H, I, E, S = 1024, 8, 2048, 512, 64, 72
     args, slots, gate_up, down = _inputs(7, T=T, k=k, H=H, I=I, E=E, S=S, p_valid=0.9)
