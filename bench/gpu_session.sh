@@ -75,6 +75,10 @@ for s in "${steps[@]}"; do
     prefill-wg)  # prefill b2b + kernels alone, bf16, both shapes, 8K / 16K: gate+up warpgroups by columns vs gate/up (~3 min)
        run prefill_wg 300 python3 bench/kernels.py --only prefill --shapes 2048x512 4096x2048 --dtypes bf16 \
          --tokens 8192 16384 --iters 5 --gate-up-wg columns gate_up --profile /tmp/pwg --out "$OUT/prefill_wg.json" ;;
+    prefill-cluster)  # prefill b2b + kernels alone, both shapes, 8K / 16K: clusters of 2 CTAs sharing the row tile's copy (~4 min)
+       run prefill_cluster 400 python3 bench/kernels.py --only prefill --shapes 2048x512 4096x2048 --dtypes bf16 int4 \
+         --tokens 8192 16384 --iters 5 --gate-up-wg columns gate_up --cluster-n 1 2 --profile /tmp/pcl \
+         --out "$OUT/prefill_cluster.json" ;;
     tests-offload) run gpu_tests_offload 200 python3 -m pytest -q -m gpu tests/experts/test_offload_cuda.py tests/host/test_cuda.py ;;
     kernels) run kernels 240 python3 bench/kernels.py --tokens 1024 8192 --ragged --iters 5 --out "$OUT/kernels.json" ;;
     tune) run tune_decode 150 python3 bench/kernels.py --only decode --shapes 2048x512 --dtypes bf16 --decode-tokens 1 8 \

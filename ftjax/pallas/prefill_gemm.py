@@ -248,7 +248,7 @@ def _dequant_tile(q_ref, s_ref, k, *, tile_k):
 
 
 def _grouped_matmul(a, tile_slot, tile_row0, tile_rows, n_tiles, weights, *, n_out, swiglu, tile_m, tile_n,
-                    tile_k, stages, num_sms, interpret, gate_up_wg="columns"):
+                    tile_k, stages, num_sms, interpret, gate_up_wg="columns", cluster_n=1):
     """``out[tile m's rows] = epilogue(a[tile_row0[m] : tile_row0[m] + tile_m] @ W[slot]^T)`` over
     the active row tiles; tile m's output rows are ``m * tile_m ..`` (the padded layout).
 
@@ -266,6 +266,10 @@ def _grouped_matmul(a, tile_slot, tile_row0, tile_rows, n_tiles, weights, *, n_o
     the up rows of all of them (one N = ``2 * tile_n`` WGMMA per slab: less SMEM read per MAC),
     and warpgroup 1 hands its fp32 up accumulators to
     warpgroup 0 through SMEM, one slab at a time, for the SwiGLU epilogue.
+
+    ``cluster_n`` = 2: CTAs run in clusters of two that take neighbouring output blocks ``2j`` and
+    ``2j + 1`` of the same row tile, the row tile's TMA copy multicast to both (each CTA then
+    reads 2/3 of the bytes per step from L2 that it reads alone, at the default tiles).
     """
     from jax.experimental import pallas as pl
 
@@ -288,7 +292,8 @@ def _grouped_matmul(a, tile_slot, tile_row0, tile_rows, n_tiles, weights, *, n_o
     deq_tr = _swizzled(tile_k, jnp.bfloat16)
     out_tr = _swizzled(epi_n, jnp.bfloat16)
 
-    in_specs = [plgpu.BlockSpec((tile_m, tile_k), lambda k: (0, k), transforms=a_tr)]
+    in_specs = [plgpu.BlockSpec((tile_m, tile_k), lambda k: (0, k), transforms=a_tr,
+                                collective_axes=("cluster",) if cluster_n == 2 else None)]
     for _ in range(n_b):
         in_specs.append(plgpu.BlockSpec((cta_n, tile_k), lambda k: (0, k), transforms=w_tr))
         if int4:
@@ -360,9 +365,11 @@ def _grouped_matmul(a, tile_slot, tile_row0, tile_rows, n_tiles, weights, *, n_o
                 def _():
                     plgpu.barrier_arrive(xchg_free)
 
-            @plgpu.nd_loop((nt_ref[0], n_iters), collective_axes="sm")
+            @plgpu.nd_loop((nt_ref[0], n_iters // cluster_n), collective_axes="sm")
             def _tile(info):
                 mi, ni = info.index
+                if cluster_n == 2:  # the cluster's two CTAs: output blocks 2j and 2j + 1
+                    ni = ni * 2 + lax.axis_index("cluster")
                 slot = slot_ref[mi]
                 live_rows = rows_ref[mi]  # rows of the tile that hold routes (>= 1 when active)
 
@@ -458,7 +465,8 @@ def _grouped_matmul(a, tile_slot, tile_row0, tile_rows, n_tiles, weights, *, n_o
     call = plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct((num_rows, n_out), jnp.bfloat16),
-        grid=(num_sms,), grid_names=("sm",), num_threads=3, thread_name="wg",
+        grid=(num_sms // cluster_n,), grid_names=("sm",), num_threads=3, thread_name="wg",
+        **(dict(cluster=(2,), cluster_names=("cluster",)) if cluster_n == 2 else {}),
         scratch_types=scratch,
         compiler_params=plgpu.CompilerParams(
             lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
@@ -487,7 +495,7 @@ def _check_routing(x, expert_ids, gate_weights, token_valid, slot_of_expert):
 
 def _prefill(x, expert_ids, gate_weights, token_valid, slot_of_expert, gu_weights, d_weights,
              *, hidden, inter, tiles):
-    tile_m, tile_n_gate_up, tile_n_down, tile_k, stages, num_sms, interpret, gate_up_wg = tiles
+    tile_m, tile_n_gate_up, tile_n_down, tile_k, stages, num_sms, interpret, gate_up_wg, cluster_n = tiles
     num_experts = slot_of_expert.shape[0]
     # materialized before the gather and the combine: without this barrier (or the lax.cond it
     # replaces) XLA fused the plan's index math (searchsorted, gathers) into both and recomputed it
@@ -496,7 +504,7 @@ def _prefill(x, expert_ids, gate_weights, token_valid, slot_of_expert, gu_weight
     n_slots = gu_weights[0].shape[0]
     tile_slot = jnp.clip(slot_of_expert.astype(jnp.int32)[plan.tile_group], 0, n_slots - 1)
     n_tiles = jnp.maximum(plan.n_tiles, 1).reshape(1)  # never an all-empty launch (see the docstring)
-    common = dict(tile_m=tile_m, tile_k=tile_k, stages=stages, num_sms=num_sms,
+    common = dict(tile_m=tile_m, tile_k=tile_k, stages=stages, num_sms=num_sms, cluster_n=cluster_n,
                   interpret=interpret)
     x_rows = routing.gather_input_rows(x.astype(jnp.bfloat16), plan)
     act = _grouped_matmul(x_rows, tile_slot, plan.tile_row0, plan.tile_rows, n_tiles, gu_weights,
@@ -509,11 +517,11 @@ def _prefill(x, expert_ids, gate_weights, token_valid, slot_of_expert, gu_weight
 
 
 _STATIC = ("tile_m", "tile_n_gate_up", "tile_n_down", "tile_k", "stages", "num_sms", "interpret",
-           "gate_up_wg")
+           "gate_up_wg", "cluster_n")
 
 
 def _tiles_and_checks(hidden, inter, *, int4, tile_m, tile_n_gate_up, tile_n_down, tile_k,
-                      stages, num_sms, interpret, gate_up_wg="columns"):
+                      stages, num_sms, interpret, gate_up_wg="columns", cluster_n=1):
     _check_tiles(what="gate_up", n_out=inter, k_dim=hidden, tile_m=tile_m,
                  tile_n=tile_n_gate_up, tile_k=tile_k, stages=stages, int4=int4, n_b=2,
                  gate_up_wg=gate_up_wg)
@@ -521,13 +529,23 @@ def _tiles_and_checks(hidden, inter, *, int4, tile_m, tile_n_gate_up, tile_n_dow
                  tile_k=tile_k, stages=stages, int4=int4, n_b=1)
     if num_sms is None:
         num_sms = _default_num_sms()
-    return (tile_m, tile_n_gate_up, tile_n_down, tile_k, stages, num_sms, interpret, gate_up_wg)
+    if cluster_n not in (1, 2):
+        raise ValueError(f"cluster_n must be 1 or 2, got {cluster_n}")
+    if cluster_n == 2:
+        for what, n_out, tile_n in (("gate_up", inter, tile_n_gate_up), ("down", hidden, tile_n_down)):
+            if n_out % (4 * tile_n):
+                raise ValueError(f"{what}: cluster_n=2 needs the output dim {n_out} to be a multiple "
+                                 f"of 4 * tile_n = {4 * tile_n} (two CTAs of 2 * tile_n columns)")
+        if num_sms % 2:
+            raise ValueError(f"cluster_n=2 needs an even num_sms, got {num_sms}")
+    return (tile_m, tile_n_gate_up, tile_n_down, tile_k, stages, num_sms, interpret, gate_up_wg,
+            cluster_n)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def prefill_experts(x, expert_ids, gate_weights, token_valid, gate_up, down, slot_of_expert, *,
                     tile_m=128, tile_n_gate_up=64, tile_n_down=128, tile_k=64, stages=3,
-                    num_sms=None, interpret=False, gate_up_wg="columns"):
+                    num_sms=None, interpret=False, gate_up_wg="columns", cluster_n=1):
     """Mosaic GPU prefill expert MLP, bf16 weights; same contract as `reference_prefill_experts`.
 
     x [T, H]; expert_ids [T, k] int32 in 0..E-1; gate_weights [T, k]; token_valid [T] bool (or
@@ -536,7 +554,8 @@ def prefill_experts(x, expert_ids, gate_weights, token_valid, gate_up, down, slo
     Needs ``I % (2 * tile_n_gate_up) == 0``, ``H % (2 * tile_n_down) == 0`` and both divisible by
     ``tile_k`` (ValueError otherwise). ``num_sms`` CTAs (default: this GPU's SM count, else 132);
     ``interpret=True`` runs Mosaic GPU interpret mode on the CPU. ``gate_up_wg``: how the gate+up
-    kernel's two compute warpgroups share the work (see `_grouped_matmul`).
+    kernel's two compute warpgroups share the work; ``cluster_n`` = 2: clusters of two CTAs share
+    each row tile's copy (see `_grouped_matmul`).
     """
     _check_routing(x, expert_ids, gate_weights, token_valid, slot_of_expert)
     hidden, inter = x.shape[1], down.shape[-1]
@@ -547,7 +566,7 @@ def prefill_experts(x, expert_ids, gate_weights, token_valid, gate_up, down, slo
     tiles = _tiles_and_checks(hidden, inter, int4=False, tile_m=tile_m,
                               tile_n_gate_up=tile_n_gate_up, tile_n_down=tile_n_down,
                               tile_k=tile_k, stages=stages, num_sms=num_sms, interpret=interpret,
-                              gate_up_wg=gate_up_wg)
+                              gate_up_wg=gate_up_wg, cluster_n=cluster_n)
     return _prefill(x, expert_ids, gate_weights, token_valid, slot_of_expert,
                     (gate_up.astype(jnp.bfloat16),), (down.astype(jnp.bfloat16),),
                     hidden=hidden, inter=inter, tiles=tiles)
@@ -563,7 +582,7 @@ def _as_int4(packed):
 def prefill_experts_int4(x, expert_ids, gate_weights, token_valid, gate_up_packed,
                          gate_up_scales, down_packed, down_scales, slot_of_expert, *,
                          tile_m=128, tile_n_gate_up=64, tile_n_down=128, tile_k=64, stages=3,
-                         num_sms=None, interpret=False, gate_up_wg="columns"):
+                         num_sms=None, interpret=False, gate_up_wg="columns", cluster_n=1):
     """Mosaic GPU prefill expert MLP, int4 group-32 weights (host pool layout, `ftjax.host.quant`).
 
     gate_up_packed uint8 [S, 2I, H/2], gate_up_scales bf16 [S, 2I, H/32], down_packed uint8
@@ -588,7 +607,7 @@ def prefill_experts_int4(x, expert_ids, gate_weights, token_valid, gate_up_packe
     tiles = _tiles_and_checks(hidden, inter, int4=True, tile_m=tile_m,
                               tile_n_gate_up=tile_n_gate_up, tile_n_down=tile_n_down,
                               tile_k=tile_k, stages=stages, num_sms=num_sms, interpret=interpret,
-                              gate_up_wg=gate_up_wg)
+                              gate_up_wg=gate_up_wg, cluster_n=cluster_n)
     return _prefill(x, expert_ids, gate_weights, token_valid, slot_of_expert,
                     (_as_int4(gate_up_packed), gate_up_scales.astype(jnp.bfloat16)),
                     (_as_int4(down_packed), down_scales.astype(jnp.bfloat16)),
