@@ -79,6 +79,13 @@ for s in "${steps[@]}"; do
        run prefill_cluster 400 python3 bench/kernels.py --only prefill --shapes 2048x512 4096x2048 --dtypes bf16 int4 \
          --tokens 8192 16384 --iters 5 --gate-up-wg columns gate_up --cluster-n 1 2 --profile /tmp/pcl \
          --out "$OUT/prefill_cluster.json" ;;
+    prefill-split)  # prefill, 8K, both shapes, bf16: gate+up vs down kernel times, random routing and one expert (~3 min)
+       for r in routed one; do
+         flag=""; [ $r = one ] && flag=--one-expert
+         run "prefill_split_$r" 200 python3 bench/kernels.py --only prefill --shapes 2048x512 4096x2048 --dtypes bf16 \
+           --tokens 8192 --iters 5 --gate-up-wg columns gate_up --cluster-n 1 2 --profile /tmp/psplit_$r $flag \
+           --out "$OUT/prefill_split_$r.json"
+       done ;;
     tests-offload) run gpu_tests_offload 200 python3 -m pytest -q -m gpu tests/experts/test_offload_cuda.py tests/host/test_cuda.py ;;
     kernels) run kernels 240 python3 bench/kernels.py --tokens 1024 8192 --ragged --iters 5 --out "$OUT/kernels.json" ;;
     tune) run tune_decode 150 python3 bench/kernels.py --only decode --shapes 2048x512 --dtypes bf16 --decode-tokens 1 8 \

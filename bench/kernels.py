@@ -145,6 +145,14 @@ def gpu_kernel_us(profile_dir):
     return sum(e["dur"] for e in ks if "mosaic" in e["name"]), sum(e["dur"] for e in ks)
 
 
+def prefill_kernel_us(profile_dir):
+    """(gate+up kernel, down kernel) summed device us in the traces under the dir (0 if not named)."""
+    from trace_summary import gpu_kernels, load
+
+    ks = [e for p in Path(profile_dir).rglob("perfetto_trace.json.gz") for e in gpu_kernels(load(p))]
+    return tuple(sum(e["dur"] for e in ks if tag in e["name"]) for tag in ("prefill_gate_up", "prefill_down"))
+
+
 def mosaic_kernel_us(profile_dir, calls):
     """Mean device time of the Mosaic GPU kernel per call in a profiler trace (None if none found)."""
     us = gpu_kernel_us(profile_dir)[0]
@@ -260,10 +268,12 @@ def bench_prefill_tiles(args, ceiling, rows):
               f"b2b {tf:7.1f} TFLOP/s {tf / ceiling:5.2f}", flush=True)
 
 
-def _inputs(key, T, k, H, I, E, S, int4):
+def _inputs(key, T, k, H, I, E, S, int4, one_expert=False):
     ks = jax.random.split(key, 6)
     x = jax.random.normal(ks[0], (T, H), jnp.bfloat16)
     ids = jnp.argsort(jax.random.uniform(ks[1], (T, E)), axis=1)[:, :k].astype(jnp.int32)
+    if one_expert:  # every route to expert 0: one group, a plain GEMM through the grouped kernels
+        ids = jnp.zeros_like(ids)
     w = jax.nn.softmax(jax.random.normal(ks[2], (T, k)), axis=-1)
     valid = jnp.ones((T,), bool)
     slots = jax.random.permutation(ks[3], S)[:E].astype(jnp.int32)
@@ -304,6 +314,8 @@ def main():
     ap.add_argument("--gate-up-wg", nargs="+", default=["columns"], choices=["columns", "gate_up"],
                     help="prefill gate+up kernel: how its two compute warpgroups share a tile, one row "
                          "per mode (bf16; int4 runs columns)")
+    ap.add_argument("--one-expert", action="store_true",
+                    help="prefill: every route to one expert (a plain GEMM through the grouped kernels)")
     ap.add_argument("--cluster-n", type=int, nargs="+", default=[1], choices=[1, 2],
                     help="prefill: CTAs per cluster sharing a row tile's copy, one row per value")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode, CPU")
@@ -341,7 +353,7 @@ def main():
     if args.only == "decode":
         args.shapes = []
     else:
-        print("\nprefill grouped expert MLP")
+        print("\nprefill grouped expert MLP" + (" (every route to expert 0: one plain GEMM)" if args.one_expert else ""))
     print(f"{'H':>5} {'I':>5} {'T':>6} {'dtype':>5} {'wg':>8} {'cl':>2} {'ms':>8} {'TFLOP/s':>8} {'ratio':>6} "
           f"{'GB/s':>7} {'b2b ms':>8} {'ratio':>6}   (ms: one call, the host waiting for it; b2b: calls "
           f"dispatched back to back)")
@@ -355,7 +367,7 @@ def main():
                          _cl=cl: _f(*a, **kw, gate_up_wg=_wg, cluster_n=_cl))
             for T in args.tokens:
                 route, banks, slots = _inputs(jax.random.key(T), T, args.top_k, H, I,
-                                              args.experts, args.slots, int4)
+                                              args.experts, args.slots, int4, args.one_expert)
                 ms = _time_ms(fn, *route, *banks, slots, iters=args.iters)
                 b2b = time_back_to_back_ms(fn, *route, *banks, slots,
                                             iters=1 if args.smoke else max(args.iters, 8))
@@ -365,10 +377,11 @@ def main():
                     with jax.profiler.trace(str(pdir), create_perfetto_trace=True):
                         jax.block_until_ready(fn(*route, *banks, slots))
                     kern_us, all_us = gpu_kernel_us(pdir)
+                    k1_us, k2_us = prefill_kernel_us(pdir)
                 hit = int(jnp.unique(route[1]).size)
                 flops = pg.prefill_flops(T, args.top_k, H, I)
                 nbytes = pg.prefill_bytes(T, args.top_k, H, I, hit, int4=int4)
-                row = dict(kind="prefill", H=H, I=I, T=T, dtype=dtype, gate_up_wg=wg, cluster_n=cl, ms=ms, tflops=flops / ms / 1e9,
+                row = dict(kind="prefill", H=H, I=I, T=T, dtype=dtype, one_expert=args.one_expert, gate_up_wg=wg, cluster_n=cl, ms=ms, tflops=flops / ms / 1e9,
                            ratio=flops / ms / 1e9 / ceiling, gbps=nbytes / ms / 1e6, b2b_ms=b2b,
                            b2b_ratio=flops / b2b / 1e9 / ceiling,
                            experts_hit=hit, ceiling_tflops=ceiling, **{k: v for k, v in kw.items()
@@ -388,6 +401,12 @@ def main():
                                kernel_ratio=flops / kern_us / 1e6 / ceiling)
                     split = (f"  kernels alone {kern_us / 1e3:.3f} ms = {row['kernel_ratio']:.2f}, all GPU work "
                              f"{all_us / 1e3:.3f} ms")
+                    if k1_us and k2_us:  # gate+up does 2/3 of the FLOPs, down 1/3
+                        row.update(gate_up_ms=k1_us / 1e3, down_ms=k2_us / 1e3,
+                                   gate_up_ratio=flops * 2 / 3 / k1_us / 1e6 / ceiling,
+                                   down_ratio=flops / 3 / k2_us / 1e6 / ceiling)
+                        split += (f" (gate+up {k1_us / 1e3:.3f} ms = {row['gate_up_ratio']:.2f}, down "
+                                  f"{k2_us / 1e3:.3f} ms = {row['down_ratio']:.2f})")
                 rows.append(row)
                 print(f"{H:>5} {I:>5} {T:>6} {dtype:>5} {wg:>8} {cl:>2} {ms:>8.3f} {row['tflops']:>8.1f} "
                       f"{row['ratio']:>6.2f} {row['gbps']:>7.0f} {b2b:>8.3f} {row['b2b_ratio']:>6.2f}"
