@@ -72,18 +72,11 @@ for s in "${steps[@]}"; do
     prefill-sizes)  # prefill b2b, bf16, both shapes, 1K / 8K / 16K tokens (~3 min)
        run prefill_sizes 300 python3 bench/kernels.py --only prefill --shapes 2048x512 4096x2048 --dtypes bf16 \
          --tokens 1024 8192 16384 --iters 5 --out "$OUT/prefill_sizes.json" ;;
-    prefill-wg)  # prefill b2b + kernels alone, bf16, both shapes, 8K / 16K: gate+up warpgroups by columns vs gate/up (~3 min)
-       run prefill_wg 300 python3 bench/kernels.py --only prefill --shapes 2048x512 4096x2048 --dtypes bf16 \
-         --tokens 8192 16384 --iters 5 --gate-up-wg columns gate_up --profile /tmp/pwg --out "$OUT/prefill_wg.json" ;;
-    prefill-cluster)  # prefill b2b + kernels alone, both shapes, 8K / 16K: clusters of 2 CTAs sharing the row tile's copy (~4 min)
-       run prefill_cluster 400 python3 bench/kernels.py --only prefill --shapes 2048x512 4096x2048 --dtypes bf16 int4 \
-         --tokens 8192 16384 --iters 5 --gate-up-wg columns gate_up --cluster-n 1 2 --profile /tmp/pcl \
-         --out "$OUT/prefill_cluster.json" ;;
     prefill-split)  # prefill, 8K, both shapes, bf16: gate+up vs down kernel times, random routing and one expert (~3 min)
        for r in routed one; do
          flag=""; [ $r = one ] && flag=--one-expert
          run "prefill_split_$r" 200 python3 bench/kernels.py --only prefill --shapes 2048x512 4096x2048 --dtypes bf16 \
-           --tokens 8192 --iters 5 --gate-up-wg columns gate_up --cluster-n 1 2 --profile /tmp/psplit_$r $flag \
+           --tokens 8192 --iters 5 --profile /tmp/psplit_$r $flag \
            --out "$OUT/prefill_split_$r.json"
        done ;;
     tests-offload) run gpu_tests_offload 200 python3 -m pytest -q -m gpu tests/experts/test_offload_cuda.py tests/host/test_cuda.py ;;

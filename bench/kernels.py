@@ -311,13 +311,8 @@ def main():
     ap.add_argument("--stages", type=int, default=3)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--ragged", action="store_true", help="also time the lax.ragged_dot baseline")
-    ap.add_argument("--gate-up-wg", nargs="+", default=["columns"], choices=["columns", "gate_up"],
-                    help="prefill gate+up kernel: how its two compute warpgroups share a tile, one row "
-                         "per mode (bf16; int4 runs columns)")
     ap.add_argument("--one-expert", action="store_true",
                     help="prefill: every route to one expert (a plain GEMM through the grouped kernels)")
-    ap.add_argument("--cluster-n", type=int, nargs="+", default=[1], choices=[1, 2],
-                    help="prefill: CTAs per cluster sharing a row tile's copy, one row per value")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode, CPU")
     ap.add_argument("--only", choices=["prefill", "decode"], help="one section only")
     ap.add_argument("--decode-tokens", type=int, nargs="+", default=[1, 2, 4, 8])
@@ -354,17 +349,15 @@ def main():
         args.shapes = []
     else:
         print("\nprefill grouped expert MLP" + (" (every route to expert 0: one plain GEMM)" if args.one_expert else ""))
-    print(f"{'H':>5} {'I':>5} {'T':>6} {'dtype':>5} {'wg':>8} {'cl':>2} {'ms':>8} {'TFLOP/s':>8} {'ratio':>6} "
+    print(f"{'H':>5} {'I':>5} {'T':>6} {'dtype':>5} {'ms':>8} {'TFLOP/s':>8} {'ratio':>6} "
           f"{'GB/s':>7} {'b2b ms':>8} {'ratio':>6}   (ms: one call, the host waiting for it; b2b: calls "
           f"dispatched back to back)")
     for shape in args.shapes:
         H, I = map(int, shape.split("x"))
-        for dtype, wg, cl in [(d, m, c) for d in args.dtypes
-                              for m in (["columns"] if d == "int4" else args.gate_up_wg)
-                              for c in args.cluster_n]:
+        for dtype in args.dtypes:
             int4 = dtype == "int4"
-            fn = jax.jit(lambda *a, _f=(pg.prefill_experts_int4 if int4 else pg.prefill_experts), _wg=wg,
-                         _cl=cl: _f(*a, **kw, gate_up_wg=_wg, cluster_n=_cl))
+            fn = jax.jit(lambda *a, _f=(pg.prefill_experts_int4 if int4 else pg.prefill_experts):
+                         _f(*a, **kw))
             for T in args.tokens:
                 route, banks, slots = _inputs(jax.random.key(T), T, args.top_k, H, I,
                                               args.experts, args.slots, int4, args.one_expert)
@@ -373,7 +366,7 @@ def main():
                                             iters=1 if args.smoke else max(args.iters, 8))
                 split = ""
                 if args.profile:  # the Mosaic GPU kernels alone vs every GPU kernel of the call
-                    pdir = args.profile / f"prefill-{shape}-{dtype}-{wg}-cl{cl}-T{T}"
+                    pdir = args.profile / f"prefill-{shape}-{dtype}-T{T}"
                     with jax.profiler.trace(str(pdir), create_perfetto_trace=True):
                         jax.block_until_ready(fn(*route, *banks, slots))
                     kern_us, all_us = gpu_kernel_us(pdir)
@@ -381,13 +374,14 @@ def main():
                 hit = int(jnp.unique(route[1]).size)
                 flops = pg.prefill_flops(T, args.top_k, H, I)
                 nbytes = pg.prefill_bytes(T, args.top_k, H, I, hit, int4=int4)
-                row = dict(kind="prefill", H=H, I=I, T=T, dtype=dtype, one_expert=args.one_expert, gate_up_wg=wg, cluster_n=cl, ms=ms, tflops=flops / ms / 1e9,
+                row = dict(kind="prefill", H=H, I=I, T=T, dtype=dtype, one_expert=args.one_expert, ms=ms,
+                           tflops=flops / ms / 1e9,
                            ratio=flops / ms / 1e9 / ceiling, gbps=nbytes / ms / 1e6, b2b_ms=b2b,
                            b2b_ratio=flops / b2b / 1e9 / ceiling,
                            experts_hit=hit, ceiling_tflops=ceiling, **{k: v for k, v in kw.items()
                                                                         if k != "interpret"})
                 ragged = ""
-                if args.ragged and not int4 and wg == args.gate_up_wg[0] and cl == args.cluster_n[0]:
+                if args.ragged and not int4:
                     try:
                         rms = _time_ms(jax.jit(ragged_dot_moe), *route, *banks, slots,
                                        iters=args.iters)
@@ -408,7 +402,7 @@ def main():
                         split += (f" (gate+up {k1_us / 1e3:.3f} ms = {row['gate_up_ratio']:.2f}, down "
                                   f"{k2_us / 1e3:.3f} ms = {row['down_ratio']:.2f})")
                 rows.append(row)
-                print(f"{H:>5} {I:>5} {T:>6} {dtype:>5} {wg:>8} {cl:>2} {ms:>8.3f} {row['tflops']:>8.1f} "
+                print(f"{H:>5} {I:>5} {T:>6} {dtype:>5} {ms:>8.3f} {row['tflops']:>8.1f} "
                       f"{row['ratio']:>6.2f} {row['gbps']:>7.0f} {b2b:>8.3f} {row['b2b_ratio']:>6.2f}"
                       + ragged + split, flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)

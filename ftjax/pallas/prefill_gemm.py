@@ -164,8 +164,7 @@ def _default_num_sms() -> int:
     return 132  # H100 / H200 SXM
 
 
-def _check_tiles(*, what, n_out, k_dim, tile_m, tile_n, tile_k, stages, int4, n_b,
-                 gate_up_wg="columns"):
+def _check_tiles(*, what, n_out, k_dim, tile_m, tile_n, tile_k, stages, int4, n_b):
     """Raise ValueError naming the offending size and what would be valid; return SMEM bytes."""
     if tile_m % _WG_ROWS or tile_m <= 0:
         raise ValueError(f"tile_m must be a positive multiple of {_WG_ROWS} (WGMMA rows per "
@@ -199,12 +198,7 @@ def _check_tiles(*, what, n_out, k_dim, tile_m, tile_n, tile_k, stages, int4, n_
     s_bytes = n_b * cta_n * _SCALE_BLOCK * 2 if int4 else 0
     deq_bytes = 2 * n_b * tile_n * tile_k * 2 if int4 else 0
     epi_bytes = 2 * tile_m * min(tile_n, _EPI_N) * 2
-    if gate_up_wg not in ("columns", "gate_up"):
-        raise ValueError(f"gate_up_wg must be 'columns' or 'gate_up', got {gate_up_wg!r}")
-    if gate_up_wg == "gate_up" and int4:
-        raise ValueError("gate_up_wg='gate_up' is bf16 only (int4 dequantizes per column half)")
-    xchg_bytes = _WG_ROWS * cta_n * 4 if gate_up_wg == "gate_up" else 0
-    smem = stages * (a_bytes + w_bytes + s_bytes) + deq_bytes + epi_bytes + xchg_bytes
+    smem = stages * (a_bytes + w_bytes + s_bytes) + deq_bytes + epi_bytes
     if smem > _SMEM_LIMIT_BYTES - 1024:
         raise ValueError(f"{what}: tile_m={tile_m}, tile_n={tile_n}, tile_k={tile_k}, "
                          f"stages={stages} needs {smem} bytes of SMEM, over the "
@@ -248,7 +242,7 @@ def _dequant_tile(q_ref, s_ref, k, *, tile_k):
 
 
 def _grouped_matmul(a, tile_slot, tile_row0, tile_rows, n_tiles, weights, *, n_out, swiglu, tile_m, tile_n,
-                    tile_k, stages, num_sms, interpret, gate_up_wg="columns", cluster_n=1):
+                    tile_k, stages, num_sms, interpret):
     """``out[tile m's rows] = epilogue(a[tile_row0[m] : tile_row0[m] + tile_m] @ W[slot]^T)`` over
     the active row tiles; tile m's output rows are ``m * tile_m ..`` (the padded layout).
 
@@ -259,25 +253,11 @@ def _grouped_matmul(a, tile_slot, tile_row0, tile_rows, n_tiles, weights, *, n_o
     and ``s [S, n_w, K/32]`` bf16. ``swiglu``: ``n_w = 2 * n_out`` and the output is
     ``silu(a @ W[:n_out]^T) * (a @ W[n_out:]^T)``; otherwise ``n_w = n_out``. Returns
     ``[R_pad, n_out]`` bf16; rows of idle tiles are left unwritten.
-
-    ``gate_up_wg`` (``swiglu``, bf16 only) says how the two compute warpgroups share a CTA's
-    ``2 * tile_n`` output columns: ``"columns"``, each takes ``tile_n`` of them, gate and up (two
-    N = ``tile_n`` WGMMAs per slab); ``"gate_up"``, warpgroup 0 takes the gate rows and warpgroup 1
-    the up rows of all of them (one N = ``2 * tile_n`` WGMMA per slab: less SMEM read per MAC),
-    and warpgroup 1 hands its fp32 up accumulators to
-    warpgroup 0 through SMEM, one slab at a time, for the SwiGLU epilogue.
-
-    ``cluster_n`` = 2: CTAs run in clusters of two that take neighbouring output blocks ``2j`` and
-    ``2j + 1`` of the same row tile, the row tile's TMA copy multicast to both (each CTA then
-    reads 2/3 of the bytes per step from L2 that it reads alone, at the default tiles).
     """
     from jax.experimental import pallas as pl
 
     plgpu = _plgpu()
     int4 = len(weights) == 2
-    by_gate_up = swiglu and gate_up_wg == "gate_up"
-    if by_gate_up and int4:
-        raise ValueError("gate_up_wg='gate_up' is bf16 only")
     num_rows, k_dim = tile_slot.shape[0] * tile_m, a.shape[1]
     n_b = 2 if swiglu else 1
     cta_n = 2 * tile_n
@@ -292,8 +272,7 @@ def _grouped_matmul(a, tile_slot, tile_row0, tile_rows, n_tiles, weights, *, n_o
     deq_tr = _swizzled(tile_k, jnp.bfloat16)
     out_tr = _swizzled(epi_n, jnp.bfloat16)
 
-    in_specs = [plgpu.BlockSpec((tile_m, tile_k), lambda k: (0, k), transforms=a_tr,
-                                collective_axes=("cluster",) if cluster_n == 2 else None)]
+    in_specs = [plgpu.BlockSpec((tile_m, tile_k), lambda k: (0, k), transforms=a_tr)]
     for _ in range(n_b):
         in_specs.append(plgpu.BlockSpec((cta_n, tile_k), lambda k: (0, k), transforms=w_tr))
         if int4:
@@ -315,44 +294,9 @@ def _grouped_matmul(a, tile_slot, tile_row0, tile_rows, n_tiles, weights, *, n_o
                 refs.append(w_gmem[1].at[slot, pl.ds(row0, cta_n)])
         return refs
 
-    def kernel(slot_ref, row0_ref, rows_ref, nt_ref, a_gmem, *refs, o_smem, deq_smem=None,
-               xchg=None, up_ready=None, xchg_free=None):
+    def kernel(slot_ref, row0_ref, rows_ref, nt_ref, a_gmem, *refs, o_smem, deq_smem=None):
         w_gmem, o_gmem = refs[:-1], refs[-1]
         ignore = lambda *_, **__: None
-
-        def _gate_up_epilogue(accs, wg, mi, ni):
-            """``gate_up`` mode: warpgroup 1 passes its up accumulators to warpgroup 0 through
-            ``xchg`` one 64-row slab at a time (``up_ready`` / ``xchg_free``), then goes on to
-            its next tile; warpgroup 0 applies SwiGLU and stores the CTA's act columns."""
-            @pl.when(wg == 1)
-            def _send():
-                for h in range(n_slabs):
-                    plgpu.barrier_wait(xchg_free)
-                    xchg[...] = accs[h][...]
-                    plgpu.commit_smem()  # every thread's stores done before the one arrival
-                    plgpu.barrier_arrive(up_ready)
-
-            @pl.when(wg == 0)
-            def _swiglu():
-                vals = []
-                for h in range(n_slabs):
-                    g = accs[h][...]
-                    plgpu.barrier_wait(up_ready)
-                    u = xchg[...]
-                    vals.append((g / (1.0 + jnp.exp(-g)) * u).astype(o_gmem.dtype))
-                    plgpu.commit_smem()  # every thread's loads done before the buffer is freed
-                    plgpu.barrier_arrive(xchg_free)
-                chunks = cta_n // epi_n  # alternate the two epilogue buffers, one store in flight
-                for j in range(chunks):
-                    plgpu.wait_smem_to_gmem(1 if chunks % 2 == 0 else 0, wait_read_only=True)
-                    for h, val in enumerate(vals):
-                        o_smem[j % 2, pl.ds(h * _WG_ROWS, _WG_ROWS)] = \
-                            val[:, j * epi_n:(j + 1) * epi_n]
-                    plgpu.commit_smem()
-                    plgpu.copy_smem_to_gmem(
-                        o_smem.at[j % 2],
-                        o_gmem.at[pl.ds(mi * tile_m, tile_m), pl.ds(ni * cta_n + j * epi_n, epi_n)])
-
         allocs = get_pipeline(ignore, ignore).get_allocations(
             a_gmem.at[pl.ds(0, tile_m)], *weight_refs(w_gmem, 0, 0))
 
@@ -360,32 +304,22 @@ def _grouped_matmul(a, tile_slot, tile_row0, tile_rows, n_tiles, weights, *, n_o
         def _scope(allocs):
             wg = lax.axis_index("wg")
             wg_rows = pl.ds(wg * tile_n, tile_n)
-            if by_gate_up:  # the exchange buffer starts free
-                @pl.when(wg == 0)
-                def _():
-                    plgpu.barrier_arrive(xchg_free)
 
-            @plgpu.nd_loop((nt_ref[0], n_iters // cluster_n), collective_axes="sm")
+            @plgpu.nd_loop((nt_ref[0], n_iters), collective_axes="sm")
             def _tile(info):
                 mi, ni = info.index
-                if cluster_n == 2:  # the cluster's two CTAs: output blocks 2j and 2j + 1
-                    ni = ni * 2 + lax.axis_index("cluster")
                 slot = slot_ref[mi]
                 live_rows = rows_ref[mi]  # rows of the tile that hold routes (>= 1 when active)
 
                 def compute_context(run_pipeline):
                     # one accumulator per weight block per 64-row slab: a slab without routes
                     # skips its WGMMAs (half of a group's last tile, often)
-                    acc_n = cta_n if by_gate_up else tile_n
-                    accs = [plgpu.ACC((_WG_ROWS, acc_n), jnp.float32)
-                            for _ in range((1 if by_gate_up else n_b) * n_slabs)]
+                    accs = [plgpu.ACC((_WG_ROWS, tile_n), jnp.float32)
+                            for _ in range(n_b * n_slabs)]
 
                     @functools.partial(pl.run_scoped, accs=accs)
                     def _acc_scope(accs):
                         run_pipeline(tuple(accs))
-                        if by_gate_up:
-                            _gate_up_epilogue(accs, wg, mi, ni)
-                            return
                         vals = []
                         for h in range(n_slabs):
                             if swiglu:
@@ -414,18 +348,6 @@ def _grouped_matmul(a, tile_slot, tile_row0, tile_rows, n_tiles, weights, *, n_o
                                 q_ref.at[wg_rows], s_ref.at[wg_rows], k, tile_k=tile_k)
                         plgpu.commit_smem()  # generic-proxy stores -> visible to WGMMA
                         b_tiles = [deq_smem.at[wg, b] for b in range(n_b)]
-                    elif by_gate_up:  # warpgroup 0: the gate rows, 1: the up rows
-                        for b in range(2):
-                            @pl.when(wg == b)
-                            def _own_block():
-                                plgpu.wgmma(accs[0], a_smem.at[pl.ds(0, _WG_ROWS)], b_refs[b].T)
-                                for h in range(1, n_slabs):
-                                    @pl.when(live_rows > h * _WG_ROWS)
-                                    def _slab():
-                                        plgpu.wgmma(accs[h], a_smem.at[pl.ds(h * _WG_ROWS, _WG_ROWS)],
-                                                    b_refs[b].T)
-                        plgpu.wgmma_wait(0)
-                        return accs
                     else:
                         b_tiles = [b_ref.at[wg_rows] for b_ref in b_refs]
                     for b, b_tile in enumerate(b_tiles):
@@ -446,28 +368,17 @@ def _grouped_matmul(a, tile_slot, tile_row0, tile_rows, n_tiles, weights, *, n_o
                 get_pipeline(mma, compute_context)(
                     a_gmem.at[pl.ds(row0, tile_m)], *weight_refs(w_gmem, slot, ni), allocations=allocs)
 
-            if by_gate_up:  # consume the last free signal (every phase observed at exit)
-                @pl.when(wg == 1)
-                def _():
-                    plgpu.barrier_wait(xchg_free)
-
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     scratch = dict(o_smem=plgpu.SMEM((2, tile_m, epi_n), jnp.bfloat16, transforms=out_tr))
     if int4:  # per compute warpgroup, per weight block
         scratch["deq_smem"] = plgpu.SMEM((2, n_b, tile_n, tile_k), jnp.bfloat16,
                                          transforms=deq_tr)
-    if by_gate_up:  # one slab of up accumulators, fp32
-        scratch["xchg"] = plgpu.SMEM((_WG_ROWS, cta_n), jnp.float32,
-                                     transforms=_swizzled(cta_n, jnp.float32))
-        scratch["up_ready"] = plgpu.Barrier(num_arrivals=1)
-        scratch["xchg_free"] = plgpu.Barrier(num_arrivals=1)
     call = plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct((num_rows, n_out), jnp.bfloat16),
-        grid=(num_sms // cluster_n,), grid_names=("sm",), num_threads=3, thread_name="wg",
+        grid=(num_sms,), grid_names=("sm",), num_threads=3, thread_name="wg",
         kernel_name="mosaic_prefill_gate_up" if swiglu else "mosaic_prefill_down",  # profiles tell them apart
-        **(dict(cluster=(2,), cluster_names=("cluster",)) if cluster_n == 2 else {}),
         scratch_types=scratch,
         compiler_params=plgpu.CompilerParams(
             lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
@@ -496,7 +407,7 @@ def _check_routing(x, expert_ids, gate_weights, token_valid, slot_of_expert):
 
 def _prefill(x, expert_ids, gate_weights, token_valid, slot_of_expert, gu_weights, d_weights,
              *, hidden, inter, tiles):
-    tile_m, tile_n_gate_up, tile_n_down, tile_k, stages, num_sms, interpret, gate_up_wg, cluster_n = tiles
+    tile_m, tile_n_gate_up, tile_n_down, tile_k, stages, num_sms, interpret = tiles
     num_experts = slot_of_expert.shape[0]
     # materialized before the gather and the combine: without this barrier (or the lax.cond it
     # replaces) XLA fused the plan's index math (searchsorted, gathers) into both and recomputed it
@@ -505,48 +416,35 @@ def _prefill(x, expert_ids, gate_weights, token_valid, slot_of_expert, gu_weight
     n_slots = gu_weights[0].shape[0]
     tile_slot = jnp.clip(slot_of_expert.astype(jnp.int32)[plan.tile_group], 0, n_slots - 1)
     n_tiles = jnp.maximum(plan.n_tiles, 1).reshape(1)  # never an all-empty launch (see the docstring)
-    common = dict(tile_m=tile_m, tile_k=tile_k, stages=stages, num_sms=num_sms, cluster_n=cluster_n,
+    common = dict(tile_m=tile_m, tile_k=tile_k, stages=stages, num_sms=num_sms,
                   interpret=interpret)
     x_rows = routing.gather_input_rows(x.astype(jnp.bfloat16), plan)
     act = _grouped_matmul(x_rows, tile_slot, plan.tile_row0, plan.tile_rows, n_tiles, gu_weights,
-                          n_out=inter, swiglu=True, tile_n=tile_n_gate_up, gate_up_wg=gate_up_wg,
-                          **common)
+                          n_out=inter, swiglu=True, tile_n=tile_n_gate_up, **common)
     padded_row0 = jnp.arange(plan.tile_row0.shape[0], dtype=jnp.int32) * tile_m
     out = _grouped_matmul(act, tile_slot, padded_row0, plan.tile_rows, n_tiles, d_weights,
                           n_out=hidden, swiglu=False, tile_n=tile_n_down, **common)
     return routing.combine_rows(out, plan, gate_weights)
 
 
-_STATIC = ("tile_m", "tile_n_gate_up", "tile_n_down", "tile_k", "stages", "num_sms", "interpret",
-           "gate_up_wg", "cluster_n")
+_STATIC = ("tile_m", "tile_n_gate_up", "tile_n_down", "tile_k", "stages", "num_sms", "interpret")
 
 
 def _tiles_and_checks(hidden, inter, *, int4, tile_m, tile_n_gate_up, tile_n_down, tile_k,
-                      stages, num_sms, interpret, gate_up_wg="columns", cluster_n=1):
+                      stages, num_sms, interpret):
     _check_tiles(what="gate_up", n_out=inter, k_dim=hidden, tile_m=tile_m,
-                 tile_n=tile_n_gate_up, tile_k=tile_k, stages=stages, int4=int4, n_b=2,
-                 gate_up_wg=gate_up_wg)
+                 tile_n=tile_n_gate_up, tile_k=tile_k, stages=stages, int4=int4, n_b=2)
     _check_tiles(what="down", n_out=hidden, k_dim=inter, tile_m=tile_m, tile_n=tile_n_down,
                  tile_k=tile_k, stages=stages, int4=int4, n_b=1)
     if num_sms is None:
         num_sms = _default_num_sms()
-    if cluster_n not in (1, 2):
-        raise ValueError(f"cluster_n must be 1 or 2, got {cluster_n}")
-    if cluster_n == 2:
-        for what, n_out, tile_n in (("gate_up", inter, tile_n_gate_up), ("down", hidden, tile_n_down)):
-            if n_out % (4 * tile_n):
-                raise ValueError(f"{what}: cluster_n=2 needs the output dim {n_out} to be a multiple "
-                                 f"of 4 * tile_n = {4 * tile_n} (two CTAs of 2 * tile_n columns)")
-        if num_sms % 2:
-            raise ValueError(f"cluster_n=2 needs an even num_sms, got {num_sms}")
-    return (tile_m, tile_n_gate_up, tile_n_down, tile_k, stages, num_sms, interpret, gate_up_wg,
-            cluster_n)
+    return (tile_m, tile_n_gate_up, tile_n_down, tile_k, stages, num_sms, interpret)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def prefill_experts(x, expert_ids, gate_weights, token_valid, gate_up, down, slot_of_expert, *,
                     tile_m=128, tile_n_gate_up=64, tile_n_down=128, tile_k=64, stages=3,
-                    num_sms=None, interpret=False, gate_up_wg="columns", cluster_n=1):
+                    num_sms=None, interpret=False):
     """Mosaic GPU prefill expert MLP, bf16 weights; same contract as `reference_prefill_experts`.
 
     x [T, H]; expert_ids [T, k] int32 in 0..E-1; gate_weights [T, k]; token_valid [T] bool (or
@@ -554,9 +452,7 @@ def prefill_experts(x, expert_ids, gate_weights, token_valid, gate_up, down, slo
     gate_up [S, 2I, H] and down [S, H, I] bf16; slot_of_expert [E] int32. Returns [T, H] fp32.
     Needs ``I % (2 * tile_n_gate_up) == 0``, ``H % (2 * tile_n_down) == 0`` and both divisible by
     ``tile_k`` (ValueError otherwise). ``num_sms`` CTAs (default: this GPU's SM count, else 132);
-    ``interpret=True`` runs Mosaic GPU interpret mode on the CPU. ``gate_up_wg``: how the gate+up
-    kernel's two compute warpgroups share the work; ``cluster_n`` = 2: clusters of two CTAs share
-    each row tile's copy (see `_grouped_matmul`).
+    ``interpret=True`` runs Mosaic GPU interpret mode on the CPU.
     """
     _check_routing(x, expert_ids, gate_weights, token_valid, slot_of_expert)
     hidden, inter = x.shape[1], down.shape[-1]
@@ -566,8 +462,7 @@ def prefill_experts(x, expert_ids, gate_weights, token_valid, gate_up, down, slo
                          f"x {x.shape}: want [S, 2I, H] and [S, H, I]")
     tiles = _tiles_and_checks(hidden, inter, int4=False, tile_m=tile_m,
                               tile_n_gate_up=tile_n_gate_up, tile_n_down=tile_n_down,
-                              tile_k=tile_k, stages=stages, num_sms=num_sms, interpret=interpret,
-                              gate_up_wg=gate_up_wg, cluster_n=cluster_n)
+                              tile_k=tile_k, stages=stages, num_sms=num_sms, interpret=interpret)
     return _prefill(x, expert_ids, gate_weights, token_valid, slot_of_expert,
                     (gate_up.astype(jnp.bfloat16),), (down.astype(jnp.bfloat16),),
                     hidden=hidden, inter=inter, tiles=tiles)
@@ -583,12 +478,12 @@ def _as_int4(packed):
 def prefill_experts_int4(x, expert_ids, gate_weights, token_valid, gate_up_packed,
                          gate_up_scales, down_packed, down_scales, slot_of_expert, *,
                          tile_m=128, tile_n_gate_up=64, tile_n_down=128, tile_k=64, stages=3,
-                         num_sms=None, interpret=False, gate_up_wg="columns", cluster_n=1):
+                         num_sms=None, interpret=False):
     """Mosaic GPU prefill expert MLP, int4 group-32 weights (host pool layout, `ftjax.host.quant`).
 
     gate_up_packed uint8 [S, 2I, H/2], gate_up_scales bf16 [S, 2I, H/32], down_packed uint8
     [S, H, I/2], down_scales bf16 [S, H, I/32]; the rest as `prefill_experts`. Also needs
-    ``H % 256 == 0`` and ``I % 256 == 0``; ``gate_up_wg`` must stay ``"columns"``. Same contract as `reference_prefill_experts_int4`.
+    ``H % 256 == 0`` and ``I % 256 == 0``. Same contract as `reference_prefill_experts_int4`.
     """
     _check_routing(x, expert_ids, gate_weights, token_valid, slot_of_expert)
     hidden = x.shape[1]
@@ -607,8 +502,7 @@ def prefill_experts_int4(x, expert_ids, gate_weights, token_valid, gate_up_packe
             raise ValueError(f"{name} must be uint8 (two int4 per byte), got {got[name].dtype}")
     tiles = _tiles_and_checks(hidden, inter, int4=True, tile_m=tile_m,
                               tile_n_gate_up=tile_n_gate_up, tile_n_down=tile_n_down,
-                              tile_k=tile_k, stages=stages, num_sms=num_sms, interpret=interpret,
-                              gate_up_wg=gate_up_wg, cluster_n=cluster_n)
+                              tile_k=tile_k, stages=stages, num_sms=num_sms, interpret=interpret)
     return _prefill(x, expert_ids, gate_weights, token_valid, slot_of_expert,
                     (_as_int4(gate_up_packed), gate_up_scales.astype(jnp.bfloat16)),
                     (_as_int4(down_packed), down_scales.astype(jnp.bfloat16)),

@@ -176,27 +176,19 @@ BF16_CASES = {
 }
 
 
-@pytest.mark.parametrize("wg, cluster_n", [("columns", 1), ("gate_up", 1), ("columns", 2),
-                                           ("gate_up", 2)])
 @pytest.mark.parametrize("case", BF16_CASES.values(), ids=BF16_CASES.keys())
-def test_prefill_bf16_matches_reference(case, wg, cluster_n, mgpu_interpret):
-    # cluster_n 2: H = I = 256 gives both kernels two cluster-wide column blocks (four CTA blocks)
-    size = 128 * cluster_n
-    args, slots, gate_up, down = _inputs(1, **{"H": size, "I": size, **case})
+def test_prefill_bf16_matches_reference(case, mgpu_interpret):
+    args, slots, gate_up, down = _inputs(1, **{"H": 128, "I": 128, **case})
     gu, dn = jnp.asarray(gate_up, jnp.bfloat16), jnp.asarray(down, jnp.bfloat16)
-    out = pg.prefill_experts(*args, gu, dn, slots, **{**SMALL, "num_sms": 2 * cluster_n},
-                             gate_up_wg=wg, cluster_n=cluster_n)
+    out = pg.prefill_experts(*args, gu, dn, slots, **SMALL)
     ref = pg.reference_prefill_experts(*args, gu, dn, slots)
     _check(out, ref, np.asarray(args[3]))
 
 
-@pytest.mark.parametrize("wg, cluster_n", [("columns", 1), ("gate_up", 1), ("gate_up", 2)])
-def test_prefill_slabs_without_routes_skip_exactly(wg, cluster_n, mgpu_interpret):
+def test_prefill_slabs_without_routes_skip_exactly(mgpu_interpret):
     """tile_m 128 = two 64-row slabs: a slab holding no route skips its WGMMAs. Groups of 130
-    (a full tile + 2 rows), 100 (both slabs live) and 30 routes (the upper slab skipped).
-    ``gate_up``: the up accumulators cross warpgroups one slab at a time, over several tiles."""
-    size = 128 * cluster_n
-    (x, _, w, _), slots, gate_up, down = _inputs(7, T=130, k=2, H=size, I=size, E=3, S=4)
+    (a full tile + 2 rows), 100 (both slabs live) and 30 routes (the upper slab skipped)."""
+    (x, _, w, _), slots, gate_up, down = _inputs(7, T=130, k=2, H=128, I=128, E=3, S=4)
     ids = np.zeros((130, 2), np.int32)
     ids[:100, 1], ids[100:, 1] = 1, 2
     valid = jnp.ones(130, bool)
@@ -204,8 +196,7 @@ def test_prefill_slabs_without_routes_skip_exactly(wg, cluster_n, mgpu_interpret
     live = np.asarray(plan.tile_rows)[:int(plan.n_tiles)]
     assert sorted(live.tolist()) == [2, 30, 100, 128]
     gu, dn = jnp.asarray(gate_up, jnp.bfloat16), jnp.asarray(down, jnp.bfloat16)
-    tiles = {**SMALL, "tile_m": 128, "gate_up_wg": wg, "cluster_n": cluster_n,
-             "num_sms": 2 * cluster_n}
+    tiles = {**SMALL, "tile_m": 128}
     out = pg.prefill_experts(x, jnp.asarray(ids), w, valid, gu, dn, slots, **tiles)
     ref = pg.reference_prefill_experts(x, jnp.asarray(ids), w, valid, gu, dn, slots)
     _check(out, ref, np.ones(130, bool))
@@ -238,14 +229,12 @@ INT4_CASES = {
 }
 
 
-@pytest.mark.parametrize("cluster_n", [1, 2])
 @pytest.mark.parametrize("case", INT4_CASES.values(), ids=INT4_CASES.keys())
-def test_prefill_int4_matches_reference(case, cluster_n, mgpu_interpret):
+def test_prefill_int4_matches_reference(case, mgpu_interpret):
     # I = 256: the down matmul's reduction covers one full 8-group scale block per copy.
     args, slots, gate_up, down = _inputs(2, H=256, I=256, **case)
     banks = _int4_banks(gate_up, down)
-    out = pg.prefill_experts_int4(*args, *banks, slots, **{**SMALL, "num_sms": 2 * cluster_n},
-                                  cluster_n=cluster_n)
+    out = pg.prefill_experts_int4(*args, *banks, slots, **SMALL)
     ref = pg.reference_prefill_experts_int4(*args, *banks, slots)
     _check(out, ref, np.asarray(args[3]))
 
@@ -291,14 +280,6 @@ def _shapes(T=8, k=2, H=128, I=128, E=4, S=4):
                            r"warpgroup\), got 100"),
     ({}, dict(tile_k=48), r"tile_k must be one of 32, 64, 128, 256, got 48"),
     ({}, dict(stages=9, tile_m=256), r"needs \d+ bytes of SMEM"),
-    ({}, dict(gate_up_wg="rows"), r"gate_up_wg must be 'columns' or 'gate_up', got 'rows'"),
-    ({}, dict(cluster_n=4), r"cluster_n must be 1 or 2, got 4"),
-    (dict(H=256), dict(cluster_n=2), r"gate_up: cluster_n=2 needs the output dim 128 to be a "
-                                     r"multiple of 4 \* tile_n = 256"),
-    (dict(H=256, I=256), dict(cluster_n=2, num_sms=3), r"cluster_n=2 needs an even num_sms, got 3"),
-    # the fp32 exchange slab counts: 4 stages fit with columns (tile_m 128), not with gate_up
-    ({}, dict(tile_m=128, tile_n_gate_up=64, stages=4, gate_up_wg="gate_up"),
-     r"gate_up: .*stages=4 needs \d+ bytes of SMEM"),
 ])
 def test_bad_sizes_raise_value_error(sizes, kwargs, match):
     fn = functools.partial(pg.prefill_experts, **{**SMALL, **kwargs})
@@ -326,9 +307,6 @@ def test_int4_size_limits():
     bad[4] = jax.ShapeDtypeStruct(bad[4].shape, jnp.int8)
     with pytest.raises(ValueError, match="gate_up_packed must be uint8"):
         jax.eval_shape(fn, *bad)
-    fn = functools.partial(pg.prefill_experts_int4, **{**SMALL, "gate_up_wg": "gate_up"})
-    with pytest.raises(ValueError, match=r"gate_up_wg='gate_up' is bf16 only"):
-        jax.eval_shape(fn, *_int4_shapes(H=256, I=256))
 
 
 def test_cost_model():
@@ -353,11 +331,8 @@ def _export(fn, *shapes):
 
 
 @pytest.mark.parametrize("H, I", [(2048, 512), (4096, 2048)])
-@pytest.mark.parametrize("int4, wg, cluster_n", [
-    (False, "columns", 1), (False, "gate_up", 1), (False, "columns", 2), (False, "gate_up", 2),
-    (True, "columns", 1), (True, "columns", 2)],
-    ids=["bf16", "bf16-gate_up", "bf16-cluster2", "bf16-gate_up-cluster2", "int4", "int4-cluster2"])
-def test_lowers_for_cuda_at_real_shape(int4, wg, cluster_n, H, I, mgpu):
+@pytest.mark.parametrize("int4", [False, True], ids=["bf16", "int4"])
+def test_lowers_for_cuda_at_real_shape(int4, H, I, mgpu):
     sd = jax.ShapeDtypeStruct
     T, k, E, S = 1024, 8, 256, 256
     common = [sd((T, H), jnp.bfloat16), sd((T, k), jnp.int32), sd((T, k), jnp.float32),
@@ -365,10 +340,10 @@ def test_lowers_for_cuda_at_real_shape(int4, wg, cluster_n, H, I, mgpu):
     if int4:
         banks = [sd((S, 2 * I, H // 2), jnp.uint8), sd((S, 2 * I, H // 32), jnp.bfloat16),
                  sd((S, H, I // 2), jnp.uint8), sd((S, H, I // 32), jnp.bfloat16)]
-        fn = functools.partial(pg.prefill_experts_int4, num_sms=132, cluster_n=cluster_n)
+        fn = functools.partial(pg.prefill_experts_int4, num_sms=132)
     else:
         banks = [sd((S, 2 * I, H), jnp.bfloat16), sd((S, H, I), jnp.bfloat16)]
-        fn = functools.partial(pg.prefill_experts, num_sms=132, gate_up_wg=wg, cluster_n=cluster_n)
+        fn = functools.partial(pg.prefill_experts, num_sms=132)
     text = _export(fn, *common, *banks, sd((E,), jnp.int32))
     assert text.count("stablehlo.custom_call @mosaic_gpu") == 2  # gate_up and down kernels
 
@@ -394,13 +369,8 @@ def _chunked_reference(ref_fn, args, banks, slots, chunk=32):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _on_gpu(), reason="needs JAX's GPU backend (Hopper)")
-@pytest.mark.parametrize("int4, tiles", [
-    (False, {}), (False, dict(tile_m=64)), (False, dict(gate_up_wg="gate_up")),
-    (False, dict(tile_m=64, gate_up_wg="gate_up")), (False, dict(cluster_n=2)),
-    (False, dict(cluster_n=2, gate_up_wg="gate_up")), (True, {}), (True, dict(tile_m=64)),
-    (True, dict(cluster_n=2))],
-    ids=["bf16-default", "bf16-tile_m64", "bf16-gate_up", "bf16-tile_m64-gate_up", "bf16-cluster2",
-         "bf16-cluster2-gate_up", "int4-default", "int4-tile_m64", "int4-cluster2"])
+@pytest.mark.parametrize("tiles", [{}, dict(tile_m=64)], ids=["default", "tile_m64"])
+@pytest.mark.parametrize("int4", [False, True], ids=["bf16", "int4"])
 def test_compiled_matches_reference_on_gpu(int4, tiles):
     T, k, H, I, E, S = 1024, 8, 2048, 512, 64, 72
     args, slots, gate_up, down = _inputs(7, T=T, k=k, H=H, I=I, E=E, S=S, p_valid=0.9)
