@@ -79,9 +79,6 @@ for s in "${steps[@]}"; do
            --tokens 8192 --iters 5 --profile /tmp/psplit_$r $flag \
            --out "$OUT/prefill_split_$r.json"
        done ;;
-    prefill-l2)  # prefill, bf16 + int4, both shapes, 8K / 16K: L2 prefetch of the weights 0 / 4 / 8 / 16 steps ahead (~4 min)
-       run prefill_l2 420 python3 bench/kernels.py --only prefill --shapes 2048x512 4096x2048 --dtypes bf16 int4 \
-         --tokens 8192 16384 --iters 5 --l2-prefetch 0 4 8 16 --profile /tmp/pl2 --out "$OUT/prefill_l2.json" ;;
     tests-offload) run gpu_tests_offload 200 python3 -m pytest -q -m gpu tests/experts/test_offload_cuda.py tests/host/test_cuda.py ;;
     kernels) run kernels 240 python3 bench/kernels.py --tokens 1024 8192 --ragged --iters 5 --out "$OUT/kernels.json" ;;
     tune) run tune_decode 150 python3 bench/kernels.py --only decode --shapes 2048x512 --dtypes bf16 --decode-tokens 1 8 \

@@ -311,9 +311,6 @@ def main():
     ap.add_argument("--stages", type=int, default=3)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--ragged", action="store_true", help="also time the lax.ragged_dot baseline")
-    ap.add_argument("--l2-prefetch", type=int, nargs="+", default=[0],
-                    help="prefill: weight slices prefetched into L2 this many reduction steps ahead, one "
-                         "row per value (0: off)")
     ap.add_argument("--one-expert", action="store_true",
                     help="prefill: every route to one expert (a plain GEMM through the grouped kernels)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode, CPU")
@@ -352,15 +349,15 @@ def main():
         args.shapes = []
     else:
         print("\nprefill grouped expert MLP" + (" (every route to expert 0: one plain GEMM)" if args.one_expert else ""))
-    print(f"{'H':>5} {'I':>5} {'T':>6} {'dtype':>5} {'pf':>3} {'ms':>8} {'TFLOP/s':>8} {'ratio':>6} "
+    print(f"{'H':>5} {'I':>5} {'T':>6} {'dtype':>5} {'ms':>8} {'TFLOP/s':>8} {'ratio':>6} "
           f"{'GB/s':>7} {'b2b ms':>8} {'ratio':>6}   (ms: one call, the host waiting for it; b2b: calls "
           f"dispatched back to back)")
     for shape in args.shapes:
         H, I = map(int, shape.split("x"))
-        for dtype, pf in [(d, p) for d in args.dtypes for p in args.l2_prefetch]:
+        for dtype in args.dtypes:
             int4 = dtype == "int4"
-            fn = jax.jit(lambda *a, _f=(pg.prefill_experts_int4 if int4 else pg.prefill_experts), _pf=pf:
-                         _f(*a, **kw, l2_prefetch=_pf))
+            fn = jax.jit(lambda *a, _f=(pg.prefill_experts_int4 if int4 else pg.prefill_experts):
+                         _f(*a, **kw))
             for T in args.tokens:
                 route, banks, slots = _inputs(jax.random.key(T), T, args.top_k, H, I,
                                               args.experts, args.slots, int4, args.one_expert)
@@ -369,7 +366,7 @@ def main():
                                             iters=1 if args.smoke else max(args.iters, 8))
                 split = ""
                 if args.profile:  # the Mosaic GPU kernels alone vs every GPU kernel of the call
-                    pdir = args.profile / f"prefill-{shape}-{dtype}-pf{pf}-T{T}"
+                    pdir = args.profile / f"prefill-{shape}-{dtype}-T{T}"
                     with jax.profiler.trace(str(pdir), create_perfetto_trace=True):
                         jax.block_until_ready(fn(*route, *banks, slots))
                     kern_us, all_us = gpu_kernel_us(pdir)
@@ -377,14 +374,14 @@ def main():
                 hit = int(jnp.unique(route[1]).size)
                 flops = pg.prefill_flops(T, args.top_k, H, I)
                 nbytes = pg.prefill_bytes(T, args.top_k, H, I, hit, int4=int4)
-                row = dict(kind="prefill", H=H, I=I, T=T, dtype=dtype, one_expert=args.one_expert, l2_prefetch=pf, ms=ms,
+                row = dict(kind="prefill", H=H, I=I, T=T, dtype=dtype, one_expert=args.one_expert, ms=ms,
                            tflops=flops / ms / 1e9,
                            ratio=flops / ms / 1e9 / ceiling, gbps=nbytes / ms / 1e6, b2b_ms=b2b,
                            b2b_ratio=flops / b2b / 1e9 / ceiling,
                            experts_hit=hit, ceiling_tflops=ceiling, **{k: v for k, v in kw.items()
                                                                         if k != "interpret"})
                 ragged = ""
-                if args.ragged and not int4 and pf == args.l2_prefetch[0]:
+                if args.ragged and not int4:
                     try:
                         rms = _time_ms(jax.jit(ragged_dot_moe), *route, *banks, slots,
                                        iters=args.iters)
@@ -405,7 +402,7 @@ def main():
                         split += (f" (gate+up {k1_us / 1e3:.3f} ms = {row['gate_up_ratio']:.2f}, down "
                                   f"{k2_us / 1e3:.3f} ms = {row['down_ratio']:.2f})")
                 rows.append(row)
-                print(f"{H:>5} {I:>5} {T:>6} {dtype:>5} {pf:>3} {ms:>8.3f} {row['tflops']:>8.1f} "
+                print(f"{H:>5} {I:>5} {T:>6} {dtype:>5} {ms:>8.3f} {row['tflops']:>8.1f} "
                       f"{row['ratio']:>6.2f} {row['gbps']:>7.0f} {b2b:>8.3f} {row['b2b_ratio']:>6.2f}"
                       + ragged + split, flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)

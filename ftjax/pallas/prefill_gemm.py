@@ -242,7 +242,7 @@ def _dequant_tile(q_ref, s_ref, k, *, tile_k):
 
 
 def _grouped_matmul(a, tile_slot, tile_row0, tile_rows, n_tiles, weights, *, n_out, swiglu, tile_m, tile_n,
-                    tile_k, stages, num_sms, interpret, l2_prefetch=0):
+                    tile_k, stages, num_sms, interpret):
     """``out[tile m's rows] = epilogue(a[tile_row0[m] : tile_row0[m] + tile_m] @ W[slot]^T)`` over
     the active row tiles; tile m's output rows are ``m * tile_m ..`` (the padded layout).
 
@@ -253,11 +253,6 @@ def _grouped_matmul(a, tile_slot, tile_row0, tile_rows, n_tiles, weights, *, n_o
     and ``s [S, n_w, K/32]`` bf16. ``swiglu``: ``n_w = 2 * n_out`` and the output is
     ``silu(a @ W[:n_out]^T) * (a @ W[n_out:]^T)``; otherwise ``n_w = n_out``. Returns
     ``[R_pad, n_out]`` bf16; rows of idle tiles are left unwritten.
-
-    ``l2_prefetch`` > 0: at reduction step ``k`` each compute warpgroup also asks for its weight
-    rows of step ``k + l2_prefetch`` to be brought into L2 (a TMA prefetch, no SMEM), past the end
-    of the tile into the first steps of the CTA's next tile: the SMEM ring holds only ``stages``
-    steps, too few to cover HBM at the rate the tensor cores consume an expert's weights.
     """
     from jax.experimental import pallas as pl
 
@@ -315,11 +310,6 @@ def _grouped_matmul(a, tile_slot, tile_row0, tile_rows, n_tiles, weights, *, n_o
                 mi, ni = info.index
                 slot = slot_ref[mi]
                 live_rows = rows_ref[mi]  # rows of the tile that hold routes (>= 1 when active)
-                if l2_prefetch:  # this CTA's next tile (nd_loop strides the flat index by the grid)
-                    nxt = mi * n_iters + ni + num_sms
-                    mi_next, ni_next = lax.div(nxt, n_iters), lax.rem(nxt, n_iters)
-                    has_next = mi_next < nt_ref[0]
-                    slot_next = slot_ref[jnp.minimum(mi_next, nt_ref[0] - 1)]
 
                 def compute_context(run_pipeline):
                     # one accumulator per weight block per 64-row slab: a slab without routes
@@ -351,16 +341,6 @@ def _grouped_matmul(a, tile_slot, tile_row0, tile_rows, n_tiles, weights, *, n_o
                 def mma(idx, a_smem, *refs):
                     *b_refs, accs = refs
                     (k,) = idx
-                    if l2_prefetch:
-                        kp = k + l2_prefetch
-                        here = kp < k_iters
-                        kq = jnp.minimum(jnp.where(here, kp, kp - k_iters), k_iters - 1)
-                        s_pf, n_pf = jnp.where(here, slot, slot_next), jnp.where(here, ni, ni_next)
-                        for b in range(n_b):
-                            plgpu.async_prefetch(
-                                w_gmem[0].at[s_pf, pl.ds(b * n_out + n_pf * cta_n + wg * tile_n, tile_n),
-                                             pl.ds(kq * tile_k, tile_k)],
-                                predicate=here | has_next)
                     if int4:
                         for b in range(n_b):
                             q_ref, s_ref = b_refs[2 * b], b_refs[2 * b + 1]
@@ -427,7 +407,7 @@ def _check_routing(x, expert_ids, gate_weights, token_valid, slot_of_expert):
 
 def _prefill(x, expert_ids, gate_weights, token_valid, slot_of_expert, gu_weights, d_weights,
              *, hidden, inter, tiles):
-    tile_m, tile_n_gate_up, tile_n_down, tile_k, stages, num_sms, interpret, l2_prefetch = tiles
+    tile_m, tile_n_gate_up, tile_n_down, tile_k, stages, num_sms, interpret = tiles
     num_experts = slot_of_expert.shape[0]
     # materialized before the gather and the combine: without this barrier (or the lax.cond it
     # replaces) XLA fused the plan's index math (searchsorted, gathers) into both and recomputed it
@@ -436,7 +416,7 @@ def _prefill(x, expert_ids, gate_weights, token_valid, slot_of_expert, gu_weight
     n_slots = gu_weights[0].shape[0]
     tile_slot = jnp.clip(slot_of_expert.astype(jnp.int32)[plan.tile_group], 0, n_slots - 1)
     n_tiles = jnp.maximum(plan.n_tiles, 1).reshape(1)  # never an all-empty launch (see the docstring)
-    common = dict(tile_m=tile_m, tile_k=tile_k, stages=stages, num_sms=num_sms, l2_prefetch=l2_prefetch,
+    common = dict(tile_m=tile_m, tile_k=tile_k, stages=stages, num_sms=num_sms,
                   interpret=interpret)
     x_rows = routing.gather_input_rows(x.astype(jnp.bfloat16), plan)
     act = _grouped_matmul(x_rows, tile_slot, plan.tile_row0, plan.tile_rows, n_tiles, gu_weights,
@@ -447,27 +427,24 @@ def _prefill(x, expert_ids, gate_weights, token_valid, slot_of_expert, gu_weight
     return routing.combine_rows(out, plan, gate_weights)
 
 
-_STATIC = ("tile_m", "tile_n_gate_up", "tile_n_down", "tile_k", "stages", "num_sms", "interpret",
-           "l2_prefetch")
+_STATIC = ("tile_m", "tile_n_gate_up", "tile_n_down", "tile_k", "stages", "num_sms", "interpret")
 
 
 def _tiles_and_checks(hidden, inter, *, int4, tile_m, tile_n_gate_up, tile_n_down, tile_k,
-                      stages, num_sms, interpret, l2_prefetch=0):
+                      stages, num_sms, interpret):
     _check_tiles(what="gate_up", n_out=inter, k_dim=hidden, tile_m=tile_m,
                  tile_n=tile_n_gate_up, tile_k=tile_k, stages=stages, int4=int4, n_b=2)
     _check_tiles(what="down", n_out=hidden, k_dim=inter, tile_m=tile_m, tile_n=tile_n_down,
                  tile_k=tile_k, stages=stages, int4=int4, n_b=1)
     if num_sms is None:
         num_sms = _default_num_sms()
-    if not isinstance(l2_prefetch, int) or l2_prefetch < 0:
-        raise ValueError(f"l2_prefetch must be a whole number of reduction steps >= 0, got {l2_prefetch!r}")
-    return (tile_m, tile_n_gate_up, tile_n_down, tile_k, stages, num_sms, interpret, l2_prefetch)
+    return (tile_m, tile_n_gate_up, tile_n_down, tile_k, stages, num_sms, interpret)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def prefill_experts(x, expert_ids, gate_weights, token_valid, gate_up, down, slot_of_expert, *,
                     tile_m=128, tile_n_gate_up=64, tile_n_down=128, tile_k=64, stages=3,
-                    num_sms=None, interpret=False, l2_prefetch=0):
+                    num_sms=None, interpret=False):
     """Mosaic GPU prefill expert MLP, bf16 weights; same contract as `reference_prefill_experts`.
 
     x [T, H]; expert_ids [T, k] int32 in 0..E-1; gate_weights [T, k]; token_valid [T] bool (or
@@ -485,8 +462,7 @@ def prefill_experts(x, expert_ids, gate_weights, token_valid, gate_up, down, slo
                          f"x {x.shape}: want [S, 2I, H] and [S, H, I]")
     tiles = _tiles_and_checks(hidden, inter, int4=False, tile_m=tile_m,
                               tile_n_gate_up=tile_n_gate_up, tile_n_down=tile_n_down,
-                              tile_k=tile_k, stages=stages, num_sms=num_sms, interpret=interpret,
-                              l2_prefetch=l2_prefetch)
+                              tile_k=tile_k, stages=stages, num_sms=num_sms, interpret=interpret)
     return _prefill(x, expert_ids, gate_weights, token_valid, slot_of_expert,
                     (gate_up.astype(jnp.bfloat16),), (down.astype(jnp.bfloat16),),
                     hidden=hidden, inter=inter, tiles=tiles)
@@ -502,7 +478,7 @@ def _as_int4(packed):
 def prefill_experts_int4(x, expert_ids, gate_weights, token_valid, gate_up_packed,
                          gate_up_scales, down_packed, down_scales, slot_of_expert, *,
                          tile_m=128, tile_n_gate_up=64, tile_n_down=128, tile_k=64, stages=3,
-                         num_sms=None, interpret=False, l2_prefetch=0):
+                         num_sms=None, interpret=False):
     """Mosaic GPU prefill expert MLP, int4 group-32 weights (host pool layout, `ftjax.host.quant`).
 
     gate_up_packed uint8 [S, 2I, H/2], gate_up_scales bf16 [S, 2I, H/32], down_packed uint8
@@ -526,8 +502,7 @@ def prefill_experts_int4(x, expert_ids, gate_weights, token_valid, gate_up_packe
             raise ValueError(f"{name} must be uint8 (two int4 per byte), got {got[name].dtype}")
     tiles = _tiles_and_checks(hidden, inter, int4=True, tile_m=tile_m,
                               tile_n_gate_up=tile_n_gate_up, tile_n_down=tile_n_down,
-                              tile_k=tile_k, stages=stages, num_sms=num_sms, interpret=interpret,
-                              l2_prefetch=l2_prefetch)
+                              tile_k=tile_k, stages=stages, num_sms=num_sms, interpret=interpret)
     return _prefill(x, expert_ids, gate_weights, token_valid, slot_of_expert,
                     (_as_int4(gate_up_packed), gate_up_scales.astype(jnp.bfloat16)),
                     (_as_int4(down_packed), down_scales.astype(jnp.bfloat16)),

@@ -176,13 +176,11 @@ BF16_CASES = {
 }
 
 
-@pytest.mark.parametrize("l2_prefetch", [0, 3])
 @pytest.mark.parametrize("case", BF16_CASES.values(), ids=BF16_CASES.keys())
-def test_prefill_bf16_matches_reference(case, l2_prefetch, mgpu_interpret):
-    # l2_prefetch: the prefetches (past the tile's end into the next tile's) change no result
+def test_prefill_bf16_matches_reference(case, mgpu_interpret):
     args, slots, gate_up, down = _inputs(1, **{"H": 128, "I": 128, **case})
     gu, dn = jnp.asarray(gate_up, jnp.bfloat16), jnp.asarray(down, jnp.bfloat16)
-    out = pg.prefill_experts(*args, gu, dn, slots, **SMALL, l2_prefetch=l2_prefetch)
+    out = pg.prefill_experts(*args, gu, dn, slots, **SMALL)
     ref = pg.reference_prefill_experts(*args, gu, dn, slots)
     _check(out, ref, np.asarray(args[3]))
 
@@ -282,7 +280,6 @@ def _shapes(T=8, k=2, H=128, I=128, E=4, S=4):
                            r"warpgroup\), got 100"),
     ({}, dict(tile_k=48), r"tile_k must be one of 32, 64, 128, 256, got 48"),
     ({}, dict(stages=9, tile_m=256), r"needs \d+ bytes of SMEM"),
-    ({}, dict(l2_prefetch=-1), r"l2_prefetch must be a whole number of reduction steps >= 0, got -1"),
 ])
 def test_bad_sizes_raise_value_error(sizes, kwargs, match):
     fn = functools.partial(pg.prefill_experts, **{**SMALL, **kwargs})
@@ -333,10 +330,9 @@ def _export(fn, *shapes):
     return exp.mlir_module()
 
 
-@pytest.mark.parametrize("l2_prefetch", [0, 8])
 @pytest.mark.parametrize("H, I", [(2048, 512), (4096, 2048)])
 @pytest.mark.parametrize("int4", [False, True], ids=["bf16", "int4"])
-def test_lowers_for_cuda_at_real_shape(int4, H, I, l2_prefetch, mgpu):
+def test_lowers_for_cuda_at_real_shape(int4, H, I, mgpu):
     sd = jax.ShapeDtypeStruct
     T, k, E, S = 1024, 8, 256, 256
     common = [sd((T, H), jnp.bfloat16), sd((T, k), jnp.int32), sd((T, k), jnp.float32),
@@ -344,10 +340,10 @@ def test_lowers_for_cuda_at_real_shape(int4, H, I, l2_prefetch, mgpu):
     if int4:
         banks = [sd((S, 2 * I, H // 2), jnp.uint8), sd((S, 2 * I, H // 32), jnp.bfloat16),
                  sd((S, H, I // 2), jnp.uint8), sd((S, H, I // 32), jnp.bfloat16)]
-        fn = functools.partial(pg.prefill_experts_int4, num_sms=132, l2_prefetch=l2_prefetch)
+        fn = functools.partial(pg.prefill_experts_int4, num_sms=132)
     else:
         banks = [sd((S, 2 * I, H), jnp.bfloat16), sd((S, H, I), jnp.bfloat16)]
-        fn = functools.partial(pg.prefill_experts, num_sms=132, l2_prefetch=l2_prefetch)
+        fn = functools.partial(pg.prefill_experts, num_sms=132)
     text = _export(fn, *common, *banks, sd((E,), jnp.int32))
     assert text.count("stablehlo.custom_call @mosaic_gpu") == 2  # gate_up and down kernels
 
@@ -373,8 +369,7 @@ def _chunked_reference(ref_fn, args, banks, slots, chunk=32):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _on_gpu(), reason="needs JAX's GPU backend (Hopper)")
-@pytest.mark.parametrize("tiles", [{}, dict(tile_m=64), dict(l2_prefetch=6)],
-                         ids=["default", "tile_m64", "l2_prefetch6"])
+@pytest.mark.parametrize("tiles", [{}, dict(tile_m=64)], ids=["default", "tile_m64"])
 @pytest.mark.parametrize("int4", [False, True], ids=["bf16", "int4"])
 def test_compiled_matches_reference_on_gpu(int4, tiles):
     T, k, H, I, E, S = 1024, 8, 2048, 512, 64, 72
