@@ -268,6 +268,9 @@ def main(argv=None) -> int:
                     help="lru-split's background fills (OffloadExperts defer_fills; on is the library default on "
                          "the GPU): on, off, or both: the lru-split row without them and a 'split bg-fills' row "
                          "with them")
+    ap.add_argument("--unit-split", action="store_true",
+                    help="also a 'split units' row: lru-split with background fills and the fills of a call split "
+                         "by intermediate units (OffloadExperts unit_split; bf16/f32 pools, jnp kernel)")
     ap.add_argument("--tokenizer", default=str(TOKENIZER), help="the real Qwen3 tokenizer (routing text)")
     ap.add_argument("--worker-variants", nargs="*", default=[], metavar="N:SPIN_US",
                     help="also run lru-split with the CPU worker pool reconfigured (N workers, -1 = default; "
@@ -377,6 +380,15 @@ def main(argv=None) -> int:
                         run.sync, run.fixed_inputs = args.sync, args.fixed_inputs
                         rows["split bg-fills"] = run.timed(args.warmup, args.steps)
                         progress(f"{routing} b{B} lru-split with background fills {frac:.0%}", rows["split bg-fills"])
+                        run.backend.drain()
+                        del run
+                    if pol == "lru-split" and args.unit_split:  # background fills + the fills split by units
+                        run = Run(cfg, params, pool, pol, S, B, routing, trace, max_len, band.fill_fraction, tokens,
+                                  fused_handshake=args.fused_handshake, stable_io=args.stable_io,
+                                  plan=dict(plan_kw, defer_fills=True, unit_split=True))
+                        run.sync, run.fixed_inputs = args.sync, args.fixed_inputs
+                        rows["split units"] = run.timed(args.warmup, args.steps)
+                        progress(f"{routing} b{B} lru-split, fills split by units {frac:.0%}", rows["split units"])
                         run.backend.drain()
                         del run
                 miss_bytes = rows["lru-split"]["misses_per_step"] * expert_bytes if "lru-split" in rows else 0.0

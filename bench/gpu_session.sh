@@ -79,6 +79,14 @@ for s in "${steps[@]}"; do
            --tokens 8192 --iters 5 --profile /tmp/psplit_$r $flag \
            --out "$OUT/prefill_split_$r.json"
        done ;;
+    decode-units-b1|decode-units-b4)  # 40 layers, trace, 37%, warm: lru-split bg fills vs + unit split, lru-fill (~6 min)
+       b=${s##*-b}
+       run "decode_units_b$b" 420 python3 bench/decode.py --layers 40 --batches $b --routing trace --fractions 0.37 \
+         --policies lru-split lru-fill --unit-split --no-sweep --no-online --steps 32 --warmup 24 \
+         --out "$OUT/decode_units_b$b.json" ;;
+    tests-units)  # the unit split's GPU tests: the partial fill, unit starts through the handshake, offload vs resident
+       run gpu_tests_units 200 python3 -m pytest -q -m gpu tests/host/test_cuda.py tests/experts/test_offload_cuda.py \
+         -k "units or unit_split or unit_starts" ;;
     tests-offload) run gpu_tests_offload 200 python3 -m pytest -q -m gpu tests/experts/test_offload_cuda.py tests/host/test_cuda.py ;;
     kernels) run kernels 240 python3 bench/kernels.py --tokens 1024 8192 --ragged --iters 5 --out "$OUT/kernels.json" ;;
     tune) run tune_decode 150 python3 bench/kernels.py --only decode --shapes 2048x512 --dtypes bf16 --decode-tokens 1 8 \

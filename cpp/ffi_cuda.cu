@@ -47,7 +47,84 @@ __global__ void fill_loop_kernel(const int32_t* __restrict__ ids, const int32_t*
   }
 }
 
+// bf16 / f32 pools, the unit split: units [0, u) of each valid entry's expert, u = *units (a multiple
+// of 8 from the plan): gate rows [0, u) and up rows [I, I + u) of gate_up ([2I, H] per expert, one range
+// each) and columns [0, u) of every row of down ([H, I]); the rest of the slot is left as it is (the
+// step's background fill completes it). 16-byte units of `per16` elements (8 bf16, 4 f32).
+__device__ __forceinline__ void unit_offsets(int64_t i, int64_t g16, int64_t up0, int64_t c16, int64_t row16,
+                                             bool& down, int64_t& off) {
+  if (i < g16) {
+    down = false, off = i;
+  } else if (i < 2 * g16) {
+    down = false, off = up0 + (i - g16);
+  } else {
+    const int64_t j = i - 2 * g16, h = j / c16;
+    down = true, off = h * row16 + (j - h * c16);
+  }
+}
+
+__global__ void fill_units_kernel(const int32_t* __restrict__ ids, const int32_t* __restrict__ slots,
+                                  const int32_t* __restrict__ n_valid, const int32_t* __restrict__ units,
+                                  int64_t n_experts, int64_t n_slots, int64_t hidden, int64_t inter, int64_t per16,
+                                  const uint4* __restrict__ src0, uint4* __restrict__ dst0, int64_t row0,
+                                  const uint4* __restrict__ src1, uint4* __restrict__ dst1, int64_t row1) {
+  const int q = blockIdx.y;
+  if (q >= *n_valid) return;
+  const int64_t id = ids[q], slot = slots[q];
+  if (id < 0 || id >= n_experts || slot < 0 || slot >= n_slots) return;  // masked entry
+  const int64_t u = min(max(static_cast<int64_t>(*units), int64_t{0}), inter) / 8 * 8;
+  if (u == 0) return;
+  const int64_t g16 = u * hidden / per16, up0 = inter * hidden / per16, c16 = u / per16, row16 = inter / per16;
+  const int64_t total = 2 * g16 + hidden * c16;
+  const int64_t worker = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t workers = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t base = worker; base < total; base += kFillUnroll * workers) {
+    uint4 v[kFillUnroll];
+    bool dn[kFillUnroll];
+    int64_t off[kFillUnroll];
+#pragma unroll
+    for (int k = 0; k < kFillUnroll; ++k) {
+      const int64_t i = base + k * workers;
+      if (i < total) {
+        unit_offsets(i, g16, up0, c16, row16, dn[k], off[k]);
+        v[k] = dn[k] ? src1[id * row1 + off[k]] : src0[id * row0 + off[k]];
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < kFillUnroll; ++k) {
+      if (base + k * workers < total) {
+        if (dn[k]) dst1[slot * row1 + off[k]] = v[k];
+        else dst0[slot * row0 + off[k]] = v[k];
+      }
+    }
+  }
+}
+
 }  // namespace
+
+void launch_fill_units(cudaStream_t stream, const ExpertPool& pool, const int32_t* ids, const int32_t* slots,
+                       const int32_t* n_valid, const int32_t* units, int64_t capacity, int64_t n_slots,
+                       void* cache_gate_up, void* cache_down) {
+  const Bank& g = pool.gate_up();
+  const Bank& d = pool.down();
+  if (!pool.pinned() || !g.device_ptr || !d.device_ptr)
+    throw std::invalid_argument("the host pool is not pinned (call HostPool.pin() after loading)");
+  if (g.format == WeightFormat::kInt4 || d.format == WeightFormat::kInt4)
+    throw std::invalid_argument("the unit fill copies bf16 and f32 pools only (not the packed int4 layout)");
+  const int64_t per16 = g.format == WeightFormat::kBF16 ? 8 : 4;
+  if (pool.hidden() % 8 || pool.inter() % 8)
+    throw std::invalid_argument("the unit fill needs hidden and inter to be multiples of 8");
+  if (capacity == 0) return;
+  const int64_t row0 = g.expert_bytes / 16, row1 = d.expert_bytes / 16;
+  const int64_t per_row = std::max<int64_t>(1, std::min<int64_t>((row0 + row1 + kFillThreads - 1) / kFillThreads,
+                                                                 (1056 + capacity - 1) / capacity));
+  const dim3 grid(static_cast<unsigned>(per_row), static_cast<unsigned>(capacity));
+  fill_units_kernel<<<grid, kFillThreads, 0, stream>>>(
+      ids, slots, n_valid, units, pool.n_experts(), n_slots, pool.hidden(), pool.inter(), per16,
+      static_cast<const uint4*>(g.device_ptr), static_cast<uint4*>(cache_gate_up), row0,
+      static_cast<const uint4*>(d.device_ptr), static_cast<uint4*>(cache_down), row1);
+  cuda_check(cudaGetLastError(), "expert_fill_units launch");
+}
 
 void launch_fill(cudaStream_t stream, const ExpertPool& pool, const int32_t* ids, const int32_t* slots,
                  const int32_t* n_valid, int64_t capacity, int64_t n_slots, void* cache_gate_up, void* cache_down,
@@ -111,6 +188,36 @@ ffi::Error CheckedFill(cudaStream_t stream, ffi::Buffer<ffi::S32> ids, ffi::Buff
                   gate_up.untyped_data(), down.untyped_data(), blocks);
   } catch (const std::exception& e) {
     return ffi::Error::Internal(std::string("expert_fill: ") + e.what());
+  }
+  return ffi::Error::Success();
+}
+
+// The unit split's fill (launch_fill_units): the same checks, one more operand (the units, a scalar).
+ffi::Error ExpertFillUnitsImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::S32> slots,
+                               ffi::Buffer<ffi::S32> n_valid, ffi::Buffer<ffi::S32> units, ffi::AnyBuffer gate_up,
+                               ffi::AnyBuffer down, ffi::Result<ffi::AnyBuffer> gate_up_out,
+                               ffi::Result<ffi::AnyBuffer> down_out, uint64_t pool_id) {
+  auto pool = find_pool(pool_id);
+  if (!pool) return ffi::Error::InvalidArgument("expert_fill_units: no host pool with id " + std::to_string(pool_id));
+  const int64_t cap = static_cast<int64_t>(ids.element_count());
+  if (static_cast<int64_t>(slots.element_count()) != cap || n_valid.element_count() != 1 ||
+      units.element_count() != 1)
+    return ffi::Error::InvalidArgument("expert_fill_units: ids and slots must have one length, n_valid and units be "
+                                       "scalars");
+  const auto dims = gate_up.dimensions();
+  if (dims.size() < 1) return ffi::Error::InvalidArgument("expert_fill_units: caches must be [S, ...]");
+  const int64_t S = dims[0];
+  if (gate_up.size_bytes() != static_cast<size_t>(S) * pool->gate_up().expert_bytes ||
+      down.size_bytes() != static_cast<size_t>(S) * pool->down().expert_bytes)
+    return ffi::Error::InvalidArgument("expert_fill_units: cache sizes do not match S = " + std::to_string(S) +
+                                       " slots of the pool's expert rows");
+  if (gate_up_out->untyped_data() != gate_up.untyped_data() || down_out->untyped_data() != down.untyped_data())
+    return ffi::Error::InvalidArgument("expert_fill_units: the caches must be aliased to the outputs");
+  try {
+    launch_fill_units(stream, *pool, ids.typed_data(), slots.typed_data(), n_valid.typed_data(), units.typed_data(),
+                      cap, S, gate_up.untyped_data(), down.untyped_data());
+  } catch (const std::exception& e) {
+    return ffi::Error::Internal(std::string("expert_fill_units: ") + e.what());
   }
   return ffi::Error::Success();
 }
@@ -273,6 +380,21 @@ namespace {
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FtjaxExpertFill, ExpertFillImpl, FTJAX_FILL_BINDING,
                               {ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FtjaxExpertFillNoCmdBuffer, ExpertFillImpl, FTJAX_FILL_BINDING);
+#define FTJAX_FILL_UNITS_BINDING                  \
+  ffi::Ffi::Bind()                                \
+      .Ctx<ffi::PlatformStream<cudaStream_t>>()   \
+      .Arg<ffi::Buffer<ffi::S32>>()               \
+      .Arg<ffi::Buffer<ffi::S32>>()               \
+      .Arg<ffi::Buffer<ffi::S32>>()               \
+      .Arg<ffi::Buffer<ffi::S32>>()               \
+      .Arg<ffi::AnyBuffer>()                      \
+      .Arg<ffi::AnyBuffer>()                      \
+      .Ret<ffi::AnyBuffer>()                      \
+      .Ret<ffi::AnyBuffer>()                      \
+      .Attr<uint64_t>("pool")
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FtjaxExpertFillUnits, ExpertFillUnitsImpl, FTJAX_FILL_UNITS_BINDING,
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FtjaxExpertFillUnitsNoCmdBuffer, ExpertFillUnitsImpl, FTJAX_FILL_UNITS_BINDING);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FtjaxExpertFillFork, FillForkImpl, FTJAX_FILL_BINDING.Attr<int64_t>("lane"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FtjaxStreamJoin, StreamJoinImpl,
                               ffi::Ffi::Bind()
@@ -283,6 +405,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FtjaxStreamJoin, StreamJoinImpl,
 
 void* expert_fill_fork_handler() { return reinterpret_cast<void*>(FtjaxExpertFillFork); }
 void* stream_join_handler() { return reinterpret_cast<void*>(FtjaxStreamJoin); }
+
+void* expert_fill_units_handler(bool cmd_buffer) {
+  return cmd_buffer ? reinterpret_cast<void*>(FtjaxExpertFillUnits)
+                    : reinterpret_cast<void*>(FtjaxExpertFillUnitsNoCmdBuffer);
+}
 
 void* expert_fill_handler(bool cmd_buffer) {
   return cmd_buffer ? reinterpret_cast<void*>(FtjaxExpertFill) : reinterpret_cast<void*>(FtjaxExpertFillNoCmdBuffer);

@@ -10,6 +10,7 @@
 namespace ftjax {
 
 void* expert_fill_handler(bool cmd_buffer);
+void* expert_fill_units_handler(bool cmd_buffer);  // the unit split's partial fill (bf16 pools)
 void* cpu_submit_handler(bool cmd_buffer);
 void* cpu_collect_handler(bool cmd_buffer);
 void* expert_fill_fork_handler();  // experimental: the fill on a side stream (bench/overlap.py)
@@ -31,6 +32,10 @@ int64_t live_backgrounds();
 void launch_fill(cudaStream_t stream, const ExpertPool& pool, const int32_t* ids, const int32_t* slots,
                  const int32_t* n_valid, int64_t capacity, int64_t n_slots, void* cache_gate_up, void* cache_down,
                  int64_t max_blocks = 0);
+
+void launch_fill_units(cudaStream_t stream, const ExpertPool& pool, const int32_t* ids, const int32_t* slots,
+                       const int32_t* n_valid, const int32_t* units, int64_t capacity, int64_t n_slots,
+                       void* cache_gate_up, void* cache_down);
 
 // CPU-branch channels: staging in mapped pinned memory, served by one coordinator thread.
 void create_channel(int64_t channel, uint64_t pool_id, int64_t max_tokens, int64_t max_tasks);

@@ -41,9 +41,9 @@ struct Channel {
   uint64_t pool_id;
   HandshakeCtrl* ctrl = nullptr;  // mapped pinned: host view
   HandshakeCtrl* ctrl_dev = nullptr;
-  uint8_t* stage = nullptr;       // x (f32-sized), tok, eid, w, y
+  uint8_t* stage = nullptr;       // x (f32-sized), tok, eid, w, unit starts, y
   uint8_t* stage_dev = nullptr;
-  size_t x_off, tok_off, eid_off, w_off, y_off, bytes;
+  size_t x_off, tok_off, eid_off, w_off, u_off, y_off, bytes;
   uint32_t handled = 0;
   std::atomic<uint64_t> jobs{0}, serve_ns{0};  // completed jobs, their time in serve()
   std::mutex err_mu;
@@ -111,7 +111,8 @@ class Coordinator {
                       reinterpret_cast<const int32_t*>(ch.stage + ch.tok_off),
                       reinterpret_cast<const int32_t*>(ch.stage + ch.eid_off),
                       reinterpret_cast<const float*>(ch.stage + ch.w_off), n,
-                      reinterpret_cast<float*>(ch.stage + ch.y_off)};
+                      reinterpret_cast<float*>(ch.stage + ch.y_off),
+                      reinterpret_cast<const int32_t*>(ch.stage + ch.u_off)};
       run_experts(global_workers(), call, active_tier());
     } catch (const std::exception& e) {
       std::lock_guard<std::mutex> lock(ch.err_mu);
@@ -226,9 +227,10 @@ __global__ void ring_kernel(HandshakeCtrl* ctrl, const int32_t* n_valid, int32_t
 // One block: x and the first n_valid tasks into the mapped staging (zero-copy stores over PCIe), then
 // every thread's system fence, the block barrier, and the publication by thread 0.
 __global__ void submit_fused_kernel(HandshakeCtrl* ctrl, uint8_t* stage, int64_t x_off, int64_t tok_off,
-                                    int64_t eid_off, int64_t w_off, const uint8_t* __restrict__ x, int64_t x_bytes,
-                                    const int32_t* __restrict__ tok, const int32_t* __restrict__ eid,
-                                    const float* __restrict__ w, const int32_t* n_valid, int32_t n_tokens,
+                                    int64_t eid_off, int64_t w_off, int64_t u_off, const uint8_t* __restrict__ x,
+                                    int64_t x_bytes, const int32_t* __restrict__ tok, const int32_t* __restrict__ eid,
+                                    const float* __restrict__ w, const int32_t* __restrict__ units,
+                                    const int32_t* n_valid, int32_t n_tokens,
                                     int32_t x_bf16, int32_t capacity, int32_t* token) {
   if (*n_valid <= 0) {  // uniform across the block: stage nothing
     if (threadIdx.x == 0) *token = kSkipped;
@@ -242,10 +244,12 @@ __global__ void submit_fused_kernel(HandshakeCtrl* ctrl, uint8_t* stage, int64_t
   int32_t* td = reinterpret_cast<int32_t*>(stage + tok_off);
   int32_t* ed = reinterpret_cast<int32_t*>(stage + eid_off);
   float* wd = reinterpret_cast<float*>(stage + w_off);
+  int32_t* ud = reinterpret_cast<int32_t*>(stage + u_off);
   for (int32_t i = threadIdx.x; i < n; i += blockDim.x) {
     td[i] = tok[i];
     ed[i] = eid[i];
     wd[i] = w[i];
+    ud[i] = units[i];
   }
   __threadfence_system();
   __syncthreads();
@@ -285,8 +289,8 @@ __global__ void copy_out_kernel(const float* __restrict__ y_stage, float* __rest
 }
 
 ffi::Error SubmitImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> tok, ffi::Buffer<ffi::S32> eid,
-                      ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::S32> n_valid, ffi::Result<ffi::Buffer<ffi::S32>> token,
-                      int64_t channel, int64_t fused) {
+                      ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::S32> units, ffi::Buffer<ffi::S32> n_valid,
+                      ffi::Result<ffi::Buffer<ffi::S32>> token, int64_t channel, int64_t fused) {
   Channel* ch = coordinator().get(channel);
   if (!ch) return ffi::Error::InvalidArgument("cpu_experts_submit: channel " + std::to_string(channel) +
                                               " was not created (ftjax.host.cuda.create_channel)");
@@ -298,7 +302,7 @@ ffi::Error SubmitImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S3
                                        std::to_string(ch->max_tokens) + ", " + std::to_string(ch->hidden) + "]");
   const int64_t cap = static_cast<int64_t>(tok.element_count());
   if (cap > ch->max_tasks || static_cast<int64_t>(eid.element_count()) != cap ||
-      static_cast<int64_t>(w.element_count()) != cap)
+      static_cast<int64_t>(w.element_count()) != cap || static_cast<int64_t>(units.element_count()) != cap)
     return ffi::Error::InvalidArgument("cpu_experts_submit: task arrays must have one length <= " +
                                        std::to_string(ch->max_tasks));
   const auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
@@ -306,9 +310,9 @@ ffi::Error SubmitImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S3
       aligned(x.untyped_data())) {
     submit_fused_kernel<<<1, kFusedThreads, 0, stream>>>(
         ch->ctrl_dev, ch->stage_dev, static_cast<int64_t>(ch->x_off), static_cast<int64_t>(ch->tok_off),
-        static_cast<int64_t>(ch->eid_off), static_cast<int64_t>(ch->w_off),
+        static_cast<int64_t>(ch->eid_off), static_cast<int64_t>(ch->w_off), static_cast<int64_t>(ch->u_off),
         static_cast<const uint8_t*>(x.untyped_data()), static_cast<int64_t>(x.size_bytes()), tok.typed_data(),
-        eid.typed_data(), w.typed_data(), n_valid.typed_data(), static_cast<int32_t>(xd[0]), bf16 ? 1 : 0,
+        eid.typed_data(), w.typed_data(), units.typed_data(), n_valid.typed_data(), static_cast<int32_t>(xd[0]), bf16 ? 1 : 0,
         static_cast<int32_t>(cap), token->typed_data());
     const cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return ffi::Error::Internal(std::string("cpu_experts_submit: ") + cudaGetErrorString(err));
@@ -319,6 +323,7 @@ ffi::Error SubmitImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S3
     cudaMemcpyAsync(ch->stage + ch->tok_off, tok.typed_data(), cap * 4, cudaMemcpyDeviceToHost, stream);
     cudaMemcpyAsync(ch->stage + ch->eid_off, eid.typed_data(), cap * 4, cudaMemcpyDeviceToHost, stream);
     cudaMemcpyAsync(ch->stage + ch->w_off, w.typed_data(), cap * 4, cudaMemcpyDeviceToHost, stream);
+    cudaMemcpyAsync(ch->stage + ch->u_off, units.typed_data(), cap * 4, cudaMemcpyDeviceToHost, stream);
   }
   ring_kernel<<<1, 1, 0, stream>>>(ch->ctrl_dev, n_valid.typed_data(), static_cast<int32_t>(xd[0]), bf16 ? 1 : 0,
                                    static_cast<int32_t>(cap), token->typed_data());
@@ -367,6 +372,7 @@ ffi::Error CollectImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> token, ffi::Re
       .Arg<ffi::Buffer<ffi::S32>>()                                                                 \
       .Arg<ffi::Buffer<ffi::F32>>()                                                                 \
       .Arg<ffi::Buffer<ffi::S32>>()                                                                 \
+      .Arg<ffi::Buffer<ffi::S32>>()                                                                 \
       .Ret<ffi::Buffer<ffi::S32>>()                                                                 \
       .Attr<int64_t>("channel")                                                                     \
       .Attr<int64_t>("fused")
@@ -412,7 +418,8 @@ void create_channel(int64_t channel, uint64_t pool_id, int64_t max_tokens, int64
   ch->tok_off = xy;
   ch->eid_off = ch->tok_off + tasks;
   ch->w_off = ch->eid_off + tasks;
-  ch->y_off = ch->w_off + tasks;
+  ch->u_off = ch->w_off + tasks;
+  ch->y_off = ch->u_off + tasks;
   ch->bytes = ch->y_off + xy;
   void* p = nullptr;
   cuda_check(cudaHostAlloc(&p, sizeof(HandshakeCtrl), cudaHostAllocMapped | cudaHostAllocPortable), "cudaHostAlloc");

@@ -108,8 +108,11 @@ class OffloadExperts:
     ``unit_split`` (with ``defer_fills``): a decode call splits the experts it fills by intermediate
     units instead of deferring whole experts (``plan.split_units``): the GPU computes units [0, u) of
     their routes from the filled slot, the CPU units [u, I) (``ExpertCall.unit_start``), and the slot
-    is completed in the background. CPU platform only for now (there the fill is whole and at once);
-    the CUDA partial fill and the Pallas GEMV's unit mask are not built yet. A model of what it buys
+    is completed in the background. On the CUDA platform the call's fill copies units [0, u) of its
+    experts (`cuda.expert_fill_units`: gate rows, up rows, down columns; bf16/f32 pools), the CPU branch
+    gets each route's unit start, and the step's background fill re-copies the split slots whole. On
+    the CPU platform the fill is whole and at once. Not built: int4 pools on CUDA (the partial copy of
+    the packed layout) and the Pallas GEMV's unit mask (the jnp kernel only). A model of what it buys
     on the H200: bench/split_model.py (1.09x at batch 1, 37%).
     Call `drain` before dropping a state on the GPU (a background fill may still be writing its banks).
     """
@@ -152,9 +155,12 @@ class OffloadExperts:
             if not self.background_fills:
                 raise ValueError("unit_split completes the split slots in the background: it needs defer_fills "
                                  "and a policy that splits misses (lru-split)")
-            if self.platform != "cpu" or self.kernel != "jnp":
-                raise NotImplementedError("unit_split runs on the CPU platform with the jnp kernel only: the CUDA "
-                                          "partial fill and the Pallas GEMV's unit mask are not built yet")
+            if self.kernel != "jnp":
+                raise NotImplementedError("unit_split runs with the jnp kernel only: the Pallas GEMV's unit mask "
+                                          "is not built yet")
+            if self.platform == "cuda" and self.pool.format == "int4":
+                raise NotImplementedError("unit_split on CUDA copies bf16/f32 pools only (the partial fill of the "
+                                          "packed int4 layout is not built)")
             if self.pool.inter % unit_granule(self.pool):
                 raise ValueError(f"unit_split needs the expert intermediate size ({self.pool.inter}) to be a "
                                  f"multiple of {unit_granule(self.pool)}")
@@ -300,6 +306,7 @@ class OffloadExperts:
             if T > self.max_tokens:
                 raise ValueError(f"{T} tokens in one call, the CPU-branch staging holds {self.max_tokens}")
             token = cuda.cpu_experts_submit(*cpu_args, channel=self.channel_base + layer,
+                                            unit_start=plan.cpu_units if self.unit_split else None,
                                             fused=self.fused_handshake)
         else:
             y_cpu = cpu_experts(*cpu_args, self.pool, unit_start=plan.cpu_units if self.unit_split else None)
@@ -335,9 +342,13 @@ class OffloadExperts:
         if self.platform == "cuda":
             from ftjax.host import cuda
 
-            now = plan.n_fill if deferred is None else jnp.where(deferred, 0, plan.n_fill)
-            gu, dn = cuda.expert_fill(plan.fill_ids, plan.fill_slots, now, gu, dn, self.pool,
-                                      after_submit=submit_token)
+            if self.unit_split:  # whole fills, or a split call's units [0, u) (completed in the background)
+                gu, dn = cuda.expert_fill_units(plan.fill_ids, plan.fill_slots, plan.n_fill, plan.fill_units, gu, dn,
+                                                self.pool, after_submit=submit_token)
+            else:
+                now = plan.n_fill if deferred is None else jnp.where(deferred, 0, plan.n_fill)
+                gu, dn = cuda.expert_fill(plan.fill_ids, plan.fill_slots, now, gu, dn, self.pool,
+                                          after_submit=submit_token)
         else:
             F = plan.fill_ids.shape[0]
             banks = self.host_banks()

@@ -37,6 +37,7 @@ class LayerPlan(NamedTuple):
     deferred: jax.Array      # [] bool: the fills run in the background (their experts on the CPU now)
     route_units: jax.Array   # [R] i32: intermediate units [0, u) a GPU route computes (I: the whole expert)
     cpu_units: jax.Array     # [R] i32: per CPU route (cpu_routes order), its first unit (0: the whole expert)
+    fill_units: jax.Array    # [] i32: a split call copies units [0, u) of its fills now (I: whole experts)
 
 
 def balance_fill(m: jax.Array, fill_fraction: jax.Array) -> jax.Array:
@@ -324,9 +325,11 @@ def plan_layer(cache: dict, layer: int, expert_ids: jax.Array, token_valid: jax.
     route_slot = jnp.where(route_valid, slot_of[flat_routes], -1)
     num_units = unit_split[0] if unit_split is not None else ALL_UNITS
     route_units = jnp.full((R,), num_units, jnp.int32)
+    fill_units = jnp.asarray(num_units, jnp.int32)
     if defer and unit_split is not None and F > 0:  # a split call's filled experts: [0, u) here, [u, I) on the CPU
         split_route = deferred & route_missed & (route_slot >= 0)
         route_units = jnp.where(split_route, units, route_units)
+        fill_units = jnp.where(deferred, units, fill_units)
     elif defer:  # a deferred call's filled experts are computed on the CPU this time
         route_slot = jnp.where(deferred & route_missed, -1, route_slot)
     cpu_experts = jnp.where(deferred, m, m - n_fill)
@@ -335,7 +338,8 @@ def plan_layer(cache: dict, layer: int, expert_ids: jax.Array, token_valid: jax.
     cpu_units = jnp.where(route_slot[cpu_routes] >= 0, route_units[cpu_routes], 0)
     plan = LayerPlan(route_slot=route_slot, cpu_routes=cpu_routes, n_cpu_routes=jnp.sum(on_cpu, dtype=jnp.int32),
                      fill_ids=fill_ids, fill_slots=fill_slots, n_fill=n_fill, hits=hits, misses=m,
-                     cpu_experts=cpu_experts, deferred=deferred, route_units=route_units, cpu_units=cpu_units)
+                     cpu_experts=cpu_experts, deferred=deferred, route_units=route_units, cpu_units=cpu_units,
+                     fill_units=fill_units)
 
     stats = dict(cache["stats"])
     counts = (("hits", hits), ("misses", m), ("fills", n_fill), ("cpu_experts", cpu_experts),

@@ -87,6 +87,23 @@ def expert_fill(ids, slots, n_valid, gate_up_cache, down_cache, pool, *, cmd_buf
                 blocks=np.int64(_blocks(blocks)))
 
 
+def expert_fill_units(ids, slots, n_valid, units, gate_up_cache, down_cache, pool, *, cmd_buffer: bool = True,
+                      after_submit=None):
+    """The unit split's partial fill (bf16/f32 pools): units [0, ``units``) of each of the first ``n_valid``
+    entries' experts, i.e. gate rows [0, u), up rows [I, I + u) and columns [0, u) of down, into their
+    slots; the rest of each slot is left untouched. ``units`` is a device scalar, a multiple of 8."""
+    register_targets()
+    if after_submit is not None:
+        ids, _ = jax.lax.optimization_barrier((ids, after_submit))
+    call = jax.ffi.ffi_call("ftjax_expert_fill_units" + _suffix(cmd_buffer),
+                            (jax.ShapeDtypeStruct(gate_up_cache.shape, gate_up_cache.dtype),
+                             jax.ShapeDtypeStruct(down_cache.shape, down_cache.dtype)),
+                            input_output_aliases={4: 0, 5: 1})
+    return call(jnp.asarray(ids, jnp.int32), jnp.asarray(slots, jnp.int32),
+                jnp.asarray(n_valid, jnp.int32).reshape(()), jnp.asarray(units, jnp.int32).reshape(()),
+                gate_up_cache, down_cache, pool=np.uint64(pool.id))
+
+
 def _blocks(blocks: int) -> int:
     if int(blocks) < 0:
         raise ValueError(f"blocks must be >= 0 (0: as many as fill the GPU), got {blocks}")
@@ -180,17 +197,19 @@ def join_banks(gate_up_cache, down_cache, *, lane: int = 0):
     return jax.lax.optimization_barrier((gate_up_cache, down_cache))
 
 
-def cpu_experts_submit(x, token_idx, expert_ids, weights, n_valid, channel: int, *, cmd_buffer: bool = True,
-                       fused: bool = True):
+def cpu_experts_submit(x, token_idx, expert_ids, weights, n_valid, channel: int, *, unit_start=None,
+                       cmd_buffer: bool = True, fused: bool = True):
     """``fused``: one kernel stages x and the valid tasks into the mapped staging and publishes
     (calls up to 128 KiB of x; larger ones take the memcpy path); False: memcpy nodes and a 1-thread
-    kernel (slower on the H200: bench/RESULTS.md)."""
+    kernel (slower on the H200: bench/RESULTS.md). ``unit_start`` (per task, default 0): the task
+    computes only its expert's intermediate units [u, I) (``ExpertCall.unit_start``)."""
     register_targets()
+    token_idx = jnp.asarray(token_idx, jnp.int32)
+    units = jnp.zeros_like(token_idx) if unit_start is None else jnp.asarray(unit_start, jnp.int32)
     call = jax.ffi.ffi_call("ftjax_cpu_experts_submit" + _suffix(cmd_buffer),
                             jax.ShapeDtypeStruct((1,), jnp.int32))
-    return call(x, jnp.asarray(token_idx, jnp.int32), jnp.asarray(expert_ids, jnp.int32),
-                jnp.asarray(weights, jnp.float32), jnp.asarray(n_valid, jnp.int32).reshape(()),
-                channel=np.int64(channel), fused=np.int64(bool(fused)))
+    return call(x, token_idx, jnp.asarray(expert_ids, jnp.int32), jnp.asarray(weights, jnp.float32), units,
+                jnp.asarray(n_valid, jnp.int32).reshape(()), channel=np.int64(channel), fused=np.int64(bool(fused)))
 
 
 def cpu_experts_collect(token, n_tokens: int, hidden: int, channel: int, *, after=None, timeout_ms: int = 10_000,

@@ -61,6 +61,28 @@ def test_cuda_offload_equals_resident(setup, policy, size, batch, plan_impl, vic
 
 
 
+@pytest.mark.parametrize("size,batch", [("37%", 1), ("min", 3), ("layer", 1)])
+def test_cuda_unit_split_equals_resident(setup, size, batch):
+    """The unit split on the GPU: a split call's partial fill (units [0, u)), the CPU branch's unit starts
+    ([u, I)), the background fill that completes the split slots: the resident logits, and after a drain
+    every slot holds its owner's whole rows."""
+    cfg, params, pool, ref = setup
+    backend = OffloadExperts(pool, L, E, SIZES[size], "lru-split", platform="cuda", defer_fills=True,
+                             unit_split=True)
+    got, st = run(cfg, params, backend, backend.init_state(fill_fraction=0.4), batch, check=check_invariants)
+    want = ref[batch]
+    assert np.abs(got - want).max() / np.abs(want).max() < 1e-4
+    stats = {k: np.asarray(v) for k, v in st["stats"].items()}
+    assert np.array_equal(stats["misses"], stats["fills"] + stats["cpu_experts"] - stats["deferred"])
+    if size == "37%":  # f = 0.4, I = 16 in steps of 8: a lone miss splits at u = 8
+        assert stats["deferred"].sum() > 0
+    backend.drain()
+    owner = np.asarray(st["owner_of"])
+    for s in np.flatnonzero(owner >= 0):
+        for b in ("gate_up", "down"):
+            np.testing.assert_array_equal(np.asarray(st[b][s]), pool.bank(b)[owner[s]].astype(np.float32))
+
+
 @pytest.mark.parametrize("batch", [1, 3])
 def test_decode_step_never_copies_a_bank(setup, batch):
     """A copy of a bank made while a background fill writes it would hold stale rows: the compiled decode

@@ -45,6 +45,29 @@ def test_fill_copies_valid_entries_only(pool, blocks):
     assert np.all(gh[untouched] == -3.0) and np.all(dh[untouched] == -3.0)
 
 
+def test_fill_units_copies_the_units_only(pool):
+    """The unit split's partial fill: gate rows [0, u), up rows [I, I + u) and down columns [0, u) of each
+    valid entry's expert; every other element of the slot (and every other slot) keeps its value."""
+    S, I = 16, 128
+    fill = jax.jit(lambda i, s, n, u, g, d: cuda.expert_fill_units(i, s, n, u, g, d, pool), donate_argnums=(4, 5))
+    ids = np.array([5, 31, -1, 7, 9], np.int32)  # -1: masked entry
+    slots = np.array([3, 0, 4, 6, 1], np.int32)
+    gu_src, dn_src = (pool.bank(b).astype(np.float32) for b in ("gate_up", "down"))
+    for n_valid, u in ((4, 40), (5, 0), (2, 128), (5, 8)):  # count and units are device data: one executable
+        g = jnp.full((S, 2 * I, 128), -3.0, jnp.bfloat16)
+        d = jnp.full((S, 128, I), -3.0, jnp.bfloat16)
+        g, d = fill(ids, slots, jnp.int32(n_valid), jnp.int32(u), g, d)
+        gh, dh = np.asarray(g.astype(jnp.float32)), np.asarray(d.astype(jnp.float32))
+        want_g, want_d = np.full(gh.shape, -3.0, np.float32), np.full(dh.shape, -3.0, np.float32)
+        for q in range(n_valid):
+            if ids[q] >= 0:
+                s, e = slots[q], ids[q]
+                want_g[s, :u], want_g[s, I:I + u] = gu_src[e, :u], gu_src[e, I:I + u]
+                want_d[s, :, :u] = dn_src[e, :, :u]
+        np.testing.assert_array_equal(gh, want_g)
+        np.testing.assert_array_equal(dh, want_d)
+
+
 def test_fill_fork_join_equals_fill(pool):
     """The experimental side-stream fill (bench/overlap.py), read through its join, fills what expert_fill
     fills, with GPU work issued between the fork and the join."""
@@ -169,6 +192,30 @@ def test_submit_collect_overlaps_gpu_work_and_matches(pool, cmd_buffer, fused):
         assert _host.channel_jobs(channel) == jobs + (n > 0)
         want = experts_reference(x, tok, eid, w, n, ref_banks["gate_up"], ref_banks["down"])
         np.testing.assert_allclose(np.asarray(y), want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_submit_carries_unit_starts(pool, fused):
+    """Per-task unit starts reach the CPU branch: a task adds only its expert's units [u, I)."""
+    channel = 110 + int(fused)
+    cuda.create_channel(channel, pool, max_tokens=4, max_tasks=16)
+    step = jax.jit(lambda x, tok, eid, w, n, u: cuda.cpu_experts_collect(
+        cuda.cpu_experts_submit(x, tok, eid, w, n, channel, unit_start=u, fused=fused), 4, 128, channel,
+        fused=fused))
+    rng = np.random.default_rng(3)
+    ref_banks = {b: pool.bank(b).astype(np.float32) for b in ("gate_up", "down")}
+    x = rng.standard_normal((4, 128)).astype(np.float32)
+    tok = rng.integers(0, 4, 16).astype(np.int32)
+    eid = rng.integers(0, 32, 16).astype(np.int32)
+    w = rng.random(16).astype(np.float32)
+    units = rng.choice([0, 8, 64, 120, 128], 16).astype(np.int32)
+    y, status = step(x, tok, eid, w, jnp.int32(16), units)
+    assert int(status) == 0, cuda.channel_error(channel)
+    want = experts_reference(x, tok, eid, w, 16, ref_banks["gate_up"], ref_banks["down"], unit_start=units)
+    np.testing.assert_allclose(np.asarray(y), want, rtol=1e-4, atol=1e-4)
+    whole = experts_reference(x, tok, eid, w, 16, ref_banks["gate_up"], ref_banks["down"])
+    assert np.abs(whole - want).max() > 1e-2  # the unit starts changed the result
+    cuda.destroy_channel(channel)
 
 
 @pytest.mark.parametrize("fused", [False, True])
