@@ -86,7 +86,7 @@ for s in "${steps[@]}"; do
          --out "$OUT/decode_units_b$b.json" ;;
     tests-units)  # the unit split's GPU tests: the partial fill, unit starts through the handshake, offload vs resident
        run gpu_tests_units 200 python3 -m pytest -q -m gpu tests/host/test_cuda.py tests/experts/test_offload_cuda.py \
-         -k "units or unit_split or unit_starts" ;;
+         -k "units or unit_split or unit_starts or background" ;;
     tests-offload) run gpu_tests_offload 200 python3 -m pytest -q -m gpu tests/experts/test_offload_cuda.py tests/host/test_cuda.py ;;
     kernels) run kernels 240 python3 bench/kernels.py --tokens 1024 8192 --ragged --iters 5 --out "$OUT/kernels.json" ;;
     tune) run tune_decode 150 python3 bench/kernels.py --only decode --shapes 2048x512 --dtypes bf16 --decode-tokens 1 8 \

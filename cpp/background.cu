@@ -41,7 +41,7 @@ struct Background {
   int64_t* done = nullptr;        // device [layers]: the fork whose fill of the layer has landed
   int32_t* error_host = nullptr;  // mapped: a wait timed out
   int32_t* error_dev = nullptr;
-  int32_t* ring = nullptr;        // device [kBgRing, entry_ints]: [ids (L*F) | slots (L*F) | n (L) | counters (L)]
+  int32_t* ring = nullptr;        // device [kBgRing, entry_ints]: [ids | slots (L*F each) | n | counters | from (L each)]
   int64_t* ring_seq = nullptr;    // device [kBgRing]: the sequence number of the fork that used the entry
   cudaEvent_t ring_done[kBgRing] = {};
   bool ring_used[kBgRing] = {};
@@ -60,10 +60,10 @@ Background* find_background(int64_t id) {
   return it == backgrounds().end() ? nullptr : it->second.get();
 }
 
-// A ring entry: [ids (L*F) | slots (L*F) | n (L) | per-layer block counters (L)].
+// A ring entry: [ids (L*F) | slots (L*F) | n (L) | per-layer block counters (L) | units from (L)].
 __global__ void bg_stage(const int32_t* __restrict__ ids, const int32_t* __restrict__ slots,
-                         const int32_t* __restrict__ n, int32_t* __restrict__ dst, int64_t lf, int64_t layers,
-                         int64_t* seq, int64_t* seq_at_fork) {
+                         const int32_t* __restrict__ n, const int32_t* __restrict__ from, int32_t* __restrict__ dst,
+                         int64_t lf, int64_t layers, int64_t* seq, int64_t* seq_at_fork) {
   for (int64_t i = threadIdx.x; i < lf; i += blockDim.x) {
     dst[i] = ids[i];
     dst[lf + i] = slots[i];
@@ -71,6 +71,7 @@ __global__ void bg_stage(const int32_t* __restrict__ ids, const int32_t* __restr
   for (int64_t i = threadIdx.x; i < layers; i += blockDim.x) {
     dst[2 * lf + i] = n[i];
     dst[2 * lf + layers + i] = 0;
+    dst[2 * lf + 2 * layers + i] = from[i];
   }
   if (threadIdx.x == 0) *seq_at_fork = ++*seq;  // on XLA's stream: every later wait sees this number
 }
@@ -78,21 +79,29 @@ __global__ void bg_stage(const int32_t* __restrict__ ids, const int32_t* __restr
 // Every layer's fills of one fork in one launch: the grid walks layer 0's valid entries, then layer 1's,
 // ...; the last block done with a layer publishes done[layer] = the fork's number (each block fences
 // its writes before it counts itself in), so layer l's wait is over as soon as its own fills landed.
+// A layer whose `from` is u > 0 (a unit-split call: units [0, u) were filled in the call) copies only
+// units [u, I) of its experts (copy_units; bf16/f32 pools, per16 > 0).
 __global__ void bg_fill(int32_t* entry, int64_t layers, int64_t F, const int64_t* seq_at_fork, int64_t* done,
-                        int64_t n_experts, int64_t n_slots, const uint4* __restrict__ src0, uint4* __restrict__ dst0,
-                        int64_t row0, const uint4* __restrict__ src1, uint4* __restrict__ dst1, int64_t row1) {
+                        int64_t n_experts, int64_t n_slots, int64_t hidden, int64_t inter, int64_t per16,
+                        const uint4* __restrict__ src0, uint4* __restrict__ dst0, int64_t row0,
+                        const uint4* __restrict__ src1, uint4* __restrict__ dst1, int64_t row1) {
   const int64_t worker = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t workers = static_cast<int64_t>(gridDim.x) * blockDim.x;
   const int32_t* ids = entry;
   const int32_t* slots = entry + layers * F;
   const int32_t* n = entry + 2 * layers * F;
   unsigned* counters = reinterpret_cast<unsigned*>(entry + 2 * layers * F + layers);
+  const int32_t* from = entry + 2 * layers * F + 2 * layers;
   for (int64_t l = 0; l < layers; ++l) {
     const int64_t count = min(static_cast<int64_t>(n[l]), F);
+    const int64_t u0 = per16 > 0 ? min(max(static_cast<int64_t>(from[l]), int64_t{0}), inter) / 8 * 8 : 0;
     for (int64_t q = 0; q < count; ++q) {
       const int64_t id = ids[l * F + q], slot = slots[l * F + q];
       if (id < 0 || id >= n_experts || slot < 0 || slot >= n_slots) continue;  // masked entry
-      copy_expert(id, slot, worker, workers, src0, dst0, row0, src1, dst1, row1);
+      if (u0 > 0)
+        copy_units(id, slot, u0, inter, worker, workers, hidden, inter, per16, src0, dst0, row0, src1, dst1, row1);
+      else
+        copy_expert(id, slot, worker, workers, src0, dst0, row0, src1, dst1, row1);
     }
     __syncthreads();
     if (threadIdx.x == 0) {
@@ -139,7 +148,8 @@ ffi::Error BgWaitImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::An
 }
 
 ffi::Error BgForkImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::S32> slots,
-                      ffi::Buffer<ffi::S32> n_valid, ffi::AnyBuffer gate_up, ffi::AnyBuffer down,
+                      ffi::Buffer<ffi::S32> n_valid, ffi::Buffer<ffi::S32> from, ffi::AnyBuffer gate_up,
+                      ffi::AnyBuffer down,
                       ffi::Result<ffi::AnyBuffer> gate_up_out, ffi::Result<ffi::AnyBuffer> down_out, uint64_t pool_id,
                       int64_t bg, int64_t blocks) {
   Background* b = find_background(bg);
@@ -149,9 +159,10 @@ ffi::Error BgForkImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> ids, ffi::Buffe
   const auto dims = ids.dimensions();
   if (dims.size() != 2 || dims[0] != b->layers || dims[1] > b->max_fill || slots.dimensions().size() != 2 ||
       slots.dimensions()[0] != dims[0] || slots.dimensions()[1] != dims[1] ||
-      static_cast<int64_t>(n_valid.element_count()) != b->layers)
+      static_cast<int64_t>(n_valid.element_count()) != b->layers ||
+      static_cast<int64_t>(from.element_count()) != b->layers)
     return ffi::Error::InvalidArgument("bg_fork: ids and slots must be [layers=" + std::to_string(b->layers) +
-                                       ", F <= " + std::to_string(b->max_fill) + "], n_valid [layers]");
+                                       ", F <= " + std::to_string(b->max_fill) + "], n_valid and from [layers]");
   const int64_t L = dims[0], F = dims[1], S = gate_up.dimensions().size() ? gate_up.dimensions()[0] : 0;
   if (gate_up.size_bytes() != static_cast<size_t>(S) * pool->gate_up().expert_bytes ||
       down.size_bytes() != static_cast<size_t>(S) * pool->down().expert_bytes)
@@ -162,6 +173,8 @@ ffi::Error BgForkImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> ids, ffi::Buffe
   const Bank& d = pool->down();
   if (!pool->pinned() || !g.device_ptr || !d.device_ptr || g.expert_bytes % 16 || d.expert_bytes % 16)
     return ffi::Error::InvalidArgument("bg_fork: the host pool must be pinned, its expert rows multiples of 16 B");
+  // units from u > 0 (unit split): bf16/f32 banks only; an int4 pool always copies whole experts
+  const int64_t per16 = g.format == WeightFormat::kInt4 ? 0 : g.format == WeightFormat::kBF16 ? 8 : 4;
   try {
     std::lock_guard<std::mutex> lock(bg_mu);  // one fork at a time per process: the ring and the side stream
     cudaStream_t side = side_stream();
@@ -171,12 +184,13 @@ ffi::Error BgForkImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> ids, ffi::Buffe
     if (b->ring_used[e]) cuda_check(cudaStreamWaitEvent(stream, b->ring_done[e], 0), "bg_fork: ring wait");
     b->ring_used[e] = true;
     int64_t* seq_at_fork = b->ring_seq + e;
-    bg_stage<<<1, 256, 0, stream>>>(ids.typed_data(), slots.typed_data(), n_valid.typed_data(), entry, L * F, L,
-                                    b->seq, seq_at_fork);
+    bg_stage<<<1, 256, 0, stream>>>(ids.typed_data(), slots.typed_data(), n_valid.typed_data(), from.typed_data(),
+                                    entry, L * F, L, b->seq, seq_at_fork);
     cuda_check(cudaGetLastError(), "bg_fork: stage");
     fork_to_side(stream);
     bg_fill<<<static_cast<unsigned>(blocks > 0 ? blocks : 16), kFillThreads, 0, side>>>(
-        entry, L, F, seq_at_fork, b->done, pool->n_experts(), S, static_cast<const uint4*>(g.device_ptr),
+        entry, L, F, seq_at_fork, b->done, pool->n_experts(), S, pool->hidden(), pool->inter(), per16,
+        static_cast<const uint4*>(g.device_ptr),
         static_cast<uint4*>(gate_up.untyped_data()), g.expert_bytes / 16, static_cast<const uint4*>(d.device_ptr),
         static_cast<uint4*>(down.untyped_data()), d.expert_bytes / 16);
     cuda_check(cudaGetLastError(), "bg_fork: fills");
@@ -194,7 +208,7 @@ int64_t create_background(int64_t layers, int64_t max_fill) {
   auto b = std::make_unique<Background>();
   b->layers = layers;
   b->max_fill = max_fill;
-  b->entry_ints = 2 * layers * max_fill + 2 * layers;
+  b->entry_ints = 2 * layers * max_fill + 3 * layers;
   cuda_check(cudaMalloc(&b->seq, sizeof(int64_t) * (1 + layers)), "create_background: flags");
   b->done = b->seq + 1;
   cuda_check(cudaMemset(b->seq, 0, sizeof(int64_t) * (1 + layers)), "create_background: flags");
@@ -259,6 +273,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FtjaxBgWait, BgWaitImpl,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FtjaxBgFork, BgForkImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()

@@ -51,18 +51,6 @@ __global__ void fill_loop_kernel(const int32_t* __restrict__ ids, const int32_t*
 // of 8 from the plan): gate rows [0, u) and up rows [I, I + u) of gate_up ([2I, H] per expert, one range
 // each) and columns [0, u) of every row of down ([H, I]); the rest of the slot is left as it is (the
 // step's background fill completes it). 16-byte units of `per16` elements (8 bf16, 4 f32).
-__device__ __forceinline__ void unit_offsets(int64_t i, int64_t g16, int64_t up0, int64_t c16, int64_t row16,
-                                             bool& down, int64_t& off) {
-  if (i < g16) {
-    down = false, off = i;
-  } else if (i < 2 * g16) {
-    down = false, off = up0 + (i - g16);
-  } else {
-    const int64_t j = i - 2 * g16, h = j / c16;
-    down = true, off = h * row16 + (j - h * c16);
-  }
-}
-
 __global__ void fill_units_kernel(const int32_t* __restrict__ ids, const int32_t* __restrict__ slots,
                                   const int32_t* __restrict__ n_valid, const int32_t* __restrict__ units,
                                   int64_t n_experts, int64_t n_slots, int64_t hidden, int64_t inter, int64_t per16,
@@ -73,31 +61,8 @@ __global__ void fill_units_kernel(const int32_t* __restrict__ ids, const int32_t
   const int64_t id = ids[q], slot = slots[q];
   if (id < 0 || id >= n_experts || slot < 0 || slot >= n_slots) return;  // masked entry
   const int64_t u = min(max(static_cast<int64_t>(*units), int64_t{0}), inter) / 8 * 8;
-  if (u == 0) return;
-  const int64_t g16 = u * hidden / per16, up0 = inter * hidden / per16, c16 = u / per16, row16 = inter / per16;
-  const int64_t total = 2 * g16 + hidden * c16;
-  const int64_t worker = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  const int64_t workers = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t base = worker; base < total; base += kFillUnroll * workers) {
-    uint4 v[kFillUnroll];
-    bool dn[kFillUnroll];
-    int64_t off[kFillUnroll];
-#pragma unroll
-    for (int k = 0; k < kFillUnroll; ++k) {
-      const int64_t i = base + k * workers;
-      if (i < total) {
-        unit_offsets(i, g16, up0, c16, row16, dn[k], off[k]);
-        v[k] = dn[k] ? src1[id * row1 + off[k]] : src0[id * row0 + off[k]];
-      }
-    }
-#pragma unroll
-    for (int k = 0; k < kFillUnroll; ++k) {
-      if (base + k * workers < total) {
-        if (dn[k]) dst1[slot * row1 + off[k]] = v[k];
-        else dst0[slot * row0 + off[k]] = v[k];
-      }
-    }
-  }
+  copy_units(id, slot, 0, u, static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x,
+             static_cast<int64_t>(gridDim.x) * blockDim.x, hidden, inter, per16, src0, dst0, row0, src1, dst1, row1);
 }
 
 }  // namespace

@@ -33,4 +33,45 @@ __device__ __forceinline__ void copy_expert(int64_t id, int64_t slot, int64_t wo
   }
 }
 
+// Units [u0, u1) of expert `id` into slot `slot` (the unit split; bf16/f32 banks, `per16` elements per
+// 16 bytes, u0 and u1 multiples of 8): gate rows [u0, u1) and up rows [I + u0, I + u1) of gate_up
+// ([2I, H] per expert: one range each) and columns [u0, u1) of every row of down ([H, I]); nothing
+// else of the slot.
+__device__ __forceinline__ void copy_units(int64_t id, int64_t slot, int64_t u0, int64_t u1, int64_t worker,
+                                           int64_t workers, int64_t hidden, int64_t inter, int64_t per16,
+                                           const uint4* __restrict__ src0, uint4* __restrict__ dst0, int64_t row0,
+                                           const uint4* __restrict__ src1, uint4* __restrict__ dst1, int64_t row1) {
+  if (u1 <= u0) return;
+  const int64_t g16 = (u1 - u0) * hidden / per16, gate0 = u0 * hidden / per16, up0 = (inter + u0) * hidden / per16;
+  const int64_t c16 = (u1 - u0) / per16, col0 = u0 / per16, row16 = inter / per16;
+  const int64_t total = 2 * g16 + hidden * c16;
+  for (int64_t base = worker; base < total; base += kFillUnroll * workers) {
+    uint4 v[kFillUnroll];
+    bool dn[kFillUnroll];
+    int64_t off[kFillUnroll];
+#pragma unroll
+    for (int k = 0; k < kFillUnroll; ++k) {
+      const int64_t i = base + k * workers;
+      if (i < total) {
+        if (i < g16) {
+          dn[k] = false, off[k] = gate0 + i;
+        } else if (i < 2 * g16) {
+          dn[k] = false, off[k] = up0 + (i - g16);
+        } else {
+          const int64_t j = i - 2 * g16, h = j / c16;
+          dn[k] = true, off[k] = h * row16 + col0 + (j - h * c16);
+        }
+        v[k] = dn[k] ? src1[id * row1 + off[k]] : src0[id * row0 + off[k]];
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < kFillUnroll; ++k) {
+      if (base + k * workers < total) {
+        if (dn[k]) dst1[slot * row1 + off[k]] = v[k];
+        else dst0[slot * row0 + off[k]] = v[k];
+      }
+    }
+  }
+}
+
 }  // namespace ftjax

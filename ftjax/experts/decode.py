@@ -110,7 +110,7 @@ class OffloadExperts:
     their routes from the filled slot, the CPU units [u, I) (``ExpertCall.unit_start``), and the slot
     is completed in the background. On the CUDA platform the call's fill copies units [0, u) of its
     experts (`cuda.expert_fill_units`: gate rows, up rows, down columns; bf16/f32 pools), the CPU branch
-    gets each route's unit start, and the step's background fill re-copies the split slots whole. On
+    gets each route's unit start, and the step's background fill copies the split slots' units [u, I). On
     the CPU platform the fill is whole and at once. Not built: int4 pools on CUDA (the partial copy of
     the packed layout) and the Pallas GEMV's unit mask (the jnp kernel only). A model of what it buys
     on the H200: bench/split_model.py (1.09x at batch 1, 37%).
@@ -252,7 +252,8 @@ class OffloadExperts:
             F = self.background_capacity
             state.update(bg_ids=jnp.zeros((self.num_layers, F), jnp.int32),
                          bg_slots=jnp.zeros((self.num_layers, F), jnp.int32),
-                         bg_n=jnp.zeros((self.num_layers,), jnp.int32))
+                         bg_n=jnp.zeros((self.num_layers,), jnp.int32),
+                         bg_from=jnp.zeros((self.num_layers,), jnp.int32))
         if self.policy.preload == "all":
             state = preload(state, np.arange(self.num_layers * self.num_experts), self.host_banks())
         return state
@@ -318,6 +319,8 @@ class OffloadExperts:
                 state = dict(state, bg_ids=state["bg_ids"].at[layer, :F].set(plan.fill_ids),
                              bg_slots=state["bg_slots"].at[layer, :F].set(plan.fill_slots),
                              bg_n=state["bg_n"].at[layer].set(jnp.where(plan.deferred, plan.n_fill, 0)))
+                if self.unit_split:  # a split call filled units [0, u): the background copies [u, I)
+                    state["bg_from"] = state["bg_from"].at[layer].set(jnp.where(plan.deferred, plan.fill_units, 0))
         if self.num_slots:
             y = self._gpu_part(state, layer, x, expert_ids, gate_weights, token_valid, plan.route_slot,
                                plan.route_units if self.unit_split else None)
@@ -331,7 +334,8 @@ class OffloadExperts:
         if bg_decode and layer == self.num_layers - 1:  # the step's background fills, after its work
             ids, y = jax.lax.optimization_barrier((state["bg_ids"], y))
             gu, dn = cuda.background_fork(ids, state["bg_slots"], state["bg_n"], state["gate_up"], state["down"],
-                                          self.pool, self.background_id, blocks=BACKGROUND_FILL_BLOCKS)
+                                          self.pool, self.background_id, units_from=state["bg_from"],
+                                          blocks=BACKGROUND_FILL_BLOCKS)
             state = dict(state, gate_up=gu, down=dn)
         return jnp.where(token_valid[:, None], y, jnp.zeros_like(y)), state
 

@@ -164,16 +164,21 @@ def background_wait(gate_up_cache, down_cache, bg: int, layer: int, *, timeout_m
     return jax.lax.optimization_barrier((gate_up_cache, down_cache))
 
 
-def background_fork(ids, slots, n_valid, gate_up_cache, down_cache, pool, bg: int, *, blocks: int = 16):
+def background_fork(ids, slots, n_valid, gate_up_cache, down_cache, pool, bg: int, *, units_from=None,
+                    blocks: int = 16):
     """Start every layer's background fills of a step on the side stream: ``ids``/``slots [L, F]``, the
-    first ``n_valid[l]`` entries of row l valid (device data). Outside command buffers (one call per
-    step). The returned caches are filled only once `background_wait` has passed for the layer."""
+    first ``n_valid[l]`` entries of row l valid (device data). ``units_from [L]`` (default 0): a layer
+    with u > 0 copies only units [u, I) of its experts (a unit-split call filled [0, u); bf16/f32 pools).
+    Outside command buffers (one call per step). The returned caches are filled only once
+    `background_wait` has passed for the layer."""
     register_targets()
+    n_valid = jnp.asarray(n_valid, jnp.int32)
+    units_from = jnp.zeros_like(n_valid) if units_from is None else jnp.asarray(units_from, jnp.int32)
     call = jax.ffi.ffi_call("ftjax_bg_fork_nocb",
                             (jax.ShapeDtypeStruct(gate_up_cache.shape, gate_up_cache.dtype),
                              jax.ShapeDtypeStruct(down_cache.shape, down_cache.dtype)),
-                            input_output_aliases={3: 0, 4: 1})
-    return call(jnp.asarray(ids, jnp.int32), jnp.asarray(slots, jnp.int32), jnp.asarray(n_valid, jnp.int32),
+                            input_output_aliases={4: 0, 5: 1})
+    return call(jnp.asarray(ids, jnp.int32), jnp.asarray(slots, jnp.int32), n_valid, units_from,
                 gate_up_cache, down_cache, pool=np.uint64(pool.id), bg=np.int64(bg),
                 blocks=np.int64(_blocks(blocks)))
 

@@ -125,6 +125,36 @@ def test_background_fork_and_wait_fill_every_layer(pool):
     assert not cuda.background_error(bg)
 
 
+def test_background_fork_units_from_copies_the_rest(pool):
+    """``units_from``: a layer with u > 0 copies only units [u, I) of its experts (gate rows, up rows, down
+    columns: what a unit-split call's partial fill left), a layer with 0 whole experts."""
+    S, L, F, I = 8, 2, 2, 128
+    bg = cuda.create_background(L, F)
+
+    @jax.jit
+    def step(ids, slots, n, frm, g, d):
+        g, d = cuda.background_fork(ids, slots, n, g, d, pool, bg, units_from=frm, blocks=3)
+        for layer in range(L):
+            g, d = cuda.background_wait(g, d, bg, layer)
+        return g, d
+
+    ids, slots = np.array([[5, 31], [7, 9]], np.int32), np.array([[3, 0], [6, 1]], np.int32)
+    gu_src, dn_src = (pool.bank(b).astype(np.float32) for b in ("gate_up", "down"))
+    for u in (40, 120):
+        g, d = step(ids, slots, np.array([2, 1], np.int32), np.array([u, 0], np.int32),
+                    jnp.full((S, 2 * I, 128), -3.0, jnp.bfloat16), jnp.full((S, 128, I), -3.0, jnp.bfloat16))
+        gh, dh = np.asarray(g.astype(jnp.float32)), np.asarray(d.astype(jnp.float32))
+        want_g, want_d = np.full(gh.shape, -3.0, np.float32), np.full(dh.shape, -3.0, np.float32)
+        for s_, e in zip(slots[0], ids[0]):  # layer 0: units [u, I)
+            want_g[s_, u:I], want_g[s_, I + u:] = gu_src[e, u:I], gu_src[e, I + u:]
+            want_d[s_, :, u:] = dn_src[e, :, u:]
+        want_g[slots[1, 0]], want_d[slots[1, 0]] = gu_src[ids[1, 0]], dn_src[ids[1, 0]]  # layer 1: whole
+        np.testing.assert_array_equal(gh, want_g)
+        np.testing.assert_array_equal(dh, want_d)
+    assert not cuda.background_error(bg)
+    cuda.destroy_background(bg)
+
+
 def test_background_wait_timeout_sets_the_error_flag(pool):
     """A wait that gives up (here: timeout 0 ms against a 32-expert fill) sets `background_error`, never a
     hang; `clear_background_error` resets it (a fresh cache state)."""
