@@ -112,8 +112,9 @@ class OffloadExperts:
     experts (`cuda.expert_fill_units`: gate rows, up rows, down columns; bf16/f32 pools), the CPU branch
     gets each route's unit start, and the step's background fill copies the split slots' units [u, I). On
     the CPU platform the fill is whole and at once. Not built: int4 pools on CUDA (the partial copy of
-    the packed layout) and the Pallas GEMV's unit mask (the jnp kernel only). A model of what it buys
-    on the H200: bench/split_model.py (1.09x at batch 1, 37%).
+    the packed layout) and the Pallas GEMV's unit mask (the jnp kernel only). On the H200 (batch 1, 37%,
+    trace routing) it ran 1.02x lru-split with background fills (bench/RESULTS.md, session 12; the model
+    bench/split_model.py had said 1.09x): opt-in.
     Call `drain` before dropping a state on the GPU (a background fill may still be writing its banks).
     """
 
