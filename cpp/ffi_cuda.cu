@@ -122,69 +122,54 @@ void launch_fill(cudaStream_t stream, const ExpertPool& pool, const int32_t* ids
 
 namespace {
 // Checks the call and launches the fill on `stream`: XLA's, reading the lists from XLA's buffers, or the
-// fork's side stream, reading the fork's private copy `staged` of them.
+// fork's side stream, reading the fork's private copy `staged` of them; with `units` (the unit split's
+// partial fill, a device scalar) launch_fill_units instead.
 ffi::Error CheckedFill(cudaStream_t stream, ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::S32> slots,
                        ffi::Buffer<ffi::S32> n_valid, ffi::AnyBuffer gate_up, ffi::AnyBuffer down,
                        ffi::Result<ffi::AnyBuffer> gate_up_out, ffi::Result<ffi::AnyBuffer> down_out,
-                       uint64_t pool_id, int64_t blocks, const int32_t* staged) {
+                       uint64_t pool_id, int64_t blocks, const int32_t* staged,
+                       const ffi::Buffer<ffi::S32>* units = nullptr) {
+  const std::string what = units ? "expert_fill_units: " : "expert_fill: ";
   auto pool = find_pool(pool_id);
-  if (!pool) return ffi::Error::InvalidArgument("expert_fill: no host pool with id " + std::to_string(pool_id));
+  if (!pool) return ffi::Error::InvalidArgument(what + "no host pool with id " + std::to_string(pool_id));
   const int64_t cap = static_cast<int64_t>(ids.element_count());
-  if (static_cast<int64_t>(slots.element_count()) != cap || n_valid.element_count() != 1)
-    return ffi::Error::InvalidArgument("expert_fill: ids and slots must have one length, n_valid be a scalar");
+  if (static_cast<int64_t>(slots.element_count()) != cap || n_valid.element_count() != 1 ||
+      (units && units->element_count() != 1))
+    return ffi::Error::InvalidArgument(what + "ids and slots must have one length, n_valid (and units) be scalars");
   const auto dims = gate_up.dimensions();
-  if (dims.size() < 1) return ffi::Error::InvalidArgument("expert_fill: caches must be [S, ...]");
+  if (dims.size() < 1) return ffi::Error::InvalidArgument(what + "caches must be [S, ...]");
   const int64_t S = dims[0];
   if (gate_up.size_bytes() != static_cast<size_t>(S) * pool->gate_up().expert_bytes ||
       down.size_bytes() != static_cast<size_t>(S) * pool->down().expert_bytes)
-    return ffi::Error::InvalidArgument("expert_fill: cache sizes do not match S = " + std::to_string(S) +
+    return ffi::Error::InvalidArgument(what + "cache sizes do not match S = " + std::to_string(S) +
                                        " slots of the pool's expert rows (gate_up " +
                                        std::to_string(pool->gate_up().expert_bytes) + " B, down " +
                                        std::to_string(pool->down().expert_bytes) + " B)");
   if (gate_up_out->untyped_data() != gate_up.untyped_data() || down_out->untyped_data() != down.untyped_data())
-    return ffi::Error::InvalidArgument("expert_fill: the caches must be aliased to the outputs "
+    return ffi::Error::InvalidArgument(what + "the caches must be aliased to the outputs "
                                        "(input_output_aliases) and donated");
   try {
-    if (staged)  // a forked fill reads its private copy of the lists: [ids (cap) | slots (cap) | n_valid]
+    if (units)
+      launch_fill_units(stream, *pool, ids.typed_data(), slots.typed_data(), n_valid.typed_data(),
+                        units->typed_data(), cap, S, gate_up.untyped_data(), down.untyped_data());
+    else if (staged)  // a forked fill reads its private copy of the lists: [ids (cap) | slots (cap) | n_valid]
       launch_fill(stream, *pool, staged, staged + cap, staged + 2 * cap, cap, S, gate_up.untyped_data(),
                   down.untyped_data(), blocks);
     else
       launch_fill(stream, *pool, ids.typed_data(), slots.typed_data(), n_valid.typed_data(), cap, S,
                   gate_up.untyped_data(), down.untyped_data(), blocks);
   } catch (const std::exception& e) {
-    return ffi::Error::Internal(std::string("expert_fill: ") + e.what());
+    return ffi::Error::Internal(what + e.what());
   }
   return ffi::Error::Success();
 }
 
-// The unit split's fill (launch_fill_units): the same checks, one more operand (the units, a scalar).
+// The unit split's fill: one more operand, the units (a scalar).
 ffi::Error ExpertFillUnitsImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::S32> slots,
                                ffi::Buffer<ffi::S32> n_valid, ffi::Buffer<ffi::S32> units, ffi::AnyBuffer gate_up,
                                ffi::AnyBuffer down, ffi::Result<ffi::AnyBuffer> gate_up_out,
                                ffi::Result<ffi::AnyBuffer> down_out, uint64_t pool_id) {
-  auto pool = find_pool(pool_id);
-  if (!pool) return ffi::Error::InvalidArgument("expert_fill_units: no host pool with id " + std::to_string(pool_id));
-  const int64_t cap = static_cast<int64_t>(ids.element_count());
-  if (static_cast<int64_t>(slots.element_count()) != cap || n_valid.element_count() != 1 ||
-      units.element_count() != 1)
-    return ffi::Error::InvalidArgument("expert_fill_units: ids and slots must have one length, n_valid and units be "
-                                       "scalars");
-  const auto dims = gate_up.dimensions();
-  if (dims.size() < 1) return ffi::Error::InvalidArgument("expert_fill_units: caches must be [S, ...]");
-  const int64_t S = dims[0];
-  if (gate_up.size_bytes() != static_cast<size_t>(S) * pool->gate_up().expert_bytes ||
-      down.size_bytes() != static_cast<size_t>(S) * pool->down().expert_bytes)
-    return ffi::Error::InvalidArgument("expert_fill_units: cache sizes do not match S = " + std::to_string(S) +
-                                       " slots of the pool's expert rows");
-  if (gate_up_out->untyped_data() != gate_up.untyped_data() || down_out->untyped_data() != down.untyped_data())
-    return ffi::Error::InvalidArgument("expert_fill_units: the caches must be aliased to the outputs");
-  try {
-    launch_fill_units(stream, *pool, ids.typed_data(), slots.typed_data(), n_valid.typed_data(), units.typed_data(),
-                      cap, S, gate_up.untyped_data(), down.untyped_data());
-  } catch (const std::exception& e) {
-    return ffi::Error::Internal(std::string("expert_fill_units: ") + e.what());
-  }
-  return ffi::Error::Success();
+  return CheckedFill(stream, ids, slots, n_valid, gate_up, down, gate_up_out, down_out, pool_id, 0, nullptr, &units);
 }
 
 // The FFI handler: the lists are XLA's buffers, read on XLA's stream.
