@@ -3,6 +3,9 @@
 # Each step has its own time limit so one slow step cannot eat the call; the last lines are a summary.
 #   bash bench/gpu_session.sh [tests] [host] [cpu] [kernels] [tune] [decode] [decode-more]
 #   (default: tests host kernels)
+# Session 12 steps: prefill-split (the prefill kernels' own times, routed vs one expert, ~1.5 min),
+# tests-units (the unit split's GPU tests, ~30 s), decode-units-b1 / -b4 (lru-split with and without
+# the unit split, ~4.5 min).
 # Step limits (s): tests 300 (the CUDA offload-vs-resident tests added in session 7), host 120, cpu 300 (tests + prefetch sweep), cpu-core 120, cpu-tiers 150, calibrate 120, kernels 240, tune 300, decode 480, decode-profile 405,
 # decode-hlo 240 (top-level ops of the compiled step), decode-sync 150 (8 layers, each step waits for
 # its logits), decode-xla 420 (the same 8-layer step with XLA's command-buffer update log and the
