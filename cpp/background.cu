@@ -41,7 +41,7 @@ struct Background {
   int64_t* done = nullptr;        // device [layers]: the fork whose fill of the layer has landed
   int32_t* error_host = nullptr;  // mapped: a wait timed out
   int32_t* error_dev = nullptr;
-  int32_t* ring = nullptr;        // device [kBgRing, entry_ints]: [ids | slots (L*F each) | n | counters | from (L each)]
+  int32_t* ring = nullptr;        // device [kBgRing, entry_ints]: one entry per fork (bg_stage's layout)
   int64_t* ring_seq = nullptr;    // device [kBgRing]: the sequence number of the fork that used the entry
   cudaEvent_t ring_done[kBgRing] = {};
   bool ring_used[kBgRing] = {};

@@ -312,8 +312,8 @@ ffi::Error SubmitImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S3
         ch->ctrl_dev, ch->stage_dev, static_cast<int64_t>(ch->x_off), static_cast<int64_t>(ch->tok_off),
         static_cast<int64_t>(ch->eid_off), static_cast<int64_t>(ch->w_off), static_cast<int64_t>(ch->u_off),
         static_cast<const uint8_t*>(x.untyped_data()), static_cast<int64_t>(x.size_bytes()), tok.typed_data(),
-        eid.typed_data(), w.typed_data(), units.typed_data(), n_valid.typed_data(), static_cast<int32_t>(xd[0]), bf16 ? 1 : 0,
-        static_cast<int32_t>(cap), token->typed_data());
+        eid.typed_data(), w.typed_data(), units.typed_data(), n_valid.typed_data(), static_cast<int32_t>(xd[0]),
+        bf16 ? 1 : 0, static_cast<int32_t>(cap), token->typed_data());
     const cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return ffi::Error::Internal(std::string("cpu_experts_submit: ") + cudaGetErrorString(err));
     return ffi::Error::Success();

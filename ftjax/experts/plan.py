@@ -37,7 +37,8 @@ class LayerPlan(NamedTuple):
     deferred: jax.Array      # [] bool: the fills run in the background (their experts on the CPU now)
     route_units: jax.Array   # [R] i32: intermediate units [0, u) a GPU route computes (I: the whole expert)
     cpu_units: jax.Array     # [R] i32: per CPU route (cpu_routes order), its first unit (0: the whole expert)
-    fill_units: jax.Array    # [] i32: a split call copies units [0, u) of its fills now (I: whole experts)
+    fill_units: jax.Array    # [] i32: a split call copies units [0, u) of its fills now (I, or ALL_UNITS
+                             # without a unit split: whole experts)
 
 
 def balance_fill(m: jax.Array, fill_fraction: jax.Array) -> jax.Array:
