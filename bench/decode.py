@@ -259,8 +259,11 @@ def main(argv=None) -> int:
     ap.add_argument("--no-stable-io", dest="stable_io", action="store_false",
                     help="ablation: fresh token/n_new/logits buffers every step (make_step_fns(stable_io=False)), so "
                          "XLA re-records the commands that use them before each launch")
-    ap.add_argument("--plan-impl", default="scatter", choices=PLAN_IMPLS,
-                    help="how the plan updates its state (plan_layer's impl; same results)")
+    ap.add_argument("--plan-impl", default="fused", choices=PLAN_IMPLS,
+                    help="how the plan updates its state (plan_layer's impl; same results; fused: one native call)")
+    ap.add_argument("--plan-ablation", choices=PLAN_IMPLS,
+                    help="also a 'split plan IMPL' row: lru-split with the plan by this impl (e.g. scatter, the jnp "
+                         "plan, against the fused default)")
     ap.add_argument("--victims-by", choices=tuple(VICTIM_METHODS),
                     help="how the plan ranks the LRU victims (plan_layer's victims_by; same slots); default: the "
                          "backend's choice for the platform and cache size (default_victims_by: rank on the GPU)")
@@ -373,24 +376,25 @@ def main(argv=None) -> int:
                         rows[pol]["sweep"] = sweep
                     run.backend.drain()  # its background fills write banks about to be freed
                     del run
-                    if pol == "lru-split" and args.defer == "both":  # the same policy with background fills
+                    if pol != "lru-split":
+                        continue
+
+                    def variant(name, what, **plan_extra):  # lru-split again, another backend configuration
                         run = Run(cfg, params, pool, pol, S, B, routing, trace, max_len, band.fill_fraction, tokens,
                                   fused_handshake=args.fused_handshake, stable_io=args.stable_io,
-                                  plan=dict(plan_kw, defer_fills=True))
+                                  plan=dict(plan_kw, **plan_extra))
                         run.sync, run.fixed_inputs = args.sync, args.fixed_inputs
-                        rows["split bg-fills"] = run.timed(args.warmup, args.steps)
-                        progress(f"{routing} b{B} lru-split with background fills {frac:.0%}", rows["split bg-fills"])
+                        rows[name] = run.timed(args.warmup, args.steps)
+                        progress(f"{routing} b{B} lru-split, {what} {frac:.0%}", rows[name])
                         run.backend.drain()
-                        del run
-                    if pol == "lru-split" and args.unit_split:  # background fills + the fills split by units
-                        run = Run(cfg, params, pool, pol, S, B, routing, trace, max_len, band.fill_fraction, tokens,
-                                  fused_handshake=args.fused_handshake, stable_io=args.stable_io,
-                                  plan=dict(plan_kw, defer_fills=True, unit_split=True))
-                        run.sync, run.fixed_inputs = args.sync, args.fixed_inputs
-                        rows["split units"] = run.timed(args.warmup, args.steps)
-                        progress(f"{routing} b{B} lru-split, fills split by units {frac:.0%}", rows["split units"])
-                        run.backend.drain()
-                        del run
+
+                    if args.defer == "both":  # the same policy with background fills
+                        variant("split bg-fills", "with background fills", defer_fills=True)
+                    if args.unit_split:  # background fills + the fills split by units
+                        variant("split units", "fills split by units", defer_fills=True, unit_split=True)
+                    if args.plan_ablation:  # the same policy, the plan by another impl
+                        variant(f"split plan {args.plan_ablation}", f"plan impl {args.plan_ablation}",
+                                defer_fills=args.defer == "on", plan_impl=args.plan_ablation)
                 miss_bytes = rows["lru-split"]["misses_per_step"] * expert_bytes if "lru-split" in rows else 0.0
                 roof = B / (t_gpu["step_ms"] / 1e3 + miss_bytes / (b_dram * 1e9))
                 row = {"routing": routing, "batch": B, "cache_fraction": frac, "slots": S,
@@ -420,10 +424,10 @@ def print_row(row):
           f"({row['slots']} slots) | T_gpu {row['t_gpu_ms']:.2f} ms (host {row['t_gpu_host_ms']:.2f}; resident "
           f"engine; {row['t_offload_resident_ms']:.2f} ms through the offload path) | roofline "
           f"{row['roofline_tok_s']:.1f} tok/s")
-    print(f"{'policy':14} {'tok/s':>8} {'/roof':>6} {'miss%':>6} {'fills/L':>8} {'bg/L':>6} {'cpu/L':>6} "
+    print(f"{'policy':18} {'tok/s':>8} {'/roof':>6} {'miss%':>6} {'fills/L':>8} {'bg/L':>6} {'cpu/L':>6} "
           f"{'step ms':>8} {'host ms':>8} {'warm':>5}")
     for pol, r in row["policies"].items():
-        print(f"{pol:14} {r['tok_s']:8.1f} {r['tok_s'] / row['roofline_tok_s']:6.2f} {100 * r['miss_rate']:6.1f} "
+        print(f"{pol:18} {r['tok_s']:8.1f} {r['tok_s'] / row['roofline_tok_s']:6.2f} {100 * r['miss_rate']:6.1f} "
               f"{r['fills_per_layer']:8.2f} {r.get('deferred_per_layer', 0.0):6.2f} {r['cpu_per_layer']:6.2f} "
               f"{r['step_ms']:8.2f} {r['dispatch_ms']:8.2f} {r.get('warm_steps', 0):5d}")
     print("fills/L: fills per layer call, bg/L of them in the background (their experts also counted in cpu/L: "
@@ -437,6 +441,9 @@ def print_row(row):
         print(f"lru-split / lru-fill = {p['lru-split']['tok_s'] / p['lru-fill']['tok_s']:.2f}")
     if "lru-split" in p and "split bg-fills" in p:
         print(f"background fills: split bg-fills / lru-split = {p['split bg-fills']['tok_s'] / p['lru-split']['tok_s']:.2f}")
+    for name in p:
+        if name.startswith("split plan ") and "lru-split" in p:
+            print(f"plan impl: lru-split / {name} = {p['lru-split']['tok_s'] / p[name]['tok_s']:.2f}")
     if "sweep" in p.get("lru-split", {}):
         best_f, best = max(p["lru-split"]["sweep"].items(), key=lambda kv: kv[1])
         print(f"q* rule {p['lru-split']['tok_s']:.1f} tok/s vs best fixed fraction {best_f} {best:.1f} tok/s "

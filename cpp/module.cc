@@ -183,6 +183,7 @@ NB_MODULE(_host, m) {
   m.def("ffi_handlers", [] {
     nb::dict cpu, cuda;
     cpu["ftjax_cpu_experts"] = nb::capsule(cpu_experts_handler());
+    cpu["ftjax_plan_layer"] = nb::capsule(plan_cpu_handler());
     add_cuda_handlers(cuda);
     nb::dict d;
     d["cpu"] = cpu;

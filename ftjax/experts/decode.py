@@ -93,7 +93,8 @@ class OffloadExperts:
     or ``"pallas"`` (``ftjax.experts.kernels``; bf16 caches). ``fused_handshake``: the one-kernel CPU-branch
     submit and collect (CUDA; default: on the H200 it cost 9.8 us per skipped layer and 58.5 us per
     one-task round trip, against 22.6 and 63.9 us for the memcpy-node path). ``plan_impl``: how the plan
-    updates its state (``plan.plan_layer``'s ``impl``: "scatter", "mixed", "dense"; same results).
+    is computed (``plan.plan_layer``'s ``impl``; same results): "fused" (default: one native call,
+    ``ftjax.experts.plan_fused``; one kernel on the GPU), or the jnp plan "scatter", "mixed", "dense".
     ``victims_by``: how the plan ranks the LRU victims (``plan.plan_layer``: "topk", "rank"; same slots);
     None picks `default_victims_by` for the platform and cache size. ``defer_fills``: decode calls of
     ``lru-split`` may defer their fills (``plan.defer_fills``: at the H200's bandwidths a call with one
@@ -129,7 +130,7 @@ class OffloadExperts:
     gather_max_routes: int | None = None
     kernel: str = "jnp"
     fused_handshake: bool = True
-    plan_impl: str = "scatter"
+    plan_impl: str = "fused"
     victims_by: str | None = None
     defer_fills: bool | None = None
     unit_split: bool = False

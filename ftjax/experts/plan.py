@@ -201,7 +201,7 @@ def rebase_clock(cache: dict) -> dict:
     return dict(cache, step=cache["step"] - shift, last_use=back(cache["last_use"]), recency=back(cache["recency"]))
 
 
-PLAN_IMPLS = ("scatter", "mixed", "dense")
+PLAN_IMPLS = ("scatter", "mixed", "dense", "fused")
 DENSE_MAX_ROUTES = 64  # "mixed": the call-sized parts dense up to this many routes per call (decode)
 
 
@@ -222,8 +222,10 @@ def plan_layer(cache: dict, layer: int, expert_ids: jax.Array, token_valid: jax.
     4-layer decode step has 382 fusions with scatter, 331 mixed, 306 dense (a fusion is a kernel in the
     GPU's step graph, where a batch-1 plan is a chain of tiny kernels); on the CPU backend scatter is the
     fastest at batch 1 (bench/plan.py: 29 / 43 / 54 us per layer); on the H200 (session 8, 40 layers,
-    3,788 slots, batch 1) lru-split 36.6 / 40.5 / 61.6 us. ``victims_by``: how the LRU victims are ranked,
-    "topk" (`lru_victims`) or "rank" (`lru_victims_rank`); same slots.
+    3,788 slots, batch 1) lru-split 36.6 / 40.5 / 61.6 us. "fused": the whole plan in one native call
+    (``ftjax.experts.plan_fused``: one thread on the CPU backend, one thread block on the GPU; exact LRU
+    order whatever ``victims_by``). ``victims_by``: how the LRU victims are ranked, "topk" (`lru_victims`)
+    or "rank" (`lru_victims_rank`); same slots.
 
     ``defer_horizon`` > 0 (rule "balance" only) lets a call defer its fills (:func:`defer_fills`): the
     maps are updated as for any fill, but the call's missed experts are served on the CPU
@@ -253,6 +255,11 @@ def plan_layer(cache: dict, layer: int, expert_ids: jax.Array, token_valid: jax.
     defer = defer_horizon > 0 and rule == "balance" and update
     if unit_split is not None and (unit_split[1] < 1 or unit_split[0] % unit_split[1]):
         raise ValueError(f"unit_split (I, granule) = {unit_split}: the granule must divide I")
+    if impl == "fused":  # the same plan in one native call (one kernel on the GPU)
+        from ftjax.experts.plan_fused import plan_layer_fused
+
+        return plan_layer_fused(cache, layer, expert_ids, token_valid, num_experts=num_experts, rule=rule,
+                                fill_cap=fill_cap, update=update, defer_horizon=defer_horizon, unit_split=unit_split)
     if layer == 0 and update:
         cache = rebase_clock(cache)
     S, N = cache["owner_of"].shape[0], cache["slot_of"].shape[0]

@@ -1,0 +1,289 @@
+// The plan of one MoE layer call (ftjax/experts/plan.py `plan_layer`, its reference), as one pass over
+// the cache state: the same outputs and state updates, bit for bit (tested against the jnp plan on the
+// CPU backend and on the GPU). One source for both platforms: `plan_core` is written against a "team"
+// (`each`, `sum`, `min_u64`, `compact`, `sync`): the CPU handler runs it with one thread (plan_cpu.cc),
+// the CUDA handler with one thread block (plan_cuda.cu), so a decode layer's plan is one kernel instead
+// of XLA's chain of ~20 small ones. The includer defines FTJAX_PLAN_FN (`__device__` or empty).
+#pragma once
+#include <cstdint>
+
+#ifndef FTJAX_PLAN_FN
+#error "define FTJAX_PLAN_FN (__device__, or empty for the host) before including plan_core.h"
+#endif
+
+namespace ftjax {
+
+constexpr int kPlanStats = 6;  // ftjax.experts.cache.STAT_KEYS: hits, misses, fills, cpu_experts, deferred, calls
+enum PlanRule : int32_t { kRuleBalance = 0, kRuleAll = 1, kRuleNone = 2 };
+
+struct PlanArgs {
+  // inputs
+  const int32_t* ids;          // [T*k] router ids of the layer, in [0, E)
+  const int32_t* token_valid;  // [T] nonzero: a real token
+  const float* fill_fraction;  // [] f = B_P / B_H
+  // cache state, read and updated in place
+  int32_t* slot_of;   // [N]
+  int32_t* owner_of;  // [S]
+  int32_t* last_use;  // [S]
+  int32_t* step;      // []
+  int32_t* recency;   // [N]
+  int32_t* stats[kPlanStats];  // [L] each
+  int32_t* hist;      // [N]
+  // the plan (LayerPlan)
+  int32_t* route_slot;   // [R]
+  int32_t* cpu_routes;   // [R]
+  int32_t* route_units;  // [R]
+  int32_t* cpu_units;    // [R] (holds each route's "missed before the call" flag until the last phase)
+  int32_t* fill_ids;     // [F]
+  int32_t* fill_slots;   // [F]
+  int32_t* n_cpu_routes;
+  int32_t* n_fill;
+  int32_t* hits;
+  int32_t* misses;
+  int32_t* cpu_experts;
+  int32_t* deferred;
+  int32_t* fill_units;
+  // static
+  int64_t tokens, top_k, n_experts, layer, n_ids, n_slots, fill_capacity;
+  int32_t rule, update, defer_horizon;
+  int32_t split_inter, split_granule;  // unit split (I, granule); split_inter 0: none
+  int32_t rebase_at, rebase_by;        // the LRU clock's rebase (plan.py REBASE_AT / REBASE_BY)
+  int32_t all_units;                   // plan.py ALL_UNITS
+};
+
+// Scratch of one call: n_experts + 4 x min(T*k, E) + 2 x F int32.
+struct PlanScratch {
+  int32_t* present;    // [E]
+  int32_t* uniq;       // [U] ascending present ids, then E
+  int32_t* slot_u;     // [U]
+  int32_t* rec_u;      // [U] recency before the call
+  int32_t* order_u;    // [U] position among the misses (misses first), -1 for the others
+  int32_t* fill_list;  // [F]
+  int32_t* victims;    // [F]
+};
+
+inline int64_t plan_scratch_ints(int64_t routes, int64_t n_experts, int64_t fill_capacity) {
+  const int64_t U = routes < n_experts ? routes : n_experts;
+  return n_experts + 4 * U + 2 * fill_capacity;
+}
+
+FTJAX_PLAN_FN inline PlanScratch plan_scratch(int32_t* base, int64_t routes, int64_t n_experts, int64_t F) {
+  const int64_t U = routes < n_experts ? routes : n_experts;
+  PlanScratch s;
+  s.present = base;
+  s.uniq = s.present + n_experts;
+  s.slot_u = s.uniq + U;
+  s.rec_u = s.slot_u + U;
+  s.order_u = s.rec_u + U;
+  s.fill_list = s.order_u + U;
+  s.victims = s.fill_list + F;
+  return s;
+}
+
+FTJAX_PLAN_FN inline int32_t imin(int32_t a, int32_t b) { return a < b ? a : b; }
+FTJAX_PLAN_FN inline int32_t imax(int32_t a, int32_t b) { return a > b ? a : b; }
+FTJAX_PLAN_FN inline float fclip01(float f) { return f < 0.0f ? 0.0f : (f > 1.0f ? 1.0f : f); }
+FTJAX_PLAN_FN inline float fmax2(float a, float b) { return a > b ? a : b; }
+
+// plan.balance_fill: floor(m f) or floor(m f) + 1, whichever makes the slower side faster; >= 1 when m > 0.
+FTJAX_PLAN_FN inline int32_t plan_balance_fill(int32_t m, float f) {
+  f = fclip01(f);
+  const float mf = static_cast<float>(m);
+  int32_t lo = static_cast<int32_t>(mf * f);  // m f >= 0: truncation is the floor
+  lo = imin(lo, m);
+  const int32_t hi = imin(lo + 1, m);
+  const float g = 1.0f - f;
+  const float s_lo = fmax2(static_cast<float>(lo) * g, (mf - static_cast<float>(lo)) * f);
+  const float s_hi = fmax2(static_cast<float>(hi) * g, (mf - static_cast<float>(hi)) * f);
+  const int32_t n = s_hi < s_lo ? hi : lo;
+  return m > 0 ? imax(n, 1) : 0;
+}
+
+// plan.defer_fills.
+FTJAX_PLAN_FN inline bool plan_defer_fills(int32_t m, int32_t n_fill, float f) {
+  f = fclip01(f);
+  const float mf = static_cast<float>(m), nf = static_cast<float>(n_fill);
+  return n_fill > 0 && mf * f < fmax2(nf * (1.0f - f), (mf - nf) * f);
+}
+
+// Round half to even (jnp.round) of a value in [0, 2^24).
+FTJAX_PLAN_FN inline int32_t round_even(float x) {
+  int32_t r = static_cast<int32_t>(x);
+  const float d = x - static_cast<float>(r);
+  if (d > 0.5f || (d == 0.5f && (r & 1))) ++r;
+  return r;
+}
+
+// plan.split_units.
+FTJAX_PLAN_FN inline int32_t plan_split_units(int32_t m, int32_t n_fill, float f, int32_t inter, int32_t granule) {
+  f = fclip01(f);
+  float q = static_cast<float>(m) * f / static_cast<float>(imax(n_fill, 1));
+  q = q < 1.0f ? q : 1.0f;
+  const int32_t steps = inter / granule;
+  const int32_t u = round_even(q * static_cast<float>(steps)) * granule;
+  return imin(imax(u, 0), inter);
+}
+
+// The LRU order of slots: older last_use first, ties to the lower slot (a total order).
+FTJAX_PLAN_FN inline uint64_t lru_key(int32_t last_use, int64_t slot) {
+  return (static_cast<uint64_t>(static_cast<uint32_t>(last_use) ^ 0x80000000u) << 32) | static_cast<uint64_t>(slot);
+}
+
+template <class Team>
+FTJAX_PLAN_FN void plan_core(const Team& t, const PlanArgs& a, const PlanScratch& s) {
+  const int64_t E = a.n_experts, R = a.tokens * a.top_k, N = a.n_ids, S = a.n_slots, F = a.fill_capacity;
+  const int64_t U = R < E ? R : E, base = a.layer * E;
+  const bool split = a.split_inter > 0;
+  const bool defer = a.defer_horizon > 0;
+  const float ff = *a.fill_fraction;
+  const int32_t num_units = split ? a.split_inter : a.all_units;
+  auto flat = [&](int64_t r) {  // the route's flat id, clamped like jnp's gather
+    int64_t f = base + a.ids[r];
+    return f < 0 ? int64_t{0} : (f >= N ? N - 1 : f);
+  };
+  auto route_valid = [&](int64_t r) { return a.token_valid[r / a.top_k] != 0; };
+
+  // The LRU clock: layer 0 rebases it (plan.rebase_clock) once it passes rebase_at.
+  const int32_t step0 = *a.step;
+  const int32_t shift = (a.layer == 0 && a.update && step0 >= a.rebase_at) ? a.rebase_by : 0;
+  if (shift) {
+    auto back = [&](int32_t v) { return v >= 0 ? imax(v - shift, 0) : v; };
+    t.each(S, [&](int64_t i) { a.last_use[i] = back(a.last_use[i]); });
+    t.each(N, [&](int64_t i) { a.recency[i] = back(a.recency[i]); });
+  }
+  const int32_t step = step0 - shift + 1;
+
+  // The layer's routed experts; each route's "missed" flag (slot_of before the call); the histogram.
+  t.each(E, [&](int64_t e) { s.present[e] = 0; });
+  t.sync();
+  t.each(R, [&](int64_t r) {
+    const int32_t id = a.ids[r];
+    const bool v = route_valid(r);
+    if (v && id >= 0 && id < E) s.present[id] = 1;
+    a.cpu_units[r] = a.slot_of[flat(r)] < 0;
+    const int64_t f = base + id;
+    if (v && f >= 0 && f < N) {
+#ifdef __CUDA_ARCH__
+      atomicAdd(&a.hist[f], 1);
+#else
+      a.hist[f] += 1;
+#endif
+    }
+  });
+  t.sync();
+  const int64_t n_uniq = t.compact(E, [&](int64_t e) { return s.present[e] != 0; },
+                                   [&](int64_t pos, int64_t e) { s.uniq[pos] = static_cast<int32_t>(e); });
+  t.each(U - n_uniq, [&](int64_t j) { s.uniq[n_uniq + j] = static_cast<int32_t>(E); });
+  t.sync();
+
+  // Hits and misses; the hits are used in this step (never victims).
+  t.each(U, [&](int64_t i) {
+    const bool valid = s.uniq[i] < E;
+    const int64_t uf = base + (valid ? s.uniq[i] : E - 1);
+    const int32_t slot = valid ? a.slot_of[uf] : -1;
+    s.slot_u[i] = slot;
+    s.rec_u[i] = a.recency[uf];
+    if (a.update && slot >= 0) a.last_use[slot] = step;
+  });
+  t.sync();
+  const int32_t m = static_cast<int32_t>(t.sum(U, [&](int64_t i) { return s.uniq[i] < E && s.slot_u[i] < 0; }));
+  const int32_t hits = static_cast<int32_t>(t.sum(U, [&](int64_t i) { return s.slot_u[i] >= 0; }));
+
+  int32_t n_fill = 0, units = num_units;
+  bool deferred = false;
+  if (F > 0) {
+    const int32_t want = a.rule == kRuleAll ? m : plan_balance_fill(m, ff);
+    const int32_t evictable = static_cast<int32_t>(
+        t.sum(S, [&](int64_t i) { return a.last_use[i] < step; }));
+    n_fill = imin(imin(want, static_cast<int32_t>(F)), imin(evictable, static_cast<int32_t>(F)));
+    if (defer && split) {
+      units = plan_split_units(m, n_fill, ff, a.split_inter, a.split_granule);
+      deferred = n_fill > 0 && units < a.split_inter;
+    } else if (defer) {
+      deferred = plan_defer_fills(m, n_fill, ff);
+    }
+    // Victims: the n_fill least recently used slots, in LRU order (one reduction each).
+    uint64_t prev = 0;
+    for (int32_t j = 0; j < n_fill; ++j) {
+      const bool first = j == 0;
+      const uint64_t key = t.min_u64(S, [&](int64_t i) {
+        const uint64_t k = lru_key(a.last_use[i], i);
+        return (first || k > prev) ? k : ~uint64_t{0};
+      });
+      t.each(1, [&](int64_t) { s.victims[j] = static_cast<int32_t>(key & 0xffffffffu); });
+      prev = key;
+    }
+    // The misses to fill: most recently routed first, ties to the lower id (plan.rank_misses).
+    t.each(U, [&](int64_t i) {
+      if (!(s.uniq[i] < E && s.slot_u[i] < 0)) return;
+      int32_t rank = 0;
+      for (int64_t j = 0; j < U; ++j) {
+        if (!(s.uniq[j] < E && s.slot_u[j] < 0)) continue;
+        rank += s.rec_u[j] > s.rec_u[i] || (s.rec_u[j] == s.rec_u[i] && s.uniq[j] < s.uniq[i]);
+      }
+      if (rank < n_fill) s.fill_list[rank] = static_cast<int32_t>(base + s.uniq[i]);
+    });
+    t.sync();
+    const int32_t stamp = (defer && deferred) ? step + a.defer_horizon : step;
+    t.each(F, [&](int64_t j) {
+      if (j >= n_fill) {
+        a.fill_ids[j] = 0;
+        a.fill_slots[j] = 0;
+        return;
+      }
+      const int32_t id = s.fill_list[j], v = s.victims[j];
+      const int32_t old = a.owner_of[v];
+      if (old >= 0) a.slot_of[old] = -1;  // evicted ids are resident, filled ids missed: disjoint
+      a.slot_of[id] = v;
+      a.owner_of[v] = id;
+      a.last_use[v] = stamp;
+      a.fill_ids[j] = id;
+      a.fill_slots[j] = v;
+    });
+    t.sync();
+  }
+
+  // Routes: slot after the updates; the unit split's units; a deferred call's misses to the CPU.
+  const bool split_call = defer && split && F > 0;
+  t.each(R, [&](int64_t r) {
+    int32_t slot = route_valid(r) ? a.slot_of[flat(r)] : -1;
+    int32_t ru = num_units;
+    const bool missed = a.cpu_units[r] != 0;
+    if (split_call) {
+      if (deferred && missed && slot >= 0) ru = units;
+    } else if (defer && deferred && missed) {
+      slot = -1;
+    }
+    a.route_slot[r] = slot;
+    a.route_units[r] = ru;
+  });
+  t.sync();
+  auto on_cpu = [&](int64_t r) { return route_valid(r) && (a.route_slot[r] < 0 || a.route_units[r] < num_units); };
+  const int64_t n_cpu = t.compact(R, on_cpu, [&](int64_t pos, int64_t r) { a.cpu_routes[pos] = static_cast<int32_t>(r); });
+  t.compact(R, [&](int64_t r) { return !on_cpu(r); },
+            [&](int64_t pos, int64_t r) { a.cpu_routes[n_cpu + pos] = static_cast<int32_t>(r); });
+  t.sync();
+  t.each(R, [&](int64_t j) {
+    const int32_t r = a.cpu_routes[j];
+    a.cpu_units[j] = a.route_slot[r] >= 0 ? a.route_units[r] : 0;
+  });
+  // Recency of the routed experts; counters; the clock.
+  t.each(U, [&](int64_t i) {
+    if (s.uniq[i] < E) a.recency[base + s.uniq[i]] = step;
+  });
+  const int32_t cpu_experts = deferred ? m : m - n_fill;
+  t.each(1, [&](int64_t) {
+    *a.n_cpu_routes = static_cast<int32_t>(n_cpu);
+    *a.n_fill = n_fill;
+    *a.hits = hits;
+    *a.misses = m;
+    *a.cpu_experts = cpu_experts;
+    *a.deferred = deferred;
+    *a.fill_units = split_call && deferred ? units : num_units;
+    const int32_t counts[kPlanStats] = {hits, m, n_fill, cpu_experts, deferred ? n_fill : 0, 1};
+    for (int i = 0; i < kPlanStats; ++i) a.stats[i][a.layer] += counts[i];
+    *a.step = step;
+  });
+}
+
+}  // namespace ftjax

@@ -1,0 +1,67 @@
+// The fused plan on the CPU platform: plan_core run by one thread, synchronously (XLA's CPU thread).
+#define FTJAX_PLAN_FN
+#include "plan_core.h"
+
+#include <vector>
+
+#include "ffi_cpu.h"
+#include "plan_ffi.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace ftjax {
+namespace {
+
+// The team of one: every phase a plain loop.
+struct SerialTeam {
+  void sync() const {}
+  template <class F>
+  void each(int64_t n, F f) const {
+    for (int64_t i = 0; i < n; ++i) f(i);
+  }
+  template <class F>
+  int64_t sum(int64_t n, F f) const {
+    int64_t v = 0;
+    for (int64_t i = 0; i < n; ++i) v += f(i);
+    return v;
+  }
+  template <class F>
+  uint64_t min_u64(int64_t n, F f) const {
+    uint64_t v = ~uint64_t{0};
+    for (int64_t i = 0; i < n; ++i) {
+      const uint64_t x = f(i);
+      v = x < v ? x : v;
+    }
+    return v;
+  }
+  template <class P, class Emit>
+  int64_t compact(int64_t n, P pred, Emit emit) const {
+    int64_t c = 0;
+    for (int64_t i = 0; i < n; ++i)
+      if (pred(i)) emit(c++, i);
+    return c;
+  }
+};
+
+ffi::Error PlanCpuImpl(ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t layer, int64_t n_experts,
+                       int64_t fill_capacity, int64_t rule, int64_t update, int64_t defer_horizon,
+                       int64_t split_inter, int64_t split_granule, int64_t rebase_at, int64_t rebase_by,
+                       int64_t all_units) {
+  PlanArgs a;
+  ffi::Error err = plan_ffi::bind(args, rets, layer, n_experts, fill_capacity, rule, update, defer_horizon,
+                                  split_inter, split_granule, rebase_at, rebase_by, all_units, &a);
+  if (err.failure()) return err;
+  thread_local std::vector<int32_t> scratch;
+  scratch.resize(static_cast<size_t>(plan_scratch_ints(a.tokens * a.top_k, a.n_experts, a.fill_capacity)));
+  plan_core(SerialTeam{}, a, plan_scratch(scratch.data(), a.tokens * a.top_k, a.n_experts, a.fill_capacity));
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FtjaxPlanCpu, PlanCpuImpl, FTJAX_PLAN_ATTRS(ffi::Ffi::Bind()));
+
+void* plan_cpu_handler() { return reinterpret_cast<void*>(FtjaxPlanCpu); }
+
+}  // namespace ftjax

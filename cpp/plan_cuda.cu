@@ -1,0 +1,121 @@
+// The fused plan on the CUDA platform: plan_core run by one thread block, one launch per layer call
+// (XLA's jnp plan is a chain of ~20 small kernels: ~26 us per layer on the H200, session 8). The
+// state is read and written on the device; nothing waits on the host (command-buffer compatible).
+#define FTJAX_PLAN_FN __device__
+#include "plan_core.h"
+
+#include <string>
+
+#include "cuda_common.h"
+#include "ffi_cuda.h"
+#include "plan_ffi.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace ftjax {
+namespace {
+
+constexpr int kPlanThreads = 512;  // 16 warps
+
+// One thread block: `each` strides over the threads; reductions and the stable compaction go through
+// warp votes and shuffles and a 32-entry shared array (`red`), every thread getting the result.
+struct BlockTeam {
+  long long* red;
+  __device__ int tid() const { return static_cast<int>(threadIdx.x); }
+  __device__ void sync() const { __syncthreads(); }
+  template <class F>
+  __device__ void each(int64_t n, F f) const {
+    for (int64_t i = tid(); i < n; i += blockDim.x) f(i);
+  }
+  template <class F>
+  __device__ int64_t sum(int64_t n, F f) const {
+    long long v = 0;
+    each(n, [&](int64_t i) { v += f(i); });
+    for (int o = 16; o; o >>= 1) v += __shfl_down_sync(0xffffffffu, v, o);
+    if ((tid() & 31) == 0) red[tid() >> 5] = v;
+    __syncthreads();
+    long long total = 0;
+    for (int w = 0; w < static_cast<int>(blockDim.x >> 5); ++w) total += red[w];
+    __syncthreads();
+    return total;
+  }
+  template <class F>
+  __device__ uint64_t min_u64(int64_t n, F f) const {
+    unsigned long long v = ~0ull;
+    each(n, [&](int64_t i) {
+      const unsigned long long x = f(i);
+      v = x < v ? x : v;
+    });
+    for (int o = 16; o; o >>= 1) {
+      const unsigned long long x = __shfl_down_sync(0xffffffffu, v, o);
+      v = x < v ? x : v;
+    }
+    if ((tid() & 31) == 0) red[tid() >> 5] = static_cast<long long>(v);
+    __syncthreads();
+    unsigned long long best = ~0ull;
+    for (int w = 0; w < static_cast<int>(blockDim.x >> 5); ++w) {
+      const unsigned long long x = static_cast<unsigned long long>(red[w]);
+      best = x < best ? x : best;
+    }
+    __syncthreads();
+    return best;
+  }
+  // Stable: entry i's position is the number of earlier entries that pass, chunk by chunk of the block.
+  template <class P, class Emit>
+  __device__ int64_t compact(int64_t n, P pred, Emit emit) const {
+    const int lane = tid() & 31, warp = tid() >> 5, warps = static_cast<int>(blockDim.x >> 5);
+    int64_t base = 0;
+    for (int64_t c = 0; c < n; c += blockDim.x) {
+      const int64_t i = c + tid();
+      const bool p = i < n && pred(i);
+      const unsigned vote = __ballot_sync(0xffffffffu, p);
+      if (lane == 0) red[warp] = __popc(vote);
+      __syncthreads();
+      int64_t before = base, total = 0;
+      for (int w = 0; w < warps; ++w) {
+        if (w < warp) before += red[w];
+        total += red[w];
+      }
+      if (p) emit(before + __popc(vote & ((1u << lane) - 1u)), i);
+      __syncthreads();
+      base += total;
+    }
+    return base;
+  }
+};
+
+__global__ void __launch_bounds__(kPlanThreads) plan_kernel(PlanArgs a) {
+  extern __shared__ int32_t smem[];
+  __shared__ long long red[32];
+  const int64_t R = a.tokens * a.top_k;
+  plan_core(BlockTeam{red}, a, plan_scratch(smem, R, a.n_experts, a.fill_capacity));
+}
+
+ffi::Error PlanCudaImpl(cudaStream_t stream, ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t layer,
+                        int64_t n_experts, int64_t fill_capacity, int64_t rule, int64_t update,
+                        int64_t defer_horizon, int64_t split_inter, int64_t split_granule, int64_t rebase_at,
+                        int64_t rebase_by, int64_t all_units) {
+  PlanArgs a;
+  ffi::Error err = plan_ffi::bind(args, rets, layer, n_experts, fill_capacity, rule, update, defer_horizon,
+                                  split_inter, split_granule, rebase_at, rebase_by, all_units, &a);
+  if (err.failure()) return err;
+  const size_t smem = sizeof(int32_t) * plan_scratch_ints(a.tokens * a.top_k, a.n_experts, a.fill_capacity);
+  if (smem > 48 * 1024)
+    return ffi::Error::InvalidArgument("plan_layer: " + std::to_string(n_experts) +
+                                       " experts need more than 48 KiB of shared memory for the fused plan");
+  plan_kernel<<<1, kPlanThreads, smem, stream>>>(a);
+  const cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) return ffi::Error::Internal(std::string("plan_layer launch: ") + cudaGetErrorString(e));
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FtjaxPlanCuda, PlanCudaImpl,
+                              FTJAX_PLAN_ATTRS(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+void* plan_cuda_handler() { return reinterpret_cast<void*>(FtjaxPlanCuda); }
+
+}  // namespace ftjax

@@ -1,0 +1,65 @@
+"""The plan of one MoE layer call as one native call (``plan_layer(impl="fused")``).
+
+The same plan and state updates as :func:`ftjax.experts.plan.plan_layer` (its reference), bit for bit
+(tests/experts/test_plan_fused.py), computed by ``cpp/plan_core.h`` in one pass: on the CPU backend one
+thread inside the FFI call, on the GPU one thread block, where XLA runs the jnp plan as a chain of ~20
+small kernels (~26 us per layer on the H200, bench/RESULTS.md session 8). The cache state is updated in
+place: its arrays are aliased to the call's results (donate the state, as every decode step does).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ftjax.experts.cache import STAT_KEYS
+from ftjax.host.ffi import register_targets
+
+RULE_CODES = {"balance": 0, "all": 1, "none": 2}  # cpp/plan_core.h PlanRule
+
+
+def plan_layer_fused(cache: dict, layer: int, expert_ids: jax.Array, token_valid: jax.Array, *, num_experts: int,
+                     rule: str, fill_cap: int | None, update: bool, defer_horizon: int,
+                     unit_split: tuple[int, int] | None):
+    """``plan.plan_layer``'s result through the ``ftjax_plan_layer`` FFI target (arguments checked there)."""
+    from ftjax.experts.plan import ALL_UNITS, REBASE_AT, REBASE_BY, LayerPlan, fill_capacity
+
+    register_targets()
+    T, k = expert_ids.shape
+    R, E = T * k, num_experts
+    S = cache["owner_of"].shape[0]
+    F = fill_capacity(R, E, S, fill_cap, rule) if update else 0
+    defer = defer_horizon > 0 and rule == "balance" and update
+    stats = cache["stats"]
+    state = [cache["slot_of"], cache["owner_of"], cache["last_use"], cache["step"], cache["recency"],
+             *(stats[key] for key in STAT_KEYS), stats["hist"]]
+    for x in state:
+        if x.dtype != jnp.int32:
+            raise ValueError(f"the cache state must be int32, got {x.dtype}{list(x.shape)}")
+
+    def i32(*shape):
+        return jax.ShapeDtypeStruct(shape, jnp.int32)
+
+    results = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in state]
+    results += [i32(R)] * 4 + [i32(F)] * 2 + [i32()] * 7
+    call = jax.ffi.ffi_call("ftjax_plan_layer", results,
+                            input_output_aliases={3 + i: i for i in range(len(state))})
+    out = call(expert_ids.astype(jnp.int32), token_valid.astype(jnp.int32),
+               jnp.asarray(cache["fill_fraction"], jnp.float32).reshape(()), *state,
+               layer=np.int64(layer), n_experts=np.int64(E), fill_capacity=np.int64(F),
+               rule=np.int64(RULE_CODES[rule]), update=np.int64(bool(update)),
+               defer_horizon=np.int64(defer_horizon if defer else 0),
+               split_inter=np.int64(unit_split[0] if unit_split else 0),
+               split_granule=np.int64(unit_split[1] if unit_split else 0),
+               rebase_at=np.int64(REBASE_AT), rebase_by=np.int64(REBASE_BY), all_units=np.int64(ALL_UNITS))
+    n = len(state)
+    slot_of, owner_of, last_use, step, recency = out[:5]
+    new_stats = dict(zip(STAT_KEYS, out[5:5 + len(STAT_KEYS)]), hist=out[n - 1])
+    (route_slot, cpu_routes, route_units, cpu_units, fill_ids, fill_slots, n_cpu_routes, n_fill, hits, misses,
+     cpu_experts, deferred, fill_units) = out[n:]
+    plan = LayerPlan(route_slot=route_slot, cpu_routes=cpu_routes, n_cpu_routes=n_cpu_routes, fill_ids=fill_ids,
+                     fill_slots=fill_slots, n_fill=n_fill, hits=hits, misses=misses, cpu_experts=cpu_experts,
+                     deferred=deferred != 0, route_units=route_units, cpu_units=cpu_units, fill_units=fill_units)
+    new = dict(cache, slot_of=slot_of, owner_of=owner_of, last_use=last_use, step=step, recency=recency,
+               stats=new_stats)
+    return plan, new

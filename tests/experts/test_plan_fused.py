@@ -1,0 +1,153 @@
+"""The fused plan (``plan_layer(impl="fused")``: cpp/plan_core.h through the ``ftjax_plan_layer`` FFI
+target) against the jnp plan (its reference): the same LayerPlan and the same cache state, bit for bit,
+step after step, for every rule, with and without updates, deferred fills, the unit split, fill caps,
+padded tokens and the LRU clock's rebase. On the CPU backend (CI) and, marked gpu, on the GPU (one thread
+block: the parallel reductions and compactions of plan_core)."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ftjax.experts.cache import CacheGeometry, check_invariants, init_cache_state
+from ftjax.experts.plan import REBASE_AT, plan_layer
+
+# rule, S, T, k, E, update, defer, unit_split, fill_cap
+CASES = [
+    ("balance", 5, 1, 3, 8, True, False, None, None),
+    ("all", 7, 3, 3, 8, True, False, None, None),
+    ("balance", 40, 4, 8, 64, True, False, None, None),
+    ("all", 100, 3, 8, 64, True, False, None, 3),
+    ("none", 20, 2, 4, 16, True, False, None, None),
+    ("balance", 20, 2, 4, 16, False, False, None, None),  # static: the maps frozen
+    ("balance", 3, 9, 8, 16, True, False, None, None),    # T*k > E: U = E
+    ("balance", 5, 1, 3, 8, True, True, None, None),
+    ("balance", 40, 2, 8, 64, True, True, None, None),
+    ("balance", 12, 1, 8, 32, True, True, (64, 8), None),
+    ("balance", 60, 4, 8, 64, True, True, (32, 8), 2),
+    ("balance", 0, 2, 4, 16, True, False, None, None),    # no slots: every miss on the CPU
+    ("all", 700, 64, 8, 256, True, False, None, None),    # more routes than one thread block
+]
+IDS = [f"{c[0]}-S{c[1]}-T{c[2]}k{c[3]}E{c[4]}{'' if c[5] else '-frozen'}{'-defer' if c[6] else ''}"
+       f"{'-units' if c[7] else ''}{f'-cap{c[8]}' if c[8] else ''}" for c in CASES]
+L = 3
+
+
+def _steppers(rule, E, update, defer, unit_split, fill_cap):
+    def make(impl):
+        def step(cache, ids, valid):
+            plans = []
+            for layer in range(L):
+                p, cache = plan_layer(cache, layer, ids[layer], valid, num_experts=E, rule=rule, update=update,
+                                      impl=impl, victims_by="rank", defer_horizon=L if defer else 0,
+                                      unit_split=unit_split, fill_cap=fill_cap)
+                plans.append(p)
+            return plans, cache
+        return jax.jit(step, donate_argnums=0)
+    return make("scatter"), make("fused")
+
+
+def _routing(rng, T, k, E):
+    ids = np.stack([np.stack([rng.choice(E, k, replace=False) for _ in range(T)]) for _ in range(L)])
+    if rng.random() < 0.3:  # a burst of repeats: many hits
+        ids[:] = ids[0]
+    return jnp.asarray(ids, jnp.int32), jnp.asarray(rng.random(T) < 0.8)
+
+
+def _assert_same(ref, got, what):
+    (p_ref, c_ref), (p_got, c_got) = ref, got
+    for layer, (a, b) in enumerate(zip(p_ref, p_got)):
+        for name in a._fields:
+            x, y = np.asarray(getattr(a, name)), np.asarray(getattr(b, name))
+            assert x.dtype == y.dtype, f"{what}, layer {layer}: {name} dtype {x.dtype} vs {y.dtype}"
+            np.testing.assert_array_equal(x, y, f"{what}, layer {layer}: {name}")
+    for path, x in jax.tree_util.tree_flatten_with_path(c_ref)[0]:
+        y = c_got
+        for key in path:
+            y = y[key.key]
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y), f"{what}: state {jax.tree_util.keystr(path)}")
+
+
+def run_lockstep(case, device, steps=30, seed=0, clock=None):
+    """Both plans from the same state, ``steps`` decode steps of ``L`` layers; compare after each."""
+    rule, S, T, k, E, update, defer, unit_split, fill_cap = case
+    ref_step, fused_step = _steppers(rule, E, update, defer, unit_split, fill_cap)
+    geom = CacheGeometry(num_layers=L, num_experts=E, num_slots=S, hidden=4, inter=unit_split[0] if unit_split else 2)
+    rng = np.random.default_rng(seed + S * 7 + T)
+    with jax.default_device(device):
+        cache = init_cache_state(geom, jnp.float32, fill_fraction=float(rng.choice([0.3, 0.37, 0.5, 0.8])))
+        cache.pop("gate_up"), cache.pop("down")
+        if clock is not None:  # stamps near the rebase point
+            cache["step"] = jnp.asarray(clock, jnp.int32)
+        ref = jax.tree.map(jnp.copy, cache)
+        for i in range(steps):
+            ids, valid = _routing(rng, T, k, E)
+            out_ref = ref_step(ref, ids, valid)
+            out_fused = fused_step(cache, ids, valid)
+            _assert_same(out_ref, out_fused, f"step {i}")
+            ref, cache = out_ref[1], out_fused[1]
+    check_invariants(cache)
+    return cache
+
+
+@pytest.fixture
+def cpu():
+    return jax.devices("cpu")[0]
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_fused_plan_equals_the_jnp_plan(case, cpu):
+    cache = run_lockstep(case, cpu)
+    stats = {key: int(np.asarray(v).sum()) for key, v in cache["stats"].items()}
+    assert stats["calls"] == 30 * L
+    if case[1] and case[5] and case[0] != "none":
+        assert stats["fills"] > 0  # the cases exercise the fills (and the hits, where the cache can hold a layer)
+        assert stats["hits"] > 0 or case[1] < case[4]
+
+
+@pytest.mark.parametrize("defer", [False, True])
+def test_fused_plan_rebases_the_clock_like_the_jnp_plan(defer, cpu):
+    cache = run_lockstep(("balance", 6, 2, 2, 8, True, defer, None, None), cpu, steps=12, clock=REBASE_AT - 4 * L)
+    assert int(cache["step"]) < REBASE_AT  # rebased on the way
+
+
+def test_fused_plan_updates_the_donated_state_in_place(cpu):
+    """The state arrays are aliased to the call's results: no whole-map copies in the compiled step."""
+    import re
+
+    Lx, E, S, T, k = 4, 16, 40, 1, 4
+    geom = CacheGeometry(num_layers=Lx, num_experts=E, num_slots=S, hidden=4, inter=2)
+    with jax.default_device(cpu):
+        cache = init_cache_state(geom, jnp.float32)
+
+        def step(cache, ids):
+            return plan_layer(cache, 1, ids, jnp.ones((T,), bool), num_experts=E, impl="fused")
+
+        hlo = jax.jit(step, donate_argnums=0).lower(cache, jnp.zeros((T, k), jnp.int32)).compile().as_text()
+    copied = re.findall(r"= s32\[(\d+)\]\{0\} copy\(", hlo[hlo.index("ENTRY"):])
+    assert not {int(n) for n in copied} & {S, Lx * E}, copied
+    assert "ftjax_plan_layer" in hlo
+
+
+def test_fused_plan_checks_its_arguments(cpu):
+    geom = CacheGeometry(num_layers=2, num_experts=4, num_slots=2, hidden=4, inter=2)
+    with jax.default_device(cpu):
+        cache = init_cache_state(geom, jnp.float32)
+        ids, valid = jnp.zeros((1, 2), jnp.int32), jnp.ones((1,), bool)
+        with pytest.raises(Exception, match="outside slot_of"):  # layer 2 of a 2-layer cache
+            jax.block_until_ready(plan_layer(cache, 2, ids, valid, num_experts=4, impl="fused"))
+        bad = dict(cache, last_use=cache["last_use"].astype(jnp.float32))
+        with pytest.raises(ValueError, match="int32"):
+            plan_layer(bad, 0, ids, valid, num_experts=4, impl="fused")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_fused_plan_equals_the_jnp_plan_on_the_gpu(case):
+    from ftjax.host import cuda
+
+    if not cuda.available():
+        pytest.skip("needs a CUDA build, a GPU and JAX's GPU backend")
+    run_lockstep(case, jax.devices("gpu")[0])
+    if case == CASES[-1]:
+        run_lockstep(("balance", 6, 2, 2, 8, True, True, None, None), jax.devices("gpu")[0], steps=12,
+                     clock=REBASE_AT - 4 * L)
