@@ -3,6 +3,8 @@
 # Each step has its own time limit so one slow step cannot eat the call; the last lines are a summary.
 #   bash bench/gpu_session.sh [tests] [host] [cpu] [kernels] [tune] [decode] [decode-more]
 #   (default: tests host kernels)
+# Session 13 steps: tests-plan (the fused plan's GPU tests + the CUDA offload tests, ~2.5 min), decode-plan-b1 /
+# -b4 (lru-split with the fused plan vs the jnp plan, lru-fill; ~4.5 min).
 # Session 12 steps: prefill-split (the prefill kernels' own times, routed vs one expert, ~1.5 min),
 # tests-units (the unit split's GPU tests, ~30 s), decode-units-b1 / -b4 (lru-split with and without
 # the unit split, ~4.5 min).
@@ -90,6 +92,13 @@ for s in "${steps[@]}"; do
     tests-units)  # the unit split's GPU tests: the partial fill, unit starts through the handshake, offload vs resident
        run gpu_tests_units 200 python3 -m pytest -q -m gpu tests/host/test_cuda.py tests/experts/test_offload_cuda.py \
          -k "units or unit_split or unit_starts or background" ;;
+    tests-plan)  # the fused plan against the jnp plan on the GPU, and the offload path that runs it (~2.5 min)
+       run gpu_tests_plan 240 python3 -m pytest -q -m gpu tests/experts/test_plan_fused.py tests/experts/test_offload_cuda.py ;;
+    decode-plan-b1|decode-plan-b4)  # 40 layers, trace, 37%, warm: lru-split with the fused plan vs the jnp plan, lru-fill (~4.5 min)
+       b=${s##*-b}
+       run "decode_plan_b$b" 420 python3 bench/decode.py --layers 40 --batches $b --routing trace --fractions 0.37 \
+         --policies lru-split lru-fill --plan-ablation scatter --no-sweep --no-online --steps 32 --warmup 24 \
+         --out "$OUT/decode_plan_b$b.json" ;;
     tests-offload) run gpu_tests_offload 200 python3 -m pytest -q -m gpu tests/experts/test_offload_cuda.py tests/host/test_cuda.py ;;
     kernels) run kernels 240 python3 bench/kernels.py --tokens 1024 8192 --ragged --iters 5 --out "$OUT/kernels.json" ;;
     tune) run tune_decode 150 python3 bench/kernels.py --only decode --shapes 2048x512 --dtypes bf16 --decode-tokens 1 8 \
