@@ -17,6 +17,7 @@ namespace ftjax {
 namespace {
 
 constexpr int kPlanThreads = 512;  // 16 warps
+constexpr size_t kPlanMaxSmem = 200 * 1024;  // scratch of 7 E int32 at most: E up to ~7,300 experts per layer
 
 // One thread block: `each` strides over the threads; reductions and the stable compaction go through
 // warp votes and shuffles and a 32-entry shared array (`red`), every thread getting the result.
@@ -101,11 +102,17 @@ ffi::Error PlanCudaImpl(cudaStream_t stream, ffi::RemainingArgs args, ffi::Remai
                                   split_inter, split_granule, rebase_at, rebase_by, all_units, &a);
   if (err.failure()) return err;
   const size_t smem = sizeof(int32_t) * plan_scratch_ints(a.tokens * a.top_k, a.n_experts, a.fill_capacity);
-  if (smem > 48 * 1024)
-    return ffi::Error::InvalidArgument("plan_layer: " + std::to_string(n_experts) +
-                                       " experts need more than 48 KiB of shared memory for the fused plan");
-  plan_kernel<<<1, kPlanThreads, smem, stream>>>(a);
-  const cudaError_t e = cudaGetLastError();
+  if (smem > kPlanMaxSmem)
+    return ffi::Error::InvalidArgument("plan_layer: " + std::to_string(n_experts) + " experts need " +
+                                       std::to_string(smem) + " B of shared memory, more than the fused plan's " +
+                                       std::to_string(kPlanMaxSmem) + " (use plan_impl=\"scatter\")");
+  cudaError_t e = cudaSuccess;
+  if (smem > 48 * 1024)  // above the default limit of dynamic shared memory: opt in (every Hopper has 227 KiB)
+    e = cudaFuncSetAttribute(plan_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+  if (e == cudaSuccess) {
+    plan_kernel<<<1, kPlanThreads, smem, stream>>>(a);
+    e = cudaGetLastError();
+  }
   if (e != cudaSuccess) return ffi::Error::Internal(std::string("plan_layer launch: ") + cudaGetErrorString(e));
   return ffi::Error::Success();
 }

@@ -16,6 +16,7 @@ from ftjax.experts.cache import STAT_KEYS
 from ftjax.host.ffi import register_targets
 
 RULE_CODES = {"balance": 0, "all": 1, "none": 2}  # cpp/plan_core.h PlanRule
+MAX_EXPERTS = 7168  # 7 E int32 of scratch within cpp/plan_cuda.cu kPlanMaxSmem (200 KiB)
 
 
 def plan_layer_fused(cache: dict, layer: int, expert_ids: jax.Array, token_valid: jax.Array, *, num_experts: int,
@@ -26,6 +27,9 @@ def plan_layer_fused(cache: dict, layer: int, expert_ids: jax.Array, token_valid
 
     register_targets()
     T, k = expert_ids.shape
+    if num_experts > MAX_EXPERTS:
+        raise ValueError(f"the fused plan handles up to {MAX_EXPERTS} experts per layer (its GPU scratch is in "
+                         f"shared memory), got {num_experts}: use plan_impl='scatter'")
     R, E = T * k, num_experts
     S = cache["owner_of"].shape[0]
     F = fill_capacity(R, E, S, fill_cap, rule) if update else 0

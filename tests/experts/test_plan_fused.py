@@ -138,6 +138,12 @@ def test_fused_plan_checks_its_arguments(cpu):
         bad = dict(cache, last_use=cache["last_use"].astype(jnp.float32))
         with pytest.raises(ValueError, match="int32"):
             plan_layer(bad, 0, ids, valid, num_experts=4, impl="fused")
+        from ftjax.experts.plan_fused import MAX_EXPERTS
+
+        E = MAX_EXPERTS + 1
+        big = init_cache_state(CacheGeometry(num_layers=1, num_experts=E, num_slots=2, hidden=4, inter=2), jnp.float32)
+        with pytest.raises(ValueError, match="plan_impl='scatter'"):
+            plan_layer(big, 0, ids, valid, num_experts=E, impl="fused")
 
 
 @pytest.mark.gpu
