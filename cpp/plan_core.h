@@ -51,20 +51,19 @@ struct PlanArgs {
   int32_t all_units;                   // plan.py ALL_UNITS
 };
 
-// Scratch of one call: n_experts + 4 x min(T*k, E) + 2 x F int32.
+// Scratch of one call: n_experts + 3 x min(T*k, E) + 2 x F int32.
 struct PlanScratch {
   int32_t* present;    // [E]
   int32_t* uniq;       // [U] ascending present ids, then E
   int32_t* slot_u;     // [U]
   int32_t* rec_u;      // [U] recency before the call
-  int32_t* order_u;    // [U] position among the misses (misses first), -1 for the others
   int32_t* fill_list;  // [F]
   int32_t* victims;    // [F]
 };
 
 inline int64_t plan_scratch_ints(int64_t routes, int64_t n_experts, int64_t fill_capacity) {
   const int64_t U = routes < n_experts ? routes : n_experts;
-  return n_experts + 4 * U + 2 * fill_capacity;
+  return n_experts + 3 * U + 2 * fill_capacity;
 }
 
 FTJAX_PLAN_FN inline PlanScratch plan_scratch(int32_t* base, int64_t routes, int64_t n_experts, int64_t F) {
@@ -74,8 +73,7 @@ FTJAX_PLAN_FN inline PlanScratch plan_scratch(int32_t* base, int64_t routes, int
   s.uniq = s.present + n_experts;
   s.slot_u = s.uniq + U;
   s.rec_u = s.slot_u + U;
-  s.order_u = s.rec_u + U;
-  s.fill_list = s.order_u + U;
+  s.fill_list = s.rec_u + U;
   s.victims = s.fill_list + F;
   return s;
 }

@@ -146,14 +146,21 @@ def test_fused_plan_checks_its_arguments(cpu):
             plan_layer(big, 0, ids, valid, num_experts=E, impl="fused")
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("case", CASES, ids=IDS)
-def test_fused_plan_equals_the_jnp_plan_on_the_gpu(case):
+@pytest.fixture
+def gpu():
     from ftjax.host import cuda
 
     if not cuda.available():
         pytest.skip("needs a CUDA build, a GPU and JAX's GPU backend")
-    run_lockstep(case, jax.devices("gpu")[0])
-    if case == CASES[-1]:
-        run_lockstep(("balance", 6, 2, 2, 8, True, True, None, None), jax.devices("gpu")[0], steps=12,
-                     clock=REBASE_AT - 4 * L)
+    return jax.devices("gpu")[0]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_fused_plan_equals_the_jnp_plan_on_the_gpu(case, gpu):
+    run_lockstep(case, gpu)
+
+
+@pytest.mark.gpu
+def test_fused_plan_rebases_the_clock_on_the_gpu(gpu):
+    run_lockstep(("balance", 6, 2, 2, 8, True, True, None, None), gpu, steps=12, clock=REBASE_AT - 4 * L)
