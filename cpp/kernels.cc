@@ -126,6 +126,24 @@ MatrixRef matrix_of(const Bank& bank, int64_t expert) {
   return m;
 }
 
+void pack_vnni(const uint16_t* x, int64_t stride, int n, int64_t K, uint32_t* dst, bool int4_order) {
+  const int64_t pairs = vnni_pairs(K);
+  for (int j = 0; j < n; ++j) {
+    const uint16_t* xj = x + j * stride;
+    uint32_t* d = dst + j;
+    if (!int4_order) {
+      const int64_t full = K / 2;
+      for (int64_t p = 0; p < full; ++p) d[p * n] = xj[2 * p] | static_cast<uint32_t>(xj[2 * p + 1]) << 16;
+      for (int64_t p = full; p < pairs; ++p) d[p * n] = p * 2 < K ? xj[2 * p] : 0;  // odd K: the last pair's low word
+      continue;
+    }
+    for (int64_t p = 0; p < pairs; ++p) {
+      const int64_t k0 = amx_int4_column(2 * p), k1 = amx_int4_column(2 * p + 1);
+      d[p * n] = (k0 < K ? xj[k0] : 0u) | (k1 < K ? static_cast<uint32_t>(xj[k1]) << 16 : 0u);
+    }
+  }
+}
+
 MatrixRef column_window(const MatrixRef& w, int64_t c0, int64_t n) {
   if (c0 < 0 || n < 0 || c0 + n > w.cols)
     throw std::invalid_argument("column window [" + std::to_string(c0) + ", " + std::to_string(c0 + n) +

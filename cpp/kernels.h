@@ -34,7 +34,29 @@ struct ActRef {
   // pair64 order (pair64_index), which lets the AVX-512 tier turn two int4 groups into bf16 with
   // one byte widening and two table permutes. nullptr: not provided (the tiers use bf16).
   const uint16_t* bf16_pair64 = nullptr;
+  // Optional (bf16 activations, AMX tier): the vectors already in the B-tile pair layout of
+  // pack_vnni, built once per call instead of once per block of weight rows, in the weights'
+  // column order (int4_order for int4 weights). nullptr: bf16 weights get them packed by the tier,
+  // int4 weights go to the AVX-512 tier.
+  const uint32_t* vnni = nullptr;
 };
+
+// The AMX B-tile layout of n bf16 vectors of length K: dst[p * n + j] = the pair (x_j[c(2p)],
+// x_j[c(2p + 1)]) as one dword (low word first), for p < vnni_pairs(K), zero past K (so a last
+// partial 32-column step adds exact zeros); x_j = x + j * stride. c(pos) = pos, or with
+// int4_order, amx_int4_column(pos): the AMX tier expands a 16-byte int4 group (byte b: columns 2b,
+// 2b + 1) into an A-tile row from four copies of it, word lane 8c + m of copy c keeping nibble c of
+// the word (bytes 2m, 2m + 1), i.e. column 4m + c.
+inline int64_t vnni_pairs(int64_t K) { return (K + 31) / 32 * 16; }
+inline int64_t amx_int4_column(int64_t pos) {
+  const int64_t e = pos & 31;
+  return (pos - e) + 4 * (e & 7) + (e >> 3);
+}
+inline int64_t amx_int4_position(int64_t k) {  // the inverse
+  const int64_t e = k & 31;
+  return (k - e) + 8 * (e & 3) + (e >> 2);
+}
+void pack_vnni(const uint16_t* x, int64_t stride, int n, int64_t K, uint32_t* dst, bool int4_order = false);
 
 // Position of element k of a vector in the pair64 order: in each span of 64 elements, e = k % 64
 // goes to (e & 1) * 32 + (e >> 2) * 2 + ((e >> 1) & 1). A span of packed int4 weights is 32 bytes,

@@ -1,7 +1,8 @@
-// AMX tier (AMX-TILE + AMX-BF16): bf16 weights times bf16 activations on the tile unit with
-// TDPBF16PS (bf16 pair products summed in fp32, like VDPBF16PS). Every other case - f32 or int4
-// weights, f32 activations, K < 32, the rows past the last full block of 16 - goes to the
-// AVX-512-BF16 tier unchanged.
+// AMX tier (AMX-TILE + AMX-BF16): bf16 or int4 weights times bf16 activations on the tile unit
+// with TDPBF16PS (bf16 pair products summed in fp32, like VDPBF16PS); int4 groups expand to exact
+// bf16 (q - 8) in L1 and each group's product is scaled in fp32. Every other case - f32 weights,
+// f32 activations, K < 32, int4 without pre-packed activations, the rows past the last full block
+// of 16 - goes to the AVX-512-BF16 tier unchanged.
 // It computes C^T = W . X^T, 16 weight rows x up to 16 tokens per C tile: the A tiles (16 rows x
 // 32 k) load straight from the bank with the matrix's row stride, so only the few activation
 // vectors are repacked, once per call, into the VNNI pair layout that the B tile needs.
@@ -18,6 +19,7 @@
 
 namespace ftjax {
 namespace {
+constexpr int kAmxMinTokens = 3;
 constexpr int kArchReqXcompPerm = 0x1023;  // arch_prctl: request permission for an XSAVE feature
 constexpr int kXfeatureXtiledata = 18;
 
@@ -25,8 +27,11 @@ constexpr int kXfeatureXtiledata = 18;
 // point at (no "memory" clobber), so a buffer written just before one is published with this.
 inline void publish(const void* p) { asm volatile("" : : "r"(p) : "memory"); }
 
-// LDTILECFG's 64-byte operand, palette 1. tmm0, tmm1: C, 16 weight rows x nb fp32; tmm2, tmm3:
-// A, 16 weight rows x 32 bf16; tmm4: B, 16 k-pairs x nb tokens x 2 bf16. Unused tiles stay zero.
+// LDTILECFG's 64-byte operand, palette 1. Tiles are not renamed: a tile load waits until the
+// previous product has read that tile, so the k-steps alternate between two sets of A and B tiles
+// (even steps: A tmm2 (tmm3), B tmm4; odd steps: A tmm5 (tmm6), B tmm7) and the load of one step
+// overlaps the product of the other. C: tmm0 (and tmm1), 16 weight rows x nb fp32; A: 16 weight
+// rows x 32 bf16; B: 16 k-pairs x nb tokens x 2 bf16.
 struct alignas(64) TileConfig {
   uint8_t palette_id = 1, start_row = 0, reserved[14] = {};
   uint16_t colsb[16] = {};
@@ -36,11 +41,12 @@ static_assert(sizeof(TileConfig) == 64);
 
 // Loaded on every call (cheap against the 16 x K weight rows a call reads): other code on the same
 // thread (oneDNN inside XLA or torch) may reconfigure or release the tiles between our calls.
-void configure(int nb) {
+void configure(int nb, bool int4 = false) {
   TileConfig cfg;
-  for (int t = 0; t < 5; ++t) {
+  for (int t = 0; t < 8; ++t) {
     cfg.rows[t] = 16;
-    cfg.colsb[t] = static_cast<uint16_t>((t == 2 || t == 3) ? 64 : 4 * nb);
+    const bool a_tile = int4 ? t == 2 || t == 5 : t == 2 || t == 3 || t == 5 || t == 6;
+    cfg.colsb[t] = static_cast<uint16_t>(a_tile ? 64 : 4 * nb);
   }
   publish(&cfg);
   _tile_loadconfig(&cfg);
@@ -72,9 +78,8 @@ void transpose16(__m512i r[16]) {
   for (int p = 0; p < 16; ++p) r[p] = t[p];
 }
 
-// vnni[p * n + j] = bf16 pair (x_j[2p], x_j[2p + 1]) as one dword for p < ceil(K / 32) * 16, zero
-// past K (so the last partial k-step adds exact zeros). The B tile of tokens [j0, j0 + 16) at
-// k-step k is 16 rows of it from vnni + k / 2 * n + j0, row stride 4n bytes.
+// pack_vnni's layout (kernels.h), in SIMD, for an ActRef that comes without it. The B tile of tokens
+// [j0, j0 + 16) at k-step k is 16 rows of it from vnni + k / 2 * n + j0, row stride 4n bytes.
 const uint32_t* repack(const ActRef& a, int64_t K) {
   const int n = a.n;
   thread_local std::vector<uint32_t> buf;
@@ -104,14 +109,17 @@ const uint32_t* repack(const ActRef& a, int64_t K) {
 }
 
 // NB blocks of 16 weight rows from w (K columns, row stride ld) times the B tiles at b (row stride n pairs):
-// out[i * n + j] for i < 16 * NB, j < nb. Each B tile is loaded once for the NB blocks.
-// Each k-step also prefetches every row's line `pf` bytes ahead (prefetch_bytes(); 0 = off).
+// out[i * n + j] for i < 16 * NB, j < nb. Each B tile is loaded once for the NB blocks. NB = 1: the
+// even and odd k-steps accumulate in tmm0 and tmm1 (two chains), summed at the end; NB = 2: block
+// b accumulates in tmm<b>. Each k-step also prefetches every row's line `pf` bytes ahead
+// (prefetch_bytes(); 0 = off).
 template <int NB>
 void row_blocks(const uint16_t* w, int64_t K, int64_t ld, const uint32_t* b, int n, int nb, float* out, int64_t pf) {
   alignas(64) uint16_t tail[16 * NB][32];
   _tile_zero(0);
-  if constexpr (NB == 2) _tile_zero(1);
-  for (int64_t k = 0; k < K; k += 32) {
+  _tile_zero(1);
+  int64_t step = 0;
+  for (int64_t k = 0; k < K; k += 32, ++step) {
     if (pf > 0) {
       const char* ahead = reinterpret_cast<const char*>(w + k) + pf;
       for (int i = 0; i < 16 * NB; ++i) _mm_prefetch(ahead + i * ld * 2, _MM_HINT_T0);
@@ -126,20 +134,149 @@ void row_blocks(const uint16_t* w, int64_t K, int64_t ld, const uint32_t* b, int
       a0 = tail[0];
       stride = 32;
     }
-    _tile_loadd(4, b + k / 2 * n, 4 * n);
-    _tile_loadd(2, a0, 2 * stride);
-    _tile_dpbf16ps(0, 2, 4);
-    if constexpr (NB == 2) {
-      _tile_loadd(3, a0 + 16 * stride, 2 * stride);
-      _tile_dpbf16ps(1, 3, 4);
+    const uint32_t* bk = b + k / 2 * n;
+    if ((step & 1) == 0) {
+      _tile_loadd(4, bk, 4 * n);
+      _tile_loadd(2, a0, 2 * stride);
+      if constexpr (NB == 2) _tile_loadd(3, a0 + 16 * stride, 2 * stride);
+      _tile_dpbf16ps(0, 2, 4);
+      if constexpr (NB == 2) _tile_dpbf16ps(1, 3, 4);
+    } else {
+      _tile_loadd(7, bk, 4 * n);
+      _tile_loadd(5, a0, 2 * stride);
+      if constexpr (NB == 2) _tile_loadd(6, a0 + 16 * stride, 2 * stride);
+      if constexpr (NB == 2) {
+        _tile_dpbf16ps(0, 5, 7);
+        _tile_dpbf16ps(1, 6, 7);
+      } else {
+        _tile_dpbf16ps(1, 5, 7);
+      }
     }
   }
-  alignas(64) float c[16 * NB][16];
+  alignas(64) float c[32][16];
   _tile_stored(0, c[0], 64);
-  if constexpr (NB == 2) _tile_stored(1, c[16], 64);
+  _tile_stored(1, c[16], 64);
   for (int i = 0; i < 16 * NB; ++i)
-    for (int j = 0; j < nb; ++j) out[i * n + j] = c[i][j];
+    for (int j = 0; j < nb; ++j) out[i * n + j] = NB == 2 ? c[i][j] : c[i][j] + c[16 + i][j];
 }
+
+// bf16 bits of q - 8 for a nibble q, twice (VPERMW reads 5 index bits; see kernels_avx512.cc).
+alignas(64) constexpr uint16_t kInt4Bf16[32] = {
+    0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0xC040, 0xC000, 0xBF80, 0x0000, 0x3F80, 0x4000,
+    0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0, 0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0xC040,
+    0xC000, 0xBF80, 0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0};
+
+// int4 weights: 16 rows x nb tokens, one 32-column group per k-step (a group has one scale per
+// row, so each step's product gets its own C tile, stored and scaled into fp32 registers:
+// acc[row] += scale[row][g] * C_g[row], tokens in lanes). A group's 16 packed bytes expand to an
+// A-tile row of 32 exact bf16 values q - 8 with one load, one shift and one table lookup: the bytes
+// broadcast to the four 128-bit lanes, word lane 8c + m shifted right by 4c (its nibble c), then
+// VPERMW (column order amx_int4_column, which the B tiles at b follow). The steps are
+// software-pipelined: step g + 1 expands into one staging buffer while step g's tiles read the
+// other, and step g's C is scaled during step g + 1. Tiles: C tmm0 / tmm1, A tmm2 / tmm5, B tmm4 /
+// tmm7.
+#define FTJAX_INLINE inline __attribute__((always_inline))
+
+// Group g of 16 int4 rows (row stride rb bytes) into the staging A tile dst.
+FTJAX_INLINE void int4_expand(const uint8_t* rows, int64_t rb, int64_t g, __m512i shifts, __m512i table,
+                              uint16_t (*dst)[32], int64_t pf) {
+  if (pf > 0 && (g & 3) == 0)
+    for (int i = 0; i < 16; ++i) _mm_prefetch(reinterpret_cast<const char*>(rows + i * rb + 16 * g) + pf, _MM_HINT_T0);
+#pragma GCC unroll 16
+  for (int i = 0; i < 16; ++i) {
+    const __m512i v = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rows + i * rb + 16 * g)));
+    _mm512_store_si512(dst[i], _mm512_permutexvar_epi16(_mm512_srlv_epi16(v, shifts), table));
+  }
+}
+
+// The 16 row accumulators as named registers (GCC keeps an array of them on the stack).
+#define FTJAX_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11) X(12) X(13) X(14) X(15)
+// acc<row> += scale[row][g] * C_g[row] (sf: fp32 scales [row][G]; c: the stored C tile).
+#define FTJAX_SCALE_ROW(i) acc##i = _mm512_fmadd_ps(_mm512_load_ps(c_[i]), _mm512_set1_ps(sf[i * G + g_]), acc##i);
+#define FTJAX_SCALE(c, g)              \
+  do {                                  \
+    const float(*c_)[16] = (c);         \
+    const int64_t g_ = (g);             \
+    FTJAX_ROWS(FTJAX_SCALE_ROW)         \
+  } while (0)
+
+void int4_block(const MatrixRef& w, int64_t r, const uint32_t* b, int n, int nb, float* out, int64_t pf) {
+  const int64_t G = w.cols / 32, rb = w.ld / 2, sc_stride = w.ld / 32;
+  const uint8_t* rows = w.data + r * rb;
+  const uint16_t* sc = w.scales + r * sc_stride;
+  alignas(64) uint16_t abuf[4][16][32];
+  // A C tile of nb < 16 columns stores only those; the other lanes of cbuf keep what was there,
+  // which only ever feeds lanes of acc that are not read. Zeroed once per thread: stack garbage
+  // there could be subnormal, and an FMA on a subnormal input costs ~100 cycles.
+  alignas(64) thread_local float cbuf[4][16][16] = {};
+  thread_local std::vector<float> scales;  // [row][group], fp32
+  if (scales.size() < static_cast<size_t>(16 * G + 16)) scales.resize(16 * G + 16);
+  for (int i = 0; i < 16; ++i) {
+    const uint16_t* s_row = sc + i * sc_stride;
+    float* d = scales.data() + i * G;
+    for (int64_t g = 0; g < G; g += 16) {
+      const __mmask16 m = G - g >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << (G - g)) - 1);
+      const __m512i v = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, s_row + g));
+      _mm512_mask_storeu_ps(d + g, m, _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)));
+    }
+  }
+  const float* sf = scales.data();
+  const __m512i table = _mm512_load_si512(kInt4Bf16);
+  const __m512i shifts = _mm512_set_epi64(0x000C000C000C000C, 0x000C000C000C000C, 0x0008000800080008,
+                                          0x0008000800080008, 0x0004000400040004, 0x0004000400040004, 0, 0);
+#define FTJAX_ZERO_ROW(i) __m512 acc##i = _mm512_setzero_ps();
+  FTJAX_ROWS(FTJAX_ZERO_ROW)
+  // Four groups at a time: expand all four, four products into C tiles tmm0/1/3/6 (the A and B
+  // tiles alternate, so a load overlaps the previous product), store the four, scale the four:
+  // fewer switches between vector stores and tile instructions.
+  for (int64_t g0 = 0; g0 < G; g0 += 4) {
+    const int nq = static_cast<int>(std::min<int64_t>(4, G - g0));
+    for (int q = 0; q < nq; ++q) int4_expand(rows, rb, g0 + q, shifts, table, abuf[q], pf);
+    publish(abuf);
+    const uint32_t* bk = b + g0 * 16 * n;
+    _tile_zero(0);
+    _tile_loadd(2, abuf[0], 64);
+    _tile_loadd(4, bk, 4 * n);
+    _tile_dpbf16ps(0, 2, 4);
+    if (nq > 1) {
+      _tile_zero(1);
+      _tile_loadd(5, abuf[1], 64);
+      _tile_loadd(7, bk + 16 * n, 4 * n);
+      _tile_dpbf16ps(1, 5, 7);
+    }
+    if (nq > 2) {
+      _tile_zero(3);
+      _tile_loadd(2, abuf[2], 64);
+      _tile_loadd(4, bk + 32 * n, 4 * n);
+      _tile_dpbf16ps(3, 2, 4);
+    }
+    if (nq > 3) {
+      _tile_zero(6);
+      _tile_loadd(5, abuf[3], 64);
+      _tile_loadd(7, bk + 48 * n, 4 * n);
+      _tile_dpbf16ps(6, 5, 7);
+    }
+    _tile_stored(0, cbuf[0], 64);
+    if (nq > 1) _tile_stored(1, cbuf[1], 64);
+    if (nq > 2) _tile_stored(3, cbuf[2], 64);
+    if (nq > 3) _tile_stored(6, cbuf[3], 64);
+    publish(cbuf);
+    FTJAX_SCALE(cbuf[0], g0);
+    if (nq > 1) FTJAX_SCALE(cbuf[1], g0 + 1);
+    if (nq > 2) FTJAX_SCALE(cbuf[2], g0 + 2);
+    if (nq > 3) FTJAX_SCALE(cbuf[3], g0 + 3);
+  }
+  alignas(64) float res[16][16];
+#define FTJAX_STORE_ROW(i) _mm512_store_ps(res[i], acc##i);
+  FTJAX_ROWS(FTJAX_STORE_ROW)
+  for (int i = 0; i < 16; ++i)
+    for (int j = 0; j < nb; ++j) out[i * n + j] = res[i][j];
+}
+#undef FTJAX_ROWS
+#undef FTJAX_SCALE_ROW
+#undef FTJAX_SCALE
+#undef FTJAX_ZERO_ROW
+#undef FTJAX_STORE_ROW
 }  // namespace
 
 bool amx_enable() {
@@ -151,9 +288,22 @@ bool amx_enable() {
 
 void dot_rows_amx(const MatrixRef& w, int64_t r0, int64_t r1, const ActRef& a, float* out) {
   const int64_t K = w.cols, r_amx = r0 + (r1 - r0) / 16 * 16;  // AMX rows: [r0, r_amx)
+  // Fewer tokens than kAmxMinTokens: the AVX-512 loops are faster (they do not pay for the
+  // unused tile columns; dev-box Xeon, one core: bf16 27 vs 20 GB/s at 1 token, int4 12.6 vs 8.3).
+  if (a.n < kAmxMinTokens) return dot_rows_avx512bf16(w, r0, r1, a, out);
+  if (w.format == WeightFormat::kInt4 && a.vnni != nullptr && r_amx > r0) {
+    const int64_t pf = prefetch_bytes();
+    for (int j0 = 0; j0 < a.n; j0 += 16) {
+      const int nb = std::min(16, a.n - j0);
+      configure(nb, true);
+      for (int64_t r = r0; r < r_amx; r += 16) int4_block(w, r, a.vnni + j0, a.n, nb, out + (r - r0) * a.n + j0, pf);
+    }
+    if (r_amx < r1) dot_rows_avx512bf16(w, r_amx, r1, a, out + (r_amx - r0) * a.n);
+    return;
+  }
   if (w.format != WeightFormat::kBF16 || a.bf16 == nullptr || K < 32 || r_amx == r0)
     return dot_rows_avx512bf16(w, r0, r1, a, out);
-  const uint32_t* b = repack(a, K);
+  const uint32_t* b = a.vnni != nullptr ? a.vnni : repack(a, K);
   const int64_t pf = prefetch_bytes();
   const uint16_t* wd = reinterpret_cast<const uint16_t*>(w.data);
   for (int j0 = 0; j0 < a.n; j0 += 16) {

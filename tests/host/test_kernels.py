@@ -117,6 +117,28 @@ def test_more_tokens_than_a_tile_bf16_activations(tier, fmt, hidden, inter):
 
 
 @pytest.mark.parametrize("tier", TIERS)
+@pytest.mark.parametrize("hidden,inter", [(32, 96), (64, 160), (96, 64), (160, 32)])
+def test_int4_bf16_activations_tokens_per_expert(tier, hidden, inter):
+    """int4 weights, bf16 activations, 1 to 17 tokens per expert: the AMX tier's tile path from 3
+    tokens on (blocks of 16 rows, the rest on AVX-512; groups of 32 columns four at a time, here 1, 2,
+    3 and 5 groups; 17 tokens: two blocks of tile columns), fewer tokens on AVX-512."""
+    set_tier(tier)
+    rng = np.random.default_rng(zlib.crc32(f"i4tok{tier}{hidden}".encode()))
+    counts = [1, 2, 3, 4, 5, 16, 17]
+    pool, ref = make_pool(rng, "int4", len(counts), hidden, inter)
+    T = max(counts)
+    x = rng.standard_normal((T, hidden)).astype(BF16)
+    tok = np.concatenate([rng.choice(T, c, replace=False) for c in counts]).astype(np.int32)
+    eid = np.repeat(np.arange(len(counts)), counts).astype(np.int32)
+    perm = rng.permutation(tok.size)  # tasks in any order: the kernel groups them by expert
+    tok, eid = tok[perm], eid[perm]
+    w = rng.random(tok.size).astype(np.float32)
+    y = run(pool, x, tok, eid, w, tok.size)
+    want = experts_reference(x.astype(np.float32), tok, eid, w, tok.size, ref["gate_up"], ref["down"], bf16_act=True)
+    assert rel_err(y, want) < 2e-2
+
+
+@pytest.mark.parametrize("tier", TIERS)
 @pytest.mark.parametrize("fmt,act", [("f32", "f32"), ("bf16", "f32"), ("bf16", "bf16"), ("int4", "f32"),
                                      ("int4", "bf16")])
 def test_unit_start_computes_only_those_units(tier, fmt, act):
