@@ -33,7 +33,7 @@ struct PlanArgs {
   int32_t* route_slot;   // [R]
   int32_t* cpu_routes;   // [R]
   int32_t* route_units;  // [R]
-  int32_t* cpu_units;    // [R] (holds each route's "missed before the call" flag until the last phase)
+  int32_t* cpu_units;    // [R] (holds the slot before the call of a route whose id is outside [0, E))
   int32_t* fill_ids;     // [F]
   int32_t* fill_slots;   // [F]
   int32_t* n_cpu_routes;
@@ -43,6 +43,19 @@ struct PlanArgs {
   int32_t* cpu_experts;
   int32_t* deferred;
   int32_t* fill_units;
+  // optional (nullptr: not asked for): the CPU branch's task arrays in cpu_routes order (the route's
+  // token, flat id and gate weight), from the gate weights [R]
+  const float* gate_weights;
+  int32_t* task_token;
+  int32_t* task_flat;
+  float* task_weight;
+  // optional: the decode step's background rows [L, bg_cols] / [L], row `layer` written (ftjax/experts/
+  // plan.py record_background): the fills, their count if deferred, and (bg_from) the first unit
+  int32_t* bg_ids;
+  int32_t* bg_slots;
+  int32_t* bg_n;
+  int32_t* bg_from;
+  int64_t bg_cols;
   // static
   int64_t tokens, top_k, n_experts, layer, n_ids, n_slots, fill_capacity;
   int32_t rule, update, defer_horizon;
@@ -51,30 +64,45 @@ struct PlanArgs {
   int32_t all_units;                   // plan.py ALL_UNITS
 };
 
-// Scratch of one call: n_experts + 3 x min(T*k, E) + 2 x F int32.
+// Scratch of one call (shared memory on the GPU): E + 4 x min(T*k, E) + 3 x F int32, then optionally
+// copies of the router ids (R = T*k more) and of last_use (S more). The GPU copies both where they fit:
+// the routes' phase then reads shared memory only (their slots come from the per-expert arrays, not
+// from slot_of again), and the evictable count and the victims' reductions read the last_use copy.
 struct PlanScratch {
-  int32_t* present;    // [E]
+  int32_t* pos;        // [E] 1 + the expert's index in uniq, 0: not routed
   int32_t* uniq;       // [U] ascending present ids, then E
-  int32_t* slot_u;     // [U]
+  int32_t* slot_u;     // [U] slot before the call
   int32_t* rec_u;      // [U] recency before the call
-  int32_t* fill_list;  // [F]
+  int32_t* slot_new;   // [U] slot after the call's fills
+  int32_t* fill_list;  // [F] flat ids to fill, in fill order
+  int32_t* fill_u;     // [F] their index in uniq
   int32_t* victims;    // [F]
+  int32_t* ids_copy;   // [R] or nullptr: the router ids are read in place
+  int32_t* lu;         // [S] last_use: the copy, or the state itself
+  bool lu_copy;
 };
 
-inline int64_t plan_scratch_ints(int64_t routes, int64_t n_experts, int64_t fill_capacity) {
+inline int64_t plan_scratch_ints(int64_t routes, int64_t n_experts, int64_t fill_capacity, int64_t slots,
+                                 bool ids_copy, bool lu_copy) {
   const int64_t U = routes < n_experts ? routes : n_experts;
-  return n_experts + 3 * U + 2 * fill_capacity;
+  return n_experts + 4 * U + 3 * fill_capacity + (ids_copy ? routes : 0) + (lu_copy ? slots : 0);
 }
 
-FTJAX_PLAN_FN inline PlanScratch plan_scratch(int32_t* base, int64_t routes, int64_t n_experts, int64_t F) {
+FTJAX_PLAN_FN inline PlanScratch plan_scratch(int32_t* base, int64_t routes, int64_t n_experts, int64_t F,
+                                              int32_t* last_use, bool ids_copy, bool lu_copy) {
   const int64_t U = routes < n_experts ? routes : n_experts;
   PlanScratch s;
-  s.present = base;
-  s.uniq = s.present + n_experts;
+  s.pos = base;
+  s.uniq = s.pos + n_experts;
   s.slot_u = s.uniq + U;
   s.rec_u = s.slot_u + U;
-  s.fill_list = s.rec_u + U;
-  s.victims = s.fill_list + F;
+  s.slot_new = s.rec_u + U;
+  s.fill_list = s.slot_new + U;
+  s.fill_u = s.fill_list + F;
+  s.victims = s.fill_u + F;
+  s.ids_copy = ids_copy ? s.victims + F : nullptr;
+  s.lu = lu_copy ? s.victims + F + (ids_copy ? routes : 0) : last_use;
+  s.lu_copy = lu_copy;
   return s;
 }
 
@@ -135,31 +163,28 @@ FTJAX_PLAN_FN void plan_core(const Team& t, const PlanArgs& a, const PlanScratch
   const bool defer = a.defer_horizon > 0;
   const float ff = *a.fill_fraction;
   const int32_t num_units = split ? a.split_inter : a.all_units;
-  auto flat = [&](int64_t r) {  // the route's flat id, clamped like jnp's gather
-    int64_t f = base + a.ids[r];
-    return f < 0 ? int64_t{0} : (f >= N ? N - 1 : f);
-  };
+  auto clamp_flat = [&](int64_t f) { return f < 0 ? int64_t{0} : (f >= N ? N - 1 : f); };  // jnp's gather
   auto route_valid = [&](int64_t r) { return a.token_valid[r / a.top_k] != 0; };
+  int32_t* lu = s.lu;
 
   // The LRU clock: layer 0 rebases it (plan.rebase_clock) once it passes rebase_at.
   const int32_t step0 = *a.step;
   const int32_t shift = (a.layer == 0 && a.update && step0 >= a.rebase_at) ? a.rebase_by : 0;
-  if (shift) {
-    auto back = [&](int32_t v) { return v >= 0 ? imax(v - shift, 0) : v; };
-    t.each(S, [&](int64_t i) { a.last_use[i] = back(a.last_use[i]); });
-    t.each(N, [&](int64_t i) { a.recency[i] = back(a.recency[i]); });
-  }
+  auto back = [&](int32_t v) { return v >= 0 ? imax(v - shift, 0) : v; };
+  if (shift) t.each(N, [&](int64_t i) { a.recency[i] = back(a.recency[i]); });
   const int32_t step = step0 - shift + 1;
 
-  // The layer's routed experts; each route's "missed" flag (slot_of before the call); the histogram.
-  t.each(E, [&](int64_t e) { s.present[e] = 0; });
+  // One pass over the inputs: the router ids (kept), the layer's routed experts, the histogram, and
+  // last_use (into the copy, rebased).
+  t.each(E, [&](int64_t e) { s.pos[e] = 0; });
   t.sync();
   t.each(R, [&](int64_t r) {
     const int32_t id = a.ids[r];
+    if (s.ids_copy) s.ids_copy[r] = id;
     const bool v = route_valid(r);
-    if (v && id >= 0 && id < E) s.present[id] = 1;
-    a.cpu_units[r] = a.slot_of[flat(r)] < 0;
+    if (v && id >= 0 && id < E) s.pos[id] = 1;
     const int64_t f = base + id;
+    if (v && (id < 0 || id >= E)) a.cpu_units[r] = a.slot_of[clamp_flat(f)];  // its slot before the call
     if (v && f >= 0 && f < N) {
 #ifdef __CUDA_ARCH__
       atomicAdd(&a.hist[f], 1);
@@ -168,20 +193,27 @@ FTJAX_PLAN_FN void plan_core(const Team& t, const PlanArgs& a, const PlanScratch
 #endif
     }
   });
+  if (s.lu_copy)
+    t.each(S, [&](int64_t i) { lu[i] = back(a.last_use[i]); });
+  else if (shift)
+    t.each(S, [&](int64_t i) { lu[i] = back(lu[i]); });
   t.sync();
-  const int64_t n_uniq = t.compact(E, [&](int64_t e) { return s.present[e] != 0; },
-                                   [&](int64_t pos, int64_t e) { s.uniq[pos] = static_cast<int32_t>(e); });
+  const int64_t n_uniq = t.compact(E, [&](int64_t e) { return s.pos[e] != 0; },
+                                   [&](int64_t q, int64_t e) { s.uniq[q] = static_cast<int32_t>(e); });
   t.each(U - n_uniq, [&](int64_t j) { s.uniq[n_uniq + j] = static_cast<int32_t>(E); });
   t.sync();
 
-  // Hits and misses; the hits are used in this step (never victims).
+  // Hits and misses (the one read of slot_of and recency per routed expert); the hits are used in this
+  // step (never victims).
   t.each(U, [&](int64_t i) {
     const bool valid = s.uniq[i] < E;
     const int64_t uf = base + (valid ? s.uniq[i] : E - 1);
     const int32_t slot = valid ? a.slot_of[uf] : -1;
+    if (valid) s.pos[s.uniq[i]] = static_cast<int32_t>(i) + 1;
     s.slot_u[i] = slot;
+    s.slot_new[i] = slot;
     s.rec_u[i] = a.recency[uf];
-    if (a.update && slot >= 0) a.last_use[slot] = step;
+    if (a.update && slot >= 0) lu[slot] = step;
   });
   t.sync();
   const int32_t m = static_cast<int32_t>(t.sum(U, [&](int64_t i) { return s.uniq[i] < E && s.slot_u[i] < 0; }));
@@ -191,8 +223,7 @@ FTJAX_PLAN_FN void plan_core(const Team& t, const PlanArgs& a, const PlanScratch
   bool deferred = false;
   if (F > 0) {
     const int32_t want = a.rule == kRuleAll ? m : plan_balance_fill(m, ff);
-    const int32_t evictable = static_cast<int32_t>(
-        t.sum(S, [&](int64_t i) { return a.last_use[i] < step; }));
+    const int32_t evictable = static_cast<int32_t>(t.sum(S, [&](int64_t i) { return lu[i] < step; }));
     n_fill = imin(imin(want, static_cast<int32_t>(F)), imin(evictable, static_cast<int32_t>(F)));
     if (defer && split) {
       units = plan_split_units(m, n_fill, ff, a.split_inter, a.split_granule);
@@ -205,7 +236,7 @@ FTJAX_PLAN_FN void plan_core(const Team& t, const PlanArgs& a, const PlanScratch
     for (int32_t j = 0; j < n_fill; ++j) {
       const bool first = j == 0;
       const uint64_t key = t.min_u64(S, [&](int64_t i) {
-        const uint64_t k = lru_key(a.last_use[i], i);
+        const uint64_t k = lru_key(lu[i], i);
         return (first || k > prev) ? k : ~uint64_t{0};
       });
       t.each(1, [&](int64_t) { s.victims[j] = static_cast<int32_t>(key & 0xffffffffu); });
@@ -219,7 +250,10 @@ FTJAX_PLAN_FN void plan_core(const Team& t, const PlanArgs& a, const PlanScratch
         if (!(s.uniq[j] < E && s.slot_u[j] < 0)) continue;
         rank += s.rec_u[j] > s.rec_u[i] || (s.rec_u[j] == s.rec_u[i] && s.uniq[j] < s.uniq[i]);
       }
-      if (rank < n_fill) s.fill_list[rank] = static_cast<int32_t>(base + s.uniq[i]);
+      if (rank < n_fill) {
+        s.fill_list[rank] = static_cast<int32_t>(base + s.uniq[i]);
+        s.fill_u[rank] = static_cast<int32_t>(i);
+      }
     });
     t.sync();
     const int32_t stamp = (defer && deferred) ? step + a.defer_horizon : step;
@@ -234,19 +268,41 @@ FTJAX_PLAN_FN void plan_core(const Team& t, const PlanArgs& a, const PlanScratch
       if (old >= 0) a.slot_of[old] = -1;  // evicted ids are resident, filled ids missed: disjoint
       a.slot_of[id] = v;
       a.owner_of[v] = id;
-      a.last_use[v] = stamp;
+      lu[v] = stamp;
+      s.slot_new[s.fill_u[j]] = v;
       a.fill_ids[j] = id;
       a.fill_slots[j] = v;
     });
+    if (a.bg_ids)
+      t.each(F, [&](int64_t j) {
+        a.bg_ids[a.layer * a.bg_cols + j] = j < n_fill ? s.fill_list[j] : 0;
+        a.bg_slots[a.layer * a.bg_cols + j] = j < n_fill ? s.victims[j] : 0;
+      });
     t.sync();
   }
 
-  // Routes: slot after the updates; the unit split's units; a deferred call's misses to the CPU.
+  // Routes: slot after the updates; the unit split's units; a deferred call's misses to the CPU. A
+  // routed expert's slots come from the per-expert arrays; a router id outside [0, E) reads slot_of at
+  // the clamped flat id, before and after the updates (the jnp plan's gather), like the reference.
   const bool split_call = defer && split && F > 0;
+  auto slots_of = [&](int64_t r, int32_t* before, int32_t* after) {
+    const int32_t id = s.ids_copy ? s.ids_copy[r] : a.ids[r];
+    if (!route_valid(r)) {
+      *before = -1;
+      *after = -1;
+    } else if (id >= 0 && id < E) {  // a valid route's expert is in uniq
+      *before = s.slot_u[s.pos[id] - 1];
+      *after = s.slot_new[s.pos[id] - 1];
+    } else {
+      *before = a.cpu_units[r];
+      *after = a.slot_of[clamp_flat(base + id)];
+    }
+  };
   t.each(R, [&](int64_t r) {
-    int32_t slot = route_valid(r) ? a.slot_of[flat(r)] : -1;
+    int32_t before, slot;
+    slots_of(r, &before, &slot);
     int32_t ru = num_units;
-    const bool missed = a.cpu_units[r] != 0;
+    const bool missed = before < 0;
     if (split_call) {
       if (deferred && missed && slot >= 0) ru = units;
     } else if (defer && deferred && missed) {
@@ -257,18 +313,24 @@ FTJAX_PLAN_FN void plan_core(const Team& t, const PlanArgs& a, const PlanScratch
   });
   t.sync();
   auto on_cpu = [&](int64_t r) { return route_valid(r) && (a.route_slot[r] < 0 || a.route_units[r] < num_units); };
-  const int64_t n_cpu = t.compact(R, on_cpu, [&](int64_t pos, int64_t r) { a.cpu_routes[pos] = static_cast<int32_t>(r); });
+  const int64_t n_cpu = t.compact(R, on_cpu, [&](int64_t q, int64_t r) { a.cpu_routes[q] = static_cast<int32_t>(r); });
   t.compact(R, [&](int64_t r) { return !on_cpu(r); },
-            [&](int64_t pos, int64_t r) { a.cpu_routes[n_cpu + pos] = static_cast<int32_t>(r); });
+            [&](int64_t q, int64_t r) { a.cpu_routes[n_cpu + q] = static_cast<int32_t>(r); });
   t.sync();
   t.each(R, [&](int64_t j) {
     const int32_t r = a.cpu_routes[j];
     a.cpu_units[j] = a.route_slot[r] >= 0 ? a.route_units[r] : 0;
+    if (a.task_token) {
+      a.task_token[j] = static_cast<int32_t>(r / a.top_k);
+      a.task_flat[j] = static_cast<int32_t>(base) + (s.ids_copy ? s.ids_copy[r] : a.ids[r]);
+      a.task_weight[j] = a.gate_weights[r];
+    }
   });
-  // Recency of the routed experts; counters; the clock.
+  // Recency of the routed experts; last_use back from the copy; counters; the clock.
   t.each(U, [&](int64_t i) {
     if (s.uniq[i] < E) a.recency[base + s.uniq[i]] = step;
   });
+  if (s.lu_copy) t.each(S, [&](int64_t i) { a.last_use[i] = lu[i]; });
   const int32_t cpu_experts = deferred ? m : m - n_fill;
   t.each(1, [&](int64_t) {
     *a.n_cpu_routes = static_cast<int32_t>(n_cpu);
@@ -280,6 +342,10 @@ FTJAX_PLAN_FN void plan_core(const Team& t, const PlanArgs& a, const PlanScratch
     *a.fill_units = split_call && deferred ? units : num_units;
     const int32_t counts[kPlanStats] = {hits, m, n_fill, cpu_experts, deferred ? n_fill : 0, 1};
     for (int i = 0; i < kPlanStats; ++i) a.stats[i][a.layer] += counts[i];
+    if (a.bg_n && F > 0) {
+      a.bg_n[a.layer] = deferred ? n_fill : 0;
+      if (a.bg_from) a.bg_from[a.layer] = deferred ? *a.fill_units : 0;
+    }
     *a.step = step;
   });
 }

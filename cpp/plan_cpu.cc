@@ -44,17 +44,16 @@ struct SerialTeam {
   }
 };
 
-ffi::Error PlanCpuImpl(ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t layer, int64_t n_experts,
-                       int64_t fill_capacity, int64_t rule, int64_t update, int64_t defer_horizon,
-                       int64_t split_inter, int64_t split_granule, int64_t rebase_at, int64_t rebase_by,
-                       int64_t all_units) {
+ffi::Error PlanCpuImpl(ffi::RemainingArgs args, ffi::RemainingRets rets, FTJAX_PLAN_ATTR_PARAMS) {
   PlanArgs a;
-  ffi::Error err = plan_ffi::bind(args, rets, layer, n_experts, fill_capacity, rule, update, defer_horizon,
-                                  split_inter, split_granule, rebase_at, rebase_by, all_units, &a);
+  ffi::Error err = plan_ffi::bind(args, rets, FTJAX_PLAN_ATTR_VALUES, &a);
   if (err.failure()) return err;
+  const int64_t R = a.tokens * a.top_k;
+  // With the copies of the ids and of last_use, like the GPU (one thread gains nothing from them, but CI
+  // then runs the code paths the GPU runs).
   thread_local std::vector<int32_t> scratch;
-  scratch.resize(static_cast<size_t>(plan_scratch_ints(a.tokens * a.top_k, a.n_experts, a.fill_capacity)));
-  plan_core(SerialTeam{}, a, plan_scratch(scratch.data(), a.tokens * a.top_k, a.n_experts, a.fill_capacity));
+  scratch.resize(static_cast<size_t>(plan_scratch_ints(R, a.n_experts, a.fill_capacity, a.n_slots, true, true)));
+  plan_core(SerialTeam{}, a, plan_scratch(scratch.data(), R, a.n_experts, a.fill_capacity, a.last_use, true, true));
   return ffi::Error::Success();
 }
 

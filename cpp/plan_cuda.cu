@@ -18,7 +18,7 @@ namespace ftjax {
 namespace {
 
 constexpr int kPlanThreads = 512;  // 16 warps
-constexpr size_t kPlanMaxSmem = 200 * 1024;  // scratch of 6 E int32 at most: up to 7,168 experts (plan_fused.py)
+constexpr size_t kPlanMaxSmem = 200 * 1024;  // the scratch without copies: 8 E int32 at most, up to 6,400 experts (plan_fused.py)
 
 // One thread block: `each` strides over the threads; reductions and the stable compaction go through
 // warp votes and shuffles and a 32-entry shared array (`red`), every thread getting the result.
@@ -87,22 +87,26 @@ struct BlockTeam {
   }
 };
 
-__global__ void __launch_bounds__(kPlanThreads) plan_kernel(PlanArgs a) {
+__global__ void __launch_bounds__(kPlanThreads) plan_kernel(PlanArgs a, bool ids_copy, bool lu_copy) {
   extern __shared__ int32_t smem[];
   __shared__ long long red[32];
   const int64_t R = a.tokens * a.top_k;
-  plan_core(BlockTeam{red}, a, plan_scratch(smem, R, a.n_experts, a.fill_capacity));
+  plan_core(BlockTeam{red}, a, plan_scratch(smem, R, a.n_experts, a.fill_capacity, a.last_use, ids_copy, lu_copy));
 }
 
-ffi::Error PlanCudaImpl(cudaStream_t stream, ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t layer,
-                        int64_t n_experts, int64_t fill_capacity, int64_t rule, int64_t update,
-                        int64_t defer_horizon, int64_t split_inter, int64_t split_granule, int64_t rebase_at,
-                        int64_t rebase_by, int64_t all_units) {
+ffi::Error PlanCudaImpl(cudaStream_t stream, ffi::RemainingArgs args, ffi::RemainingRets rets, FTJAX_PLAN_ATTR_PARAMS) {
   PlanArgs a;
-  ffi::Error err = plan_ffi::bind(args, rets, layer, n_experts, fill_capacity, rule, update, defer_horizon,
-                                  split_inter, split_granule, rebase_at, rebase_by, all_units, &a);
+  ffi::Error err = plan_ffi::bind(args, rets, FTJAX_PLAN_ATTR_VALUES, &a);
   if (err.failure()) return err;
-  const size_t smem = sizeof(int32_t) * plan_scratch_ints(a.tokens * a.top_k, a.n_experts, a.fill_capacity);
+  const int64_t R = a.tokens * a.top_k;
+  // The router ids, then last_use, copied into shared memory where they fit (plan_core.h PlanScratch);
+  // otherwise read in place.
+  const auto bytes = [&](bool ids, bool lu) {
+    return sizeof(int32_t) * plan_scratch_ints(R, a.n_experts, a.fill_capacity, a.n_slots, ids, lu);
+  };
+  const bool ids_copy = bytes(true, false) <= kPlanMaxSmem;
+  const bool lu_copy = bytes(ids_copy, true) <= kPlanMaxSmem;
+  const size_t smem = bytes(ids_copy, lu_copy);
   if (smem > kPlanMaxSmem)
     return ffi::Error::InvalidArgument("plan_layer: " + std::to_string(n_experts) + " experts need " +
                                        std::to_string(smem) + " B of shared memory, more than the fused plan's " +
@@ -111,7 +115,7 @@ ffi::Error PlanCudaImpl(cudaStream_t stream, ffi::RemainingArgs args, ffi::Remai
   if (smem > 48 * 1024)  // above the default limit of dynamic shared memory: opt in (every Hopper has 227 KiB)
     e = cudaFuncSetAttribute(plan_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
   if (e == cudaSuccess) {
-    plan_kernel<<<1, kPlanThreads, smem, stream>>>(a);
+    plan_kernel<<<1, kPlanThreads, smem, stream>>>(a, ids_copy, lu_copy);
     e = cudaGetLastError();
   }
   if (e != cudaSuccess) return ffi::Error::Internal(std::string("plan_layer launch: ") + cudaGetErrorString(e));

@@ -30,7 +30,8 @@ import numpy as np
 from ftjax.experts.cache import CacheGeometry, init_cache_state, preload
 from ftjax.experts.interface import combine_routes, expert_mlp
 from ftjax.experts.kernels import check_kernel, decode_routes, prefill_layer
-from ftjax.experts.plan import PLAN_IMPLS, VICTIM_METHODS, plan_layer
+from ftjax.experts.plan import PLAN_IMPLS, VICTIM_METHODS, cpu_tasks, plan_layer, record_background
+from ftjax.experts.plan_fused import plan_layer_fused
 from ftjax.experts.policies import Policy, get_policy, min_slots
 from ftjax.experts.resident import _ragged_routes
 from ftjax.host import quant, tune_workers_for_gpu
@@ -50,6 +51,7 @@ def cache_dtype(pool: HostPool):
 # Thread blocks of a background fill: on the H200 8-16 blocks move a 6.3 MB expert at PCIe speed (44-47
 # GB/s) and leave the SMs to the work beside it (16: 0.95 of the fill hidden; 1,056 blocks: none).
 BACKGROUND_FILL_BLOCKS = 16
+BACKGROUND_KEYS = ("bg_ids", "bg_slots", "bg_n", "bg_from")  # init_state's per-step rows of deferred fills
 RANK_MAX_SLOTS = 8192  # victims_by="rank" counts over S^2 slot pairs: measured at 3,788 slots only
 
 
@@ -291,15 +293,23 @@ class OffloadExperts:
 
             gu, dn = cuda.background_wait(state["gate_up"], state["down"], self.background_id, layer)
             state = dict(state, gate_up=gu, down=dn)
-        plan, state = plan_layer(state, layer, expert_ids, token_valid, num_experts=E, rule=rule,
-                                 fill_cap=self.fill_cap, update=self.policy.update, impl=self.plan_impl,
-                                 victims_by=self.victims_by,
-                                 defer_horizon=self.num_layers if self.background_fills and decode else 0,
-                                 unit_split=(self.pool.inter, unit_granule(self.pool)) if self.unit_split else None)
-
-        flat = layer * E + expert_ids.reshape(-1).astype(jnp.int32)
-        tasks = plan.cpu_routes
-        cpu_args = (x, tasks // k, flat[tasks], gate_weights.reshape(-1).astype(jnp.float32)[tasks], plan.n_cpu_routes)
+        plan_args = dict(num_experts=E, rule=rule, fill_cap=self.fill_cap, update=self.policy.update,
+                         defer_horizon=self.num_layers if self.background_fills and decode else 0,
+                         unit_split=(self.pool.inter, unit_granule(self.pool)) if self.unit_split else None)
+        recorded = False  # this call's background row written by the plan itself
+        if self.plan_impl == "fused" and (self.cpu_branch or bg_decode):
+            # the CPU branch's task arrays and the background row in the plan's own call (no XLA glue)
+            plan, state, tasks, bg = plan_layer_fused(
+                state, layer, expert_ids, token_valid, **plan_args,
+                gate_weights=gate_weights if self.cpu_branch else None,
+                background={key: state[key] for key in BACKGROUND_KEYS} if bg_decode else None)
+            if bg is not None:
+                state, recorded = dict(state, **bg), True
+        else:
+            plan, state = plan_layer(state, layer, expert_ids, token_valid, impl=self.plan_impl,
+                                     victims_by=self.victims_by, **plan_args)
+            tasks = cpu_tasks(plan, layer, expert_ids, gate_weights, E) if self.cpu_branch else None
+        cpu_args = (x, *tasks, plan.n_cpu_routes) if tasks is not None else None
         token, y_cpu = None, jnp.zeros(x.shape, jnp.float32)
         if not self.cpu_branch:
             pass  # every expert is in the cache: nothing can miss
@@ -316,13 +326,9 @@ class OffloadExperts:
 
         if plan.fill_ids.shape[0]:  # (always, under a policy with background fills: T*k, E, S >= 1)
             state = self._fill(state, plan, token, plan.deferred if bg_decode else None)
-            if bg_decode:  # this call's deferred fills (or none), started after the step's last layer
-                F = plan.fill_ids.shape[0]
-                state = dict(state, bg_ids=state["bg_ids"].at[layer, :F].set(plan.fill_ids),
-                             bg_slots=state["bg_slots"].at[layer, :F].set(plan.fill_slots),
-                             bg_n=state["bg_n"].at[layer].set(jnp.where(plan.deferred, plan.n_fill, 0)))
-                if self.unit_split:  # a split call filled units [0, u): the background copies [u, I)
-                    state["bg_from"] = state["bg_from"].at[layer].set(jnp.where(plan.deferred, plan.fill_units, 0))
+            if bg_decode and not recorded:  # this call's deferred fills (or none), started after the step's
+                # last layer; under the unit split a call filled units [0, u): the background copies [u, I)
+                state = record_background(state, plan, layer, self.unit_split)
         if self.num_slots:
             y = self._gpu_part(state, layer, x, expert_ids, gate_weights, token_valid, plan.route_slot,
                                plan.route_units if self.unit_split else None)

@@ -366,3 +366,26 @@ def plan_layer(cache: dict, layer: int, expert_ids: jax.Array, token_valid: jax.
         recency = recency.at[jnp.where(uniq_valid, uniq_flat, N)].set(step, mode="drop")
     new = dict(cache, slot_of=slot_of, owner_of=owner_of, last_use=last_use, step=step, stats=stats, recency=recency)
     return plan, new
+
+
+def cpu_tasks(plan: LayerPlan, layer: int, expert_ids: jax.Array, gate_weights: jax.Array, num_experts: int):
+    """The CPU branch's task arrays in ``plan.cpu_routes`` order: each route's token, flat expert id
+    (``layer * E + id``) and gate weight (f32); the first ``plan.n_cpu_routes`` are the CPU's. The fused
+    plan computes the same in its call (``plan_layer_fused(gate_weights=...)``)."""
+    k = expert_ids.shape[1]
+    tasks = plan.cpu_routes
+    flat = layer * num_experts + expert_ids.reshape(-1).astype(jnp.int32)
+    return tasks // k, flat[tasks], gate_weights.reshape(-1).astype(jnp.float32)[tasks]
+
+
+def record_background(background: dict, plan: LayerPlan, layer: int, unit_split: bool) -> dict:
+    """Row ``layer`` of the decode step's background fills (``bg_ids``/``bg_slots`` [L, C >= F], ``bg_n``
+    [L], ``bg_from`` [L] under the unit split): the call's fills, their count if the call deferred them,
+    else 0. The fused plan writes the same in its call (``plan_layer_fused(background=...)``)."""
+    F = plan.fill_ids.shape[0]
+    out = dict(background, bg_ids=background["bg_ids"].at[layer, :F].set(plan.fill_ids),
+               bg_slots=background["bg_slots"].at[layer, :F].set(plan.fill_slots),
+               bg_n=background["bg_n"].at[layer].set(jnp.where(plan.deferred, plan.n_fill, 0)))
+    if unit_split:
+        out["bg_from"] = background["bg_from"].at[layer].set(jnp.where(plan.deferred, plan.fill_units, 0))
+    return out

@@ -16,13 +16,20 @@ from ftjax.experts.cache import STAT_KEYS
 from ftjax.host.ffi import register_targets
 
 RULE_CODES = {"balance": 0, "all": 1, "none": 2}  # cpp/plan_core.h PlanRule
-MAX_EXPERTS = 7168  # 6 E int32 of scratch at most within cpp/plan_cuda.cu kPlanMaxSmem (200 KiB)
+MAX_EXPERTS = 6400  # 8 E int32 of scratch at most within cpp/plan_cuda.cu kPlanMaxSmem (200 KiB)
 
 
 def plan_layer_fused(cache: dict, layer: int, expert_ids: jax.Array, token_valid: jax.Array, *, num_experts: int,
                      rule: str, fill_cap: int | None, update: bool, defer_horizon: int,
-                     unit_split: tuple[int, int] | None):
-    """``plan.plan_layer``'s result through the ``ftjax_plan_layer`` FFI target (arguments checked there)."""
+                     unit_split: tuple[int, int] | None, gate_weights: jax.Array | None = None,
+                     background: dict | None = None):
+    """``plan.plan_layer``'s result through the ``ftjax_plan_layer`` FFI target (arguments checked there).
+
+    Returns ``(plan, cache)``, or ``(plan, cache, tasks, background)`` when ``gate_weights`` ([T, k]) or
+    ``background`` is given: the same call then also computes what ``plan.cpu_tasks`` and
+    ``plan.record_background`` would (``tasks`` None without gate weights; ``background``, the arrays
+    ``bg_ids``/``bg_slots`` [L, C >= F], ``bg_n``/``bg_from`` [L] updated in place at row ``layer``, None
+    without it; ``bg_from`` is written only under the unit split)."""
     from ftjax.experts.plan import ALL_UNITS, REBASE_AT, REBASE_BY, LayerPlan, fill_capacity
 
     register_targets()
@@ -37,33 +44,51 @@ def plan_layer_fused(cache: dict, layer: int, expert_ids: jax.Array, token_valid
     stats = cache["stats"]
     state = [cache["slot_of"], cache["owner_of"], cache["last_use"], cache["step"], cache["recency"],
              *(stats[key] for key in STAT_KEYS), stats["hist"]]
-    for x in state:
+    bg_keys = ("bg_ids", "bg_slots", "bg_n", "bg_from")
+    bg = [background[key] for key in bg_keys] if background is not None else []
+    for x in state + bg:
         if x.dtype != jnp.int32:
             raise ValueError(f"the cache state must be int32, got {x.dtype}{list(x.shape)}")
+    with_tasks = gate_weights is not None
+    if with_tasks and gate_weights.shape != expert_ids.shape:
+        raise ValueError(f"gate weights {gate_weights.shape} must match the expert ids {expert_ids.shape}")
 
     def i32(*shape):
         return jax.ShapeDtypeStruct(shape, jnp.int32)
 
-    results = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in state]
+    results = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in state + bg]
     results += [i32(R)] * 4 + [i32(F)] * 2 + [i32()] * 7
+    if with_tasks:
+        results += [i32(R), i32(R), jax.ShapeDtypeStruct((R,), jnp.float32)]
+    first_state = 4 if with_tasks else 3
     call = jax.ffi.ffi_call("ftjax_plan_layer", results,
-                            input_output_aliases={3 + i: i for i in range(len(state))})
-    out = call(expert_ids.astype(jnp.int32), token_valid.astype(jnp.int32),
-               jnp.asarray(cache["fill_fraction"], jnp.float32).reshape(()), *state,
+                            input_output_aliases={first_state + i: i for i in range(len(state) + len(bg))})
+    head = [expert_ids.astype(jnp.int32), token_valid.astype(jnp.int32),
+            jnp.asarray(cache["fill_fraction"], jnp.float32).reshape(())]
+    if with_tasks:
+        head.append(gate_weights.astype(jnp.float32))
+    out = call(*head, *state, *bg,
                layer=np.int64(layer), n_experts=np.int64(E), fill_capacity=np.int64(F),
                rule=np.int64(RULE_CODES[rule]), update=np.int64(bool(update)),
                defer_horizon=np.int64(defer_horizon if defer else 0),
                split_inter=np.int64(unit_split[0] if unit_split else 0),
                split_granule=np.int64(unit_split[1] if unit_split else 0),
-               rebase_at=np.int64(REBASE_AT), rebase_by=np.int64(REBASE_BY), all_units=np.int64(ALL_UNITS))
+               rebase_at=np.int64(REBASE_AT), rebase_by=np.int64(REBASE_BY), all_units=np.int64(ALL_UNITS),
+               with_tasks=np.int64(with_tasks), with_background=np.int64(background is not None),
+               bg_units=np.int64(unit_split is not None))
     n = len(state)
     slot_of, owner_of, last_use, step, recency = out[:5]
     new_stats = dict(zip(STAT_KEYS, out[5:5 + len(STAT_KEYS)]), hist=out[n - 1])
+    new_bg = dict(background, **dict(zip(bg_keys, out[n:n + len(bg)]))) if background is not None else None
+    p = n + len(bg)
     (route_slot, cpu_routes, route_units, cpu_units, fill_ids, fill_slots, n_cpu_routes, n_fill, hits, misses,
-     cpu_experts, deferred, fill_units) = out[n:]
+     cpu_experts, deferred, fill_units) = out[p:p + 13]
     plan = LayerPlan(route_slot=route_slot, cpu_routes=cpu_routes, n_cpu_routes=n_cpu_routes, fill_ids=fill_ids,
                      fill_slots=fill_slots, n_fill=n_fill, hits=hits, misses=misses, cpu_experts=cpu_experts,
                      deferred=deferred != 0, route_units=route_units, cpu_units=cpu_units, fill_units=fill_units)
     new = dict(cache, slot_of=slot_of, owner_of=owner_of, last_use=last_use, step=step, recency=recency,
                stats=new_stats)
-    return plan, new
+    if gate_weights is None and background is None:
+        return plan, new
+    tasks = tuple(out[p + 13:p + 16]) if with_tasks else None
+    return plan, new, tasks, new_bg

@@ -1,7 +1,9 @@
 """The fused plan (``plan_layer(impl="fused")``: cpp/plan_core.h through the ``ftjax_plan_layer`` FFI
 target) against the jnp plan (its reference): the same LayerPlan and the same cache state, bit for bit,
 step after step, for every rule, with and without updates, deferred fills, the unit split, fill caps,
-padded tokens and the LRU clock's rebase. On the CPU backend (CI) and, marked gpu, on the GPU (one thread
+padded tokens and the LRU clock's rebase; with the CPU branch's task arrays and the decode step's
+background rows computed in the call (``plan_layer_fused(gate_weights=, background=)``) against
+``cpu_tasks`` / ``record_background``. On the CPU backend (CI) and, marked gpu, on the GPU (one thread
 block: the parallel reductions and compactions of plan_core)."""
 import jax
 import jax.numpy as jnp
@@ -9,7 +11,10 @@ import numpy as np
 import pytest
 
 from ftjax.experts.cache import CacheGeometry, check_invariants, init_cache_state
-from ftjax.experts.plan import REBASE_AT, plan_layer
+from ftjax.experts.plan import REBASE_AT, cpu_tasks, fill_capacity, plan_layer, record_background
+from ftjax.experts.plan_fused import plan_layer_fused
+
+BG_KEYS = ("bg_ids", "bg_slots", "bg_n", "bg_from")
 
 # rule, S, T, k, E, update, defer, unit_split, fill_cap
 CASES = [
@@ -33,33 +38,62 @@ L = 3
 
 
 def _steppers(rule, E, update, defer, unit_split, fill_cap):
-    def make(impl):
-        def step(cache, ids, valid):
-            plans = []
-            for layer in range(L):
-                p, cache = plan_layer(cache, layer, ids[layer], valid, num_experts=E, rule=rule, update=update,
-                                      impl=impl, victims_by="rank", defer_horizon=L if defer else 0,
-                                      unit_split=unit_split, fill_cap=fill_cap)
-                plans.append(p)
-            return plans, cache
-        return jax.jit(step, donate_argnums=0)
-    return make("scatter"), make("fused")
+    """The jnp plan with ``cpu_tasks`` and ``record_background`` (the reference), and the fused plan: layer 0
+    plain (``plan_layer(impl="fused")``), layer 1 with the gate weights (its task arrays from the call),
+    layer 2 with the gate weights and the background rows (both from the call)."""
+    kw = dict(num_experts=E, rule=rule, update=update, defer_horizon=L if defer else 0, unit_split=unit_split,
+              fill_cap=fill_cap)
+
+    def ref(cache, ids, valid, gw):
+        plans, tasks = [], []
+        for layer in range(L):
+            p, cache = plan_layer(cache, layer, ids[layer], valid, impl="scatter", victims_by="rank", **kw)
+            tasks.append(cpu_tasks(p, layer, ids[layer], gw[layer], E))
+            if p.fill_ids.shape[0]:
+                cache = record_background(cache, p, layer, unit_split is not None)
+            plans.append(p)
+        return (plans, tasks), cache
+
+    def fused(cache, ids, valid, gw):
+        plans, tasks = [], []
+        for layer in range(L):
+            if layer == 0:
+                p, cache = plan_layer(cache, layer, ids[layer], valid, impl="fused", **kw)
+                t = cpu_tasks(p, layer, ids[layer], gw[layer], E)
+            else:
+                bg = {key: cache[key] for key in BG_KEYS} if layer == 2 else None
+                p, cache, t, bg = plan_layer_fused(cache, layer, ids[layer], valid, gate_weights=gw[layer],
+                                                   background=bg, **kw)
+                if bg is not None:
+                    cache = dict(cache, **bg)
+            if layer != 2 and p.fill_ids.shape[0]:
+                cache = record_background(cache, p, layer, unit_split is not None)
+            plans.append(p)
+            tasks.append(t)
+        return (plans, tasks), cache
+
+    return jax.jit(ref, donate_argnums=0), jax.jit(fused, donate_argnums=0)
 
 
 def _routing(rng, T, k, E):
     ids = np.stack([np.stack([rng.choice(E, k, replace=False) for _ in range(T)]) for _ in range(L)])
     if rng.random() < 0.3:  # a burst of repeats: many hits
         ids[:] = ids[0]
-    return jnp.asarray(ids, jnp.int32), jnp.asarray(rng.random(T) < 0.8)
+    gw = rng.random((L, T, k)).astype(np.float32)
+    return jnp.asarray(ids, jnp.int32), jnp.asarray(rng.random(T) < 0.8), jnp.asarray(gw)
 
 
 def _assert_same(ref, got, what):
-    (p_ref, c_ref), (p_got, c_got) = ref, got
+    ((p_ref, t_ref), c_ref), ((p_got, t_got), c_got) = ref, got
     for layer, (a, b) in enumerate(zip(p_ref, p_got)):
         for name in a._fields:
             x, y = np.asarray(getattr(a, name)), np.asarray(getattr(b, name))
             assert x.dtype == y.dtype, f"{what}, layer {layer}: {name} dtype {x.dtype} vs {y.dtype}"
             np.testing.assert_array_equal(x, y, f"{what}, layer {layer}: {name}")
+    for layer, (a, b) in enumerate(zip(t_ref, t_got)):
+        for name, x, y in zip(("token", "flat id", "weight"), a, b):
+            assert x.dtype == y.dtype, f"{what}, layer {layer}: task {name} dtype {x.dtype} vs {y.dtype}"
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y), f"{what}, layer {layer}: task {name}")
     for path, x in jax.tree_util.tree_flatten_with_path(c_ref)[0]:
         y = c_got
         for key in path:
@@ -78,11 +112,15 @@ def run_lockstep(case, device, steps=30, seed=0, clock=None):
         cache.pop("gate_up"), cache.pop("down")
         if clock is not None:  # stamps near the rebase point
             cache["step"] = jnp.asarray(clock, jnp.int32)
+        # the decode step's background rows, wider than F and filled with noise (columns past F stay)
+        C = fill_capacity(T * k, E, S, fill_cap, rule) + 2
+        for key, shape in zip(BG_KEYS, [(L, C), (L, C), (L,), (L,)]):
+            cache[key] = jnp.asarray(rng.integers(-5, 50, shape), jnp.int32)
         ref = jax.tree.map(jnp.copy, cache)
         for i in range(steps):
-            ids, valid = _routing(rng, T, k, E)
-            out_ref = ref_step(ref, ids, valid)
-            out_fused = fused_step(cache, ids, valid)
+            ids, valid, gw = _routing(rng, T, k, E)
+            out_ref = ref_step(ref, ids, valid, gw)
+            out_fused = fused_step(cache, ids, valid, gw)
             _assert_same(out_ref, out_fused, f"step {i}")
             ref, cache = out_ref[1], out_fused[1]
     check_invariants(cache)
