@@ -49,11 +49,12 @@ ffi::Error PlanCpuImpl(ffi::RemainingArgs args, ffi::RemainingRets rets, FTJAX_P
   ffi::Error err = plan_ffi::bind(args, rets, FTJAX_PLAN_ATTR_VALUES, &a);
   if (err.failure()) return err;
   const int64_t R = a.tokens * a.top_k;
-  // With the copies of the ids and of last_use, like the GPU (one thread gains nothing from them, but CI
-  // then runs the code paths the GPU runs).
+  // With the copies the GPU makes (the ids; last_use when the call can fill): one thread gains nothing
+  // from them, but CI then runs the code paths the GPU runs.
+  const bool lu_copy = a.fill_capacity > 0;
   thread_local std::vector<int32_t> scratch;
-  scratch.resize(static_cast<size_t>(plan_scratch_ints(R, a.n_experts, a.fill_capacity, a.n_slots, true, true)));
-  plan_core(SerialTeam{}, a, plan_scratch(scratch.data(), R, a.n_experts, a.fill_capacity, a.last_use, true, true));
+  scratch.resize(static_cast<size_t>(plan_scratch_ints(R, a.n_experts, a.fill_capacity, a.n_slots, true, lu_copy)));
+  plan_core(SerialTeam{}, a, plan_scratch(scratch.data(), R, a.n_experts, a.fill_capacity, a.last_use, true, lu_copy));
   return ffi::Error::Success();
 }
 

@@ -105,7 +105,7 @@ ffi::Error PlanCudaImpl(cudaStream_t stream, ffi::RemainingArgs args, ffi::Remai
     return sizeof(int32_t) * plan_scratch_ints(R, a.n_experts, a.fill_capacity, a.n_slots, ids, lu);
   };
   const bool ids_copy = bytes(true, false) <= kPlanMaxSmem;
-  const bool lu_copy = bytes(ids_copy, true) <= kPlanMaxSmem;
+  const bool lu_copy = a.fill_capacity > 0 && bytes(ids_copy, true) <= kPlanMaxSmem;
   const size_t smem = bytes(ids_copy, lu_copy);
   if (smem > kPlanMaxSmem)
     return ffi::Error::InvalidArgument("plan_layer: " + std::to_string(n_experts) + " experts need " +
