@@ -49,12 +49,14 @@ ffi::Error PlanCpuImpl(ffi::RemainingArgs args, ffi::RemainingRets rets, FTJAX_P
   ffi::Error err = plan_ffi::bind(args, rets, FTJAX_PLAN_ATTR_VALUES, &a);
   if (err.failure()) return err;
   const int64_t R = a.tokens * a.top_k;
-  // With the copies the GPU makes (the ids; last_use when the call can fill): one thread gains nothing
-  // from them, but CI then runs the code paths the GPU runs.
-  const bool lu_copy = a.fill_capacity > 0;
+  // One thread gains nothing from the copies the GPU makes, but CI then runs the code paths the GPU runs:
+  // last_use copied when the call can fill (as there), the ids copied unless there are more routes than
+  // experts (so both the copy and the in-place read run in the tests).
+  const bool ids_copy = R <= a.n_experts, lu_copy = a.fill_capacity > 0;
   thread_local std::vector<int32_t> scratch;
-  scratch.resize(static_cast<size_t>(plan_scratch_ints(R, a.n_experts, a.fill_capacity, a.n_slots, true, lu_copy)));
-  plan_core(SerialTeam{}, a, plan_scratch(scratch.data(), R, a.n_experts, a.fill_capacity, a.last_use, true, lu_copy));
+  scratch.resize(static_cast<size_t>(plan_scratch_ints(R, a.n_experts, a.fill_capacity, a.n_slots, ids_copy, lu_copy)));
+  plan_core(SerialTeam{}, a,
+            plan_scratch(scratch.data(), R, a.n_experts, a.fill_capacity, a.last_use, ids_copy, lu_copy));
   return ffi::Error::Success();
 }
 
