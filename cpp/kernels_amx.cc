@@ -171,10 +171,10 @@ alignas(64) constexpr uint16_t kInt4Bf16[32] = {
 // acc[row] += scale[row][g] * C_g[row], tokens in lanes). A group's 16 packed bytes expand to an
 // A-tile row of 32 exact bf16 values q - 8 with one load, one shift and one table lookup: the bytes
 // broadcast to the four 128-bit lanes, word lane 8c + m shifted right by 4c (its nibble c), then
-// VPERMW (column order amx_int4_column, which the B tiles at b follow). The steps are
-// software-pipelined: step g + 1 expands into one staging buffer while step g's tiles read the
-// other, and step g's C is scaled during step g + 1. Tiles: C tmm0 / tmm1, A tmm2 / tmm5, B tmm4 /
-// tmm7.
+// VPERMW (column order amx_int4_column, which the B tiles at b follow). Groups go four at a time: four
+// expansions into staging A tiles, four products into C tiles tmm0 / tmm1 / tmm3 / tmm6 (A and B
+// alternate between tmm2 / tmm4 and tmm5 / tmm7, so a load overlaps the previous product), four
+// stores, four scalings (as fast as one group at a time pipelined over two buffers: RESULTS session 14).
 #define FTJAX_INLINE inline __attribute__((always_inline))
 
 // Group g of 16 int4 rows (row stride rb bytes) into the staging A tile dst.
@@ -234,37 +234,25 @@ void int4_block(const MatrixRef& w, int64_t r, const uint32_t* b, int n, int nb,
     for (int q = 0; q < nq; ++q) int4_expand(rows, rb, g0 + q, shifts, table, abuf[q], pf);
     publish(abuf);
     const uint32_t* bk = b + g0 * 16 * n;
-    _tile_zero(0);
-    _tile_loadd(2, abuf[0], 64);
-    _tile_loadd(4, bk, 4 * n);
-    _tile_dpbf16ps(0, 2, 4);
-    if (nq > 1) {
-      _tile_zero(1);
-      _tile_loadd(5, abuf[1], 64);
-      _tile_loadd(7, bk + 16 * n, 4 * n);
-      _tile_dpbf16ps(1, 5, 7);
-    }
-    if (nq > 2) {
-      _tile_zero(3);
-      _tile_loadd(2, abuf[2], 64);
-      _tile_loadd(4, bk + 32 * n, 4 * n);
-      _tile_dpbf16ps(3, 2, 4);
-    }
-    if (nq > 3) {
-      _tile_zero(6);
-      _tile_loadd(5, abuf[3], 64);
-      _tile_loadd(7, bk + 48 * n, 4 * n);
-      _tile_dpbf16ps(6, 5, 7);
-    }
+    // group g0 + q: C tile c, A tile a, B tile bt (tile numbers are immediates)
+#define FTJAX_INT4_PRODUCT(q, c, a, bt)              \
+  if (nq > q) {                                      \
+    _tile_zero(c);                                   \
+    _tile_loadd(a, abuf[q], 64);                     \
+    _tile_loadd(bt, bk + q * 16 * n, 4 * n);         \
+    _tile_dpbf16ps(c, a, bt);                        \
+  }
+    FTJAX_INT4_PRODUCT(0, 0, 2, 4)
+    FTJAX_INT4_PRODUCT(1, 1, 5, 7)
+    FTJAX_INT4_PRODUCT(2, 3, 2, 4)
+    FTJAX_INT4_PRODUCT(3, 6, 5, 7)
+#undef FTJAX_INT4_PRODUCT
     _tile_stored(0, cbuf[0], 64);
     if (nq > 1) _tile_stored(1, cbuf[1], 64);
     if (nq > 2) _tile_stored(3, cbuf[2], 64);
     if (nq > 3) _tile_stored(6, cbuf[3], 64);
     publish(cbuf);
-    FTJAX_SCALE(cbuf[0], g0);
-    if (nq > 1) FTJAX_SCALE(cbuf[1], g0 + 1);
-    if (nq > 2) FTJAX_SCALE(cbuf[2], g0 + 2);
-    if (nq > 3) FTJAX_SCALE(cbuf[3], g0 + 3);
+    for (int q = 0; q < nq; ++q) FTJAX_SCALE(cbuf[q], g0 + q);
   }
   alignas(64) float res[16][16];
 #define FTJAX_STORE_ROW(i) _mm512_store_ps(res[i], acc##i);
