@@ -19,7 +19,6 @@
 
 namespace ftjax {
 namespace {
-constexpr int kAmxMinTokens = 3;
 constexpr int kArchReqXcompPerm = 0x1023;  // arch_prctl: request permission for an XSAVE feature
 constexpr int kXfeatureXtiledata = 18;
 
@@ -276,9 +275,7 @@ bool amx_enable() {
 
 void dot_rows_amx(const MatrixRef& w, int64_t r0, int64_t r1, const ActRef& a, float* out) {
   const int64_t K = w.cols, r_amx = r0 + (r1 - r0) / 16 * 16;  // AMX rows: [r0, r_amx)
-  // Fewer tokens than kAmxMinTokens: the AVX-512 loops are faster (they do not pay for the
-  // unused tile columns; dev-box Xeon, one core: bf16 27 vs 20 GB/s at 1 token, int4 12.6 vs 8.3).
-  if (a.n < kAmxMinTokens) return dot_rows_avx512bf16(w, r0, r1, a, out);
+  if (a.n < kAmxMinTokens)  // (kernels.h) return dot_rows_avx512bf16(w, r0, r1, a, out);
   if (w.format == WeightFormat::kInt4 && a.vnni != nullptr && r_amx > r0) {
     const int64_t pf = prefetch_bytes();
     for (int j0 = 0; j0 < a.n; j0 += 16) {

@@ -101,17 +101,23 @@ void run_experts(WorkerPool& workers, const ExpertCall& c, Tier tier) {
       for (int64_t h = 0; h < H; ++h) xg_p[r * H + pair64_index(h)] = xg_h[r * H + h];
   }
   if (pair_act) act_p.resize(n * I);
-  // AMX tier: the activations of each group in the B-tile layout (pack_vnni), once per call; a
-  // group's block starts at its first route r0: r0 * vnni_pairs(K) dwords.
-  const bool vnni = c.x_bf16 && tier == Tier::kAmx;
+  // AMX tier, groups of kAmxMinTokens or more: their activations in the B-tile layout (pack_vnni),
+  // once per call; a group's block starts at its first route r0: r0 * vnni_pairs(K) dwords. (Decode
+  // calls of one token per expert skip all of it.)
   const bool int4_x = pool.gate_up().format == WeightFormat::kInt4, int4_act = pool.down().format == WeightFormat::kInt4;
+  const auto amx_group = [&](int64_t g) {
+    return c.x_bf16 && tier == Tier::kAmx && start[g + 1] - start[g] >= kAmxMinTokens;
+  };
+  bool vnni = false;
+  for (int64_t g = 0; g < groups && !vnni; ++g) vnni = amx_group(g);
   const int64_t PH = vnni_pairs(H), PI = vnni_pairs(I);
   std::vector<uint32_t> xg_v, act_v;
   if (vnni) {
     xg_v.resize(n * PH);
     act_v.resize(n * PI);  // zero: pairs past I stay zero
     workers.parallel_for(groups, [&](int64_t g, int) {
-      pack_vnni(&xg_h[start[g] * H], H, static_cast<int>(start[g + 1] - start[g]), H, &xg_v[start[g] * PH], int4_x);
+      if (amx_group(g))
+        pack_vnni(&xg_h[start[g] * H], H, static_cast<int>(start[g + 1] - start[g]), H, &xg_v[start[g] * PH], int4_x);
     }, 1);
   }
 
@@ -126,7 +132,8 @@ void run_experts(WorkerPool& workers, const ExpertCall& c, Tier tier) {
     if (i0 >= i1) return;
     const MatrixRef w = matrix_of(pool.gate_up(), c.expert_ids[order[r0]]);
     const ActRef a{&xg[r0 * H], c.x_bf16 ? &xg_h[r0 * H] : nullptr, H, static_cast<int>(nr),
-                   pair_x ? &xg_p[r0 * H] : nullptr, vnni ? &xg_v[r0 * PH] : nullptr};
+                   pair_x ? &xg_p[r0 * H] : nullptr, amx_group(g) ? &xg_v[r0 * PH] : nullptr};
+    const bool vnni_act = amx_group(g);
     std::vector<float>& buf = scratch(2 * rows1 * nr);
     float* gate = buf.data();
     float* up = buf.data() + rows1 * nr;
@@ -139,7 +146,7 @@ void run_experts(WorkerPool& workers, const ExpertCall& c, Tier tier) {
           const uint16_t h = f32_to_bf16(v);
           act_h[(r0 + j) * I + i] = h;
           if (pair_act) act_p[(r0 + j) * I + pair64_index(i)] = h;
-          if (vnni) {
+          if (vnni_act) {
             const int64_t pos = int4_act ? amx_int4_position(i) : i;
             act_v[r0 * PI + (pos / 2) * nr + j] |= static_cast<uint32_t>(h) << (16 * (pos & 1));
           }
@@ -165,7 +172,7 @@ void run_experts(WorkerPool& workers, const ExpertCall& c, Tier tier) {
       // the B layout of the window [u, I) from pair u / 2 on: whole 32-column steps only when u % 32 == 0
       const ActRef a{&act[r0 * I + u], c.x_bf16 ? &act_h[r0 * I + u] : nullptr, I, static_cast<int>(nr),
                      pair_act && u % 64 == 0 ? &act_p[r0 * I + u] : nullptr,
-                     vnni && u % 32 == 0 ? &act_v[r0 * PI + u / 2 * nr] : nullptr};
+                     amx_group(g) && u % 32 == 0 ? &act_v[r0 * PI + u / 2 * nr] : nullptr};
       float* out = scratch(rows2 * nr).data();
       dot(w, h0, h1, a, out);
       for (int64_t j = 0; j < nr; ++j) {
