@@ -3,7 +3,8 @@
 // CPU backend and on the GPU). One source for both platforms: `plan_core` is written against a "team"
 // (`each`, `sum`, `min_u64`, `compact`, `sync`): the CPU handler runs it with one thread (plan_cpu.cc),
 // the CUDA handler with one thread block (plan_cuda.cu), so a decode layer's plan is one kernel instead
-// of XLA's chain of ~20 small ones. The includer defines FTJAX_PLAN_FN (`__device__` or empty).
+// of XLA's chain of ~20 small ones; a test handler runs it on n host threads in the block's form (`add_i32`
+// is the team's atomic add). The includer defines FTJAX_PLAN_FN (`__device__` or empty).
 #pragma once
 #include <cstdint>
 
@@ -186,13 +187,7 @@ FTJAX_PLAN_FN void plan_core(const Team& t, const PlanArgs& a, const PlanScratch
     if (v && id >= 0 && id < E) s.pos[id] = 1;
     const int64_t f = base + id;
     if (v && (id < 0 || id >= E)) a.cpu_units[r] = a.slot_of[clamp_flat(f)];  // its slot before the call
-    if (v && f >= 0 && f < N) {
-#ifdef __CUDA_ARCH__
-      atomicAdd(&a.hist[f], 1);
-#else
-      a.hist[f] += 1;
-#endif
-    }
+    if (v && f >= 0 && f < N) t.add_i32(&a.hist[f], 1);
   });
   // (eight entries per thread and pass, their loads issued together: a plain strided loop waits for each
   // load in turn, ~0.7 us a pass on the GPU, 8 passes for 3,788 slots)

@@ -26,6 +26,7 @@ struct BlockTeam {
   long long* red;
   __device__ int tid() const { return static_cast<int>(threadIdx.x); }
   __device__ void sync() const { __syncthreads(); }
+  __device__ void add_i32(int32_t* p, int32_t v) const { atomicAdd(p, v); }
   template <class F>
   __device__ void each(int64_t n, F f) const {
     for (int64_t i = tid(); i < n; i += blockDim.x) f(i);

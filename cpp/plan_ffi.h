@@ -68,6 +68,7 @@ inline ffi::Error ret_of(const ffi::RemainingRets& rets, int i, int64_t n, T** o
 struct PlanAttrs {
   int64_t layer, n_experts, fill_capacity, rule, update, defer_horizon, split_inter, split_granule, rebase_at,
       rebase_by, all_units, with_tasks, with_background, bg_units;
+  int64_t team_threads;  // CPU handler only (tests): run plan_core on this many threads, the GPU block's form
 };
 
 // Fills `a` (pointers of XLA's buffers: device pointers for the CUDA handler) and checks every shape.
@@ -173,14 +174,15 @@ inline ffi::Error bind(const ffi::RemainingArgs& args, const ffi::RemainingRets&
       .Attr<int64_t>("fill_capacity").Attr<int64_t>("rule").Attr<int64_t>("update")                    \
       .Attr<int64_t>("defer_horizon").Attr<int64_t>("split_inter").Attr<int64_t>("split_granule")      \
       .Attr<int64_t>("rebase_at").Attr<int64_t>("rebase_by").Attr<int64_t>("all_units")                \
-      .Attr<int64_t>("with_tasks").Attr<int64_t>("with_background").Attr<int64_t>("bg_units")
+      .Attr<int64_t>("with_tasks").Attr<int64_t>("with_background").Attr<int64_t>("bg_units")          \
+      .Attr<int64_t>("team_threads")
 #define FTJAX_PLAN_ATTR_PARAMS                                                                          \
   int64_t layer, int64_t n_experts, int64_t fill_capacity, int64_t rule, int64_t update, int64_t defer_horizon, \
       int64_t split_inter, int64_t split_granule, int64_t rebase_at, int64_t rebase_by, int64_t all_units,      \
-      int64_t with_tasks, int64_t with_background, int64_t bg_units
+      int64_t with_tasks, int64_t with_background, int64_t bg_units, int64_t team_threads
 #define FTJAX_PLAN_ATTR_VALUES                                                                          \
   plan_ffi::PlanAttrs { layer, n_experts, fill_capacity, rule, update, defer_horizon, split_inter, split_granule, \
-                        rebase_at, rebase_by, all_units, with_tasks, with_background, bg_units }
+                        rebase_at, rebase_by, all_units, with_tasks, with_background, bg_units, team_threads }
 
 }  // namespace plan_ffi
 }  // namespace ftjax

@@ -22,18 +22,21 @@ MAX_EXPERTS = 6400  # 8 E int32 of scratch at most within cpp/plan_cuda.cu kPlan
 def plan_layer_fused(cache: dict, layer: int, expert_ids: jax.Array, token_valid: jax.Array, *, num_experts: int,
                      rule: str, fill_cap: int | None, update: bool, defer_horizon: int,
                      unit_split: tuple[int, int] | None, gate_weights: jax.Array | None = None,
-                     background: dict | None = None):
+                     background: dict | None = None, team_threads: int = 1):
     """``plan.plan_layer``'s result through the ``ftjax_plan_layer`` FFI target (arguments checked there).
 
     Returns ``(plan, cache)``, or ``(plan, cache, tasks, background)`` when ``gate_weights`` ([T, k]) or
     ``background`` is given: the same call then also computes what ``plan.cpu_tasks`` and
     ``plan.record_background`` would (``tasks`` None without gate weights; ``background``, the arrays
     ``bg_ids``/``bg_slots`` [L, C >= F], ``bg_n``/``bg_from`` [L] updated in place at row ``layer``, None
-    without it; ``bg_from`` is written only under the unit split)."""
+    without it; ``bg_from`` is written only under the unit split). ``team_threads`` > 1 (tests, CPU backend):
+    the CPU handler runs the plan on that many threads in the GPU thread block's form."""
     from ftjax.experts.plan import ALL_UNITS, REBASE_AT, REBASE_BY, LayerPlan, fill_capacity
 
     register_targets()
     T, k = expert_ids.shape
+    if not 1 <= team_threads <= 64:
+        raise ValueError(f"team_threads must be in [1, 64], got {team_threads}")
     if num_experts > MAX_EXPERTS:
         raise ValueError(f"the fused plan handles up to {MAX_EXPERTS} experts per layer (its GPU scratch is in "
                          f"shared memory), got {num_experts}: use plan_impl='scatter'")
@@ -75,7 +78,7 @@ def plan_layer_fused(cache: dict, layer: int, expert_ids: jax.Array, token_valid
                split_granule=np.int64(unit_split[1] if unit_split else 0),
                rebase_at=np.int64(REBASE_AT), rebase_by=np.int64(REBASE_BY), all_units=np.int64(ALL_UNITS),
                with_tasks=np.int64(with_tasks), with_background=np.int64(background is not None),
-               bg_units=np.int64(unit_split is not None))
+               bg_units=np.int64(unit_split is not None), team_threads=np.int64(team_threads))
     n = len(state)
     slot_of, owner_of, last_use, step, recency = out[:5]
     new_stats = dict(zip(STAT_KEYS, out[5:5 + len(STAT_KEYS)]), hist=out[n - 1])

@@ -37,10 +37,11 @@ IDS = [f"{c[0]}-S{c[1]}-T{c[2]}k{c[3]}E{c[4]}{'' if c[5] else '-frozen'}{'-defer
 L = 3
 
 
-def _steppers(rule, E, update, defer, unit_split, fill_cap):
+def _steppers(rule, E, update, defer, unit_split, fill_cap, team_threads=1):
     """The jnp plan with ``cpu_tasks`` and ``record_background`` (the reference), and the fused plan: layer 0
-    plain (``plan_layer(impl="fused")``), layer 1 with the gate weights (its task arrays from the call),
-    layer 2 with the gate weights and the background rows (both from the call)."""
+    plain (``plan_layer(impl="fused")``; with ``team_threads`` > 1 ``plan_layer_fused`` on that many CPU
+    threads), layer 1 with the gate weights (its task arrays from the call), layer 2 with the gate weights
+    and the background rows (both from the call)."""
     kw = dict(num_experts=E, rule=rule, update=update, defer_horizon=L if defer else 0, unit_split=unit_split,
               fill_cap=fill_cap)
 
@@ -57,13 +58,16 @@ def _steppers(rule, E, update, defer, unit_split, fill_cap):
     def fused(cache, ids, valid, gw):
         plans, tasks = [], []
         for layer in range(L):
-            if layer == 0:
+            if layer == 0 and team_threads == 1:
                 p, cache = plan_layer(cache, layer, ids[layer], valid, impl="fused", **kw)
+                t = cpu_tasks(p, layer, ids[layer], gw[layer], E)
+            elif layer == 0:
+                p, cache = plan_layer_fused(cache, layer, ids[layer], valid, team_threads=team_threads, **kw)
                 t = cpu_tasks(p, layer, ids[layer], gw[layer], E)
             else:
                 bg = {key: cache[key] for key in BG_KEYS} if layer == 2 else None
                 p, cache, t, bg = plan_layer_fused(cache, layer, ids[layer], valid, gate_weights=gw[layer],
-                                                   background=bg, **kw)
+                                                   background=bg, team_threads=team_threads, **kw)
                 if bg is not None:
                     cache = dict(cache, **bg)
             if layer != 2 and p.fill_ids.shape[0]:
@@ -101,10 +105,10 @@ def _assert_same(ref, got, what):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y), f"{what}: state {jax.tree_util.keystr(path)}")
 
 
-def run_lockstep(case, device, steps=30, seed=0, clock=None):
+def run_lockstep(case, device, steps=30, seed=0, clock=None, team_threads=1):
     """Both plans from the same state, ``steps`` decode steps of ``L`` layers; compare after each."""
     rule, S, T, k, E, update, defer, unit_split, fill_cap = case
-    ref_step, fused_step = _steppers(rule, E, update, defer, unit_split, fill_cap)
+    ref_step, fused_step = _steppers(rule, E, update, defer, unit_split, fill_cap, team_threads)
     geom = CacheGeometry(num_layers=L, num_experts=E, num_slots=S, hidden=4, inter=unit_split[0] if unit_split else 2)
     rng = np.random.default_rng(seed + S * 7 + T)
     with jax.default_device(device):
@@ -140,6 +144,14 @@ def test_fused_plan_equals_the_jnp_plan(case, cpu):
     if case[1] and case[5] and case[0] != "none":
         assert stats["fills"] > 0  # the cases exercise the fills (and the hits, where the cache can hold a layer)
         assert stats["hits"] > 0 or case[1] < case[4]
+
+
+@pytest.mark.parametrize("threads", [3, 8])
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_fused_plan_on_a_team_of_threads_equals_the_jnp_plan(case, threads, cpu):
+    """The GPU kernel's parallel form (strided phases, barriers, per-thread partials, compactions chunk by
+    chunk) on host threads: a missing barrier or a phase reading another thread's unfinished writes shows here."""
+    run_lockstep(case, cpu, steps=12, team_threads=threads)
 
 
 @pytest.mark.parametrize("defer", [False, True])
@@ -182,6 +194,9 @@ def test_fused_plan_checks_its_arguments(cpu):
         big = init_cache_state(CacheGeometry(num_layers=1, num_experts=E, num_slots=2, hidden=4, inter=2), jnp.float32)
         with pytest.raises(ValueError, match="plan_impl='scatter'"):
             plan_layer(big, 0, ids, valid, num_experts=E, impl="fused")
+        with pytest.raises(ValueError, match="team_threads"):
+            plan_layer_fused(cache, 0, ids, valid, num_experts=4, rule="balance", fill_cap=None, update=True,
+                             defer_horizon=0, unit_split=None, team_threads=0)
 
 
 @pytest.fixture
