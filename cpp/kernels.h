@@ -72,6 +72,13 @@ inline int64_t pair64_index(int64_t k) {
   return (k - e) + (e & 1) * 32 + (e >> 2) * 2 + ((e >> 1) & 1);
 }
 
+// bf16 bits of q - 8 for a nibble q (exact in bf16), twice: VPERMW reads 5 index bits, so an index
+// whose bit 4 comes from the next nibble still finds the value of its low 4 bits (AVX-512 and AMX tiers).
+alignas(64) inline constexpr uint16_t kInt4Bf16[32] = {
+    0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0xC040, 0xC000, 0xBF80, 0x0000, 0x3F80, 0x4000,
+    0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0, 0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0xC040,
+    0xC000, 0xBF80, 0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0};
+
 // out[(r - r0) * a.n + j] = sum_k W[r, k] * a_j[k], for r in [r0, r1).
 using DotRowsFn = void (*)(const MatrixRef& w, int64_t r0, int64_t r1, const ActRef& a, float* out);
 

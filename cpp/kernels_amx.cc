@@ -159,12 +159,6 @@ void row_blocks(const uint16_t* w, int64_t K, int64_t ld, const uint32_t* b, int
     for (int j = 0; j < nb; ++j) out[i * n + j] = NB == 2 ? c[i][j] : c[i][j] + c[16 + i][j];
 }
 
-// bf16 bits of q - 8 for a nibble q, twice (VPERMW reads 5 index bits; see kernels_avx512.cc).
-alignas(64) constexpr uint16_t kInt4Bf16[32] = {
-    0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0xC040, 0xC000, 0xBF80, 0x0000, 0x3F80, 0x4000,
-    0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0, 0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0xC040,
-    0xC000, 0xBF80, 0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0};
-
 // int4 weights: 16 rows x nb tokens, one 32-column group per k-step (a group has one scale per
 // row, so each step's product gets its own C tile, stored and scaled into fp32 registers:
 // acc[row] += scale[row][g] * C_g[row], tokens in lanes). A group's 16 packed bytes expand to an
@@ -174,11 +168,9 @@ alignas(64) constexpr uint16_t kInt4Bf16[32] = {
 // expansions into staging A tiles, four products into C tiles tmm0 / tmm1 / tmm3 / tmm6 (A and B
 // alternate between tmm2 / tmm4 and tmm5 / tmm7, so a load overlaps the previous product), four
 // stores, four scalings (as fast as one group at a time pipelined over two buffers: RESULTS session 14).
-#define FTJAX_INLINE inline __attribute__((always_inline))
-
 // Group g of 16 int4 rows (row stride rb bytes) into the staging A tile dst.
-FTJAX_INLINE void int4_expand(const uint8_t* rows, int64_t rb, int64_t g, __m512i shifts, __m512i table,
-                              uint16_t (*dst)[32], int64_t pf) {
+inline __attribute__((always_inline)) void int4_expand(const uint8_t* rows, int64_t rb, int64_t g, __m512i shifts,
+                                                      __m512i table, uint16_t (*dst)[32], int64_t pf) {
   if (pf > 0 && (g & 3) == 0)
     for (int i = 0; i < 16; ++i) _mm_prefetch(reinterpret_cast<const char*>(rows + i * rb + 16 * g) + pf, _MM_HINT_T0);
 #pragma GCC unroll 16

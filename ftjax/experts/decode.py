@@ -30,7 +30,8 @@ import numpy as np
 from ftjax.experts.cache import CacheGeometry, init_cache_state, preload
 from ftjax.experts.interface import combine_routes, expert_mlp
 from ftjax.experts.kernels import check_kernel, decode_routes, prefill_layer
-from ftjax.experts.plan import PLAN_IMPLS, VICTIM_METHODS, cpu_tasks, plan_layer, record_background
+from ftjax.experts.plan import (BACKGROUND_KEYS, PLAN_IMPLS, VICTIM_METHODS, cpu_tasks, plan_layer,
+                                record_background)
 from ftjax.experts.plan_fused import plan_layer_fused
 from ftjax.experts.policies import Policy, get_policy, min_slots
 from ftjax.experts.resident import _ragged_routes
@@ -51,7 +52,6 @@ def cache_dtype(pool: HostPool):
 # Thread blocks of a background fill: on the H200 8-16 blocks move a 6.3 MB expert at PCIe speed (44-47
 # GB/s) and leave the SMs to the work beside it (16: 0.95 of the fill hidden; 1,056 blocks: none).
 BACKGROUND_FILL_BLOCKS = 16
-BACKGROUND_KEYS = ("bg_ids", "bg_slots", "bg_n", "bg_from")  # init_state's per-step rows of deferred fills
 RANK_MAX_SLOTS = 8192  # victims_by="rank" counts over S^2 slot pairs: measured at 3,788 slots only
 
 

@@ -378,6 +378,9 @@ def cpu_tasks(plan: LayerPlan, layer: int, expert_ids: jax.Array, gate_weights: 
     return tasks // k, flat[tasks], gate_weights.reshape(-1).astype(jnp.float32)[tasks]
 
 
+BACKGROUND_KEYS = ("bg_ids", "bg_slots", "bg_n", "bg_from")  # the decode step's rows of deferred fills
+
+
 def record_background(background: dict, plan: LayerPlan, layer: int, unit_split: bool) -> dict:
     """Row ``layer`` of the decode step's background fills (``bg_ids``/``bg_slots`` [L, C >= F], ``bg_n``
     [L], ``bg_from`` [L] under the unit split): the call's fills, their count if the call deferred them,

@@ -31,7 +31,7 @@ def plan_layer_fused(cache: dict, layer: int, expert_ids: jax.Array, token_valid
     ``bg_ids``/``bg_slots`` [L, C >= F], ``bg_n``/``bg_from`` [L] updated in place at row ``layer``, None
     without it; ``bg_from`` is written only under the unit split). ``team_threads`` > 1 (tests, CPU backend):
     the CPU handler runs the plan on that many threads in the GPU thread block's form."""
-    from ftjax.experts.plan import ALL_UNITS, REBASE_AT, REBASE_BY, LayerPlan, fill_capacity
+    from ftjax.experts.plan import ALL_UNITS, BACKGROUND_KEYS, REBASE_AT, REBASE_BY, LayerPlan, fill_capacity
 
     register_targets()
     T, k = expert_ids.shape
@@ -47,8 +47,7 @@ def plan_layer_fused(cache: dict, layer: int, expert_ids: jax.Array, token_valid
     stats = cache["stats"]
     state = [cache["slot_of"], cache["owner_of"], cache["last_use"], cache["step"], cache["recency"],
              *(stats[key] for key in STAT_KEYS), stats["hist"]]
-    bg_keys = ("bg_ids", "bg_slots", "bg_n", "bg_from")
-    bg = [background[key] for key in bg_keys] if background is not None else []
+    bg = [background[key] for key in BACKGROUND_KEYS] if background is not None else []
     for x in state + bg:
         if x.dtype != jnp.int32:
             raise ValueError(f"the cache state must be int32, got {x.dtype}{list(x.shape)}")
@@ -82,7 +81,7 @@ def plan_layer_fused(cache: dict, layer: int, expert_ids: jax.Array, token_valid
     n = len(state)
     slot_of, owner_of, last_use, step, recency = out[:5]
     new_stats = dict(zip(STAT_KEYS, out[5:5 + len(STAT_KEYS)]), hist=out[n - 1])
-    new_bg = dict(background, **dict(zip(bg_keys, out[n:n + len(bg)]))) if background is not None else None
+    new_bg = dict(background, **dict(zip(BACKGROUND_KEYS, out[n:n + len(bg)]))) if background is not None else None
     p = n + len(bg)
     (route_slot, cpu_routes, route_units, cpu_units, fill_ids, fill_slots, n_cpu_routes, n_fill, hits, misses,
      cpu_experts, deferred, fill_units) = out[p:p + 13]

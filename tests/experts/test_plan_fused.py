@@ -11,10 +11,9 @@ import numpy as np
 import pytest
 
 from ftjax.experts.cache import CacheGeometry, check_invariants, init_cache_state
-from ftjax.experts.plan import REBASE_AT, cpu_tasks, fill_capacity, plan_layer, record_background
+from ftjax.experts.plan import (BACKGROUND_KEYS, REBASE_AT, cpu_tasks, fill_capacity, plan_layer,
+                                record_background)
 from ftjax.experts.plan_fused import plan_layer_fused
-
-BG_KEYS = ("bg_ids", "bg_slots", "bg_n", "bg_from")
 
 # rule, S, T, k, E, update, defer, unit_split, fill_cap
 CASES = [
@@ -65,7 +64,7 @@ def _steppers(rule, E, update, defer, unit_split, fill_cap, team_threads=1):
                 p, cache = plan_layer_fused(cache, layer, ids[layer], valid, team_threads=team_threads, **kw)
                 t = cpu_tasks(p, layer, ids[layer], gw[layer], E)
             else:
-                bg = {key: cache[key] for key in BG_KEYS} if layer == 2 else None
+                bg = {key: cache[key] for key in BACKGROUND_KEYS} if layer == 2 else None
                 p, cache, t, bg = plan_layer_fused(cache, layer, ids[layer], valid, gate_weights=gw[layer],
                                                    background=bg, team_threads=team_threads, **kw)
                 if bg is not None:
@@ -118,7 +117,7 @@ def run_lockstep(case, device, steps=30, seed=0, clock=None, team_threads=1):
             cache["step"] = jnp.asarray(clock, jnp.int32)
         # the decode step's background rows, wider than F and filled with noise (columns past F stay)
         C = fill_capacity(T * k, E, S, fill_cap, rule) + 2
-        for key, shape in zip(BG_KEYS, [(L, C), (L, C), (L,), (L,)]):
+        for key, shape in zip(BACKGROUND_KEYS, [(L, C), (L, C), (L,), (L,)]):
             cache[key] = jnp.asarray(rng.integers(-5, 50, shape), jnp.int32)
         ref = jax.tree.map(jnp.copy, cache)
         for i in range(steps):
