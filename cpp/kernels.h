@@ -52,6 +52,12 @@ inline int64_t vnni_pairs(int64_t K) { return (K + 31) / 32 * 16; }
 // they do not pay for the unused tile columns; dev-box Xeon, one core: bf16 27 vs 20 GB/s at 1 token,
 // int4 12.6 vs 8.3), so only such groups need their activations packed.
 constexpr int kAmxMinTokens = 3;
+// Which loops the AMX tier runs for a call (the rest of a call's rows past the last block of 16
+// go to the AVX-512 loops in every case): the tile path for bf16 weights (activations packed by the
+// tier unless given), the int4 tile path (only with the activations given in the B layout), or all
+// of it on AVX-512 (fewer than kAmxMinTokens tokens, f32 weights or activations, K < 32, < 16 rows).
+enum class AmxRoute : int { kAvx512 = 0, kBf16 = 1, kInt4 = 2 };
+AmxRoute amx_route(WeightFormat format, int n_tokens, bool bf16_act, bool vnni_given, int64_t K, int64_t rows);
 inline int64_t amx_int4_column(int64_t pos) {
   const int64_t e = pos & 31;
   return (pos - e) + 4 * (e & 7) + (e >> 3);

@@ -267,8 +267,9 @@ bool amx_enable() {
 
 void dot_rows_amx(const MatrixRef& w, int64_t r0, int64_t r1, const ActRef& a, float* out) {
   const int64_t K = w.cols, r_amx = r0 + (r1 - r0) / 16 * 16;  // AMX rows: [r0, r_amx)
-  if (a.n < kAmxMinTokens)  // (kernels.h) return dot_rows_avx512bf16(w, r0, r1, a, out);
-  if (w.format == WeightFormat::kInt4 && a.vnni != nullptr && r_amx > r0) {
+  const AmxRoute route = amx_route(w.format, a.n, a.bf16 != nullptr, a.vnni != nullptr, K, r1 - r0);
+  if (route == AmxRoute::kAvx512) return dot_rows_avx512bf16(w, r0, r1, a, out);
+  if (route == AmxRoute::kInt4) {
     const int64_t pf = prefetch_bytes();
     for (int j0 = 0; j0 < a.n; j0 += 16) {
       const int nb = std::min(16, a.n - j0);
@@ -278,8 +279,6 @@ void dot_rows_amx(const MatrixRef& w, int64_t r0, int64_t r1, const ActRef& a, f
     if (r_amx < r1) dot_rows_avx512bf16(w, r_amx, r1, a, out + (r_amx - r0) * a.n);
     return;
   }
-  if (w.format != WeightFormat::kBF16 || a.bf16 == nullptr || K < 32 || r_amx == r0)
-    return dot_rows_avx512bf16(w, r0, r1, a, out);
   const uint32_t* b = a.vnni != nullptr ? a.vnni : repack(a, K);
   const int64_t pf = prefetch_bytes();
   const uint16_t* wd = reinterpret_cast<const uint16_t*>(w.data);

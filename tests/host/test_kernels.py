@@ -306,3 +306,27 @@ def test_gpu_spin_only_for_a_pool_the_user_left_alone(monkeypatch):
         assert host.worker_info()["spin_us"] == 50 and host.worker_info()["n_workers"] == 1
     finally:
         host._host.configure_workers(-1, 100, True)
+
+
+@pytest.mark.skipif("amx" not in TIERS or "avx512bf16" not in TIERS, reason="needs the AMX and AVX-512-BF16 tiers")
+@pytest.mark.parametrize("fmt", ["bf16", "int4"])
+def test_amx_tier_takes_its_calls(fmt):
+    """Which loops the AMX tier runs, seen from outside: its tile paths sum in another order than the
+    AVX-512 loops, so an expert of 4+ tokens gives results that differ from the AVX-512 tier's in the
+    last bits, while 1-2 tokens per expert (handed to the AVX-512 loops) give identical bits. (A
+    dispatch slip once sent every int4 call of 3+ tokens to AVX-512 with all results still right.)"""
+    rng = np.random.default_rng(zlib.crc32(f"route{fmt}".encode()))
+    pool, _ = make_pool(rng, fmt, 2, 256, 128)
+    x = rng.standard_normal((8, 256)).astype(BF16)
+    for tok, eid in [(np.arange(8), np.zeros(8)), (np.array([0, 1, 2]), np.array([0, 1, 1]))]:
+        tok, eid = tok.astype(np.int32), eid.astype(np.int32)
+        w = rng.random(tok.size).astype(np.float32)
+        ys = {}
+        for tier in ("amx", "avx512bf16"):
+            set_tier(tier)
+            ys[tier] = run(pool, x, tok, eid, w, tok.size)
+        if tok.size == 8:  # one expert, 8 tokens: the tile path
+            assert not np.array_equal(ys["amx"], ys["avx512bf16"]), f"{fmt}: the AMX tier ran no tile path"
+            assert rel_err(ys["amx"], ys["avx512bf16"]) < 1e-2
+        else:  # 1 and 2 tokens per expert: the AVX-512 loops
+            np.testing.assert_array_equal(ys["amx"], ys["avx512bf16"])
