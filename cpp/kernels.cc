@@ -132,22 +132,23 @@ MatrixRef matrix_of(const Bank& bank, int64_t expert) {
   return m;
 }
 
-void pack_vnni(const uint16_t* x, int64_t stride, int n, int64_t K, uint32_t* dst, bool int4_order) {
+void pack_vnni(const uint16_t* xj, int64_t K, int n, int j, uint32_t* dst, bool int4_order, Tier t) {
+#ifdef FTJAX_HAVE_AVX512BF16
+  if (t >= Tier::kAvx512Bf16) return pack_vnni_avx512(xj, K, n, j, dst, int4_order);
+#endif
   const int64_t pairs = vnni_pairs(K);
-  for (int j = 0; j < n; ++j) {
-    const uint16_t* xj = x + j * stride;
-    uint32_t* d = dst + j;
-    if (!int4_order) {
-      const int64_t full = K / 2;
-      for (int64_t p = 0; p < full; ++p) d[p * n] = xj[2 * p] | static_cast<uint32_t>(xj[2 * p + 1]) << 16;
-      for (int64_t p = full; p < pairs; ++p) d[p * n] = p * 2 < K ? xj[2 * p] : 0;  // odd K: the last pair's low word
-      continue;
-    }
-    for (int64_t p = 0; p < pairs; ++p) {
-      const int64_t k0 = amx_int4_column(2 * p), k1 = amx_int4_column(2 * p + 1);
-      d[p * n] = (k0 < K ? xj[k0] : 0u) | (k1 < K ? static_cast<uint32_t>(xj[k1]) << 16 : 0u);
-    }
+  uint32_t* d = dst + j;
+  for (int64_t p = 0; p < pairs; ++p) {
+    const int64_t k0 = int4_order ? amx_int4_column(2 * p) : 2 * p, k1 = int4_order ? amx_int4_column(2 * p + 1) : 2 * p + 1;
+    d[p * n] = (k0 < K ? xj[k0] : 0u) | (k1 < K ? static_cast<uint32_t>(xj[k1]) << 16 : 0u);
   }
+}
+
+void to_pair64(const uint16_t* x, int64_t K, uint16_t* dst, Tier t) {
+#ifdef FTJAX_HAVE_AVX512BF16
+  if (t >= Tier::kAvx512Bf16 && K % 64 == 0) return to_pair64_avx512(x, K, dst);
+#endif
+  for (int64_t k = 0; k < K; ++k) dst[pair64_index(k)] = x[k];
 }
 
 MatrixRef column_window(const MatrixRef& w, int64_t c0, int64_t n) {

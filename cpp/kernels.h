@@ -11,6 +11,8 @@
 
 namespace ftjax {
 
+enum class Tier : int { kScalar = 0, kAvx2 = 1, kAvx512Bf16 = 2, kAmx = 3 };  // best last
+
 // One expert's [rows, cols] matrix inside a bank row, or a window of its columns (column_window).
 struct MatrixRef {
   WeightFormat format;
@@ -43,21 +45,15 @@ struct ActRef {
 
 // The AMX B-tile layout of n bf16 vectors of length K: dst[p * n + j] = the pair (x_j[c(2p)],
 // x_j[c(2p + 1)]) as one dword (low word first), for p < vnni_pairs(K), zero past K (so a last
-// partial 32-column step adds exact zeros); x_j = x + j * stride. c(pos) = pos, or with
-// int4_order, amx_int4_column(pos): the AMX tier expands a 16-byte int4 group (byte b: columns 2b,
-// 2b + 1) into an A-tile row from four copies of it, word lane 8c + m of copy c keeping nibble c of
-// the word (bytes 2m, 2m + 1), i.e. column 4m + c.
+// partial 32-column step adds exact zeros). c(pos) = pos, or with int4_order, amx_int4_column(pos):
+// the AMX tier expands a 16-byte int4 group (byte b: columns 2b, 2b + 1) into an A-tile row from four
+// copies of it, word lane 8c + m of copy c keeping nibble c of the word (bytes 2m, 2m + 1), i.e.
+// column 4m + c. pack_vnni below writes vector x_j's share (the vectors of a call pack in parallel).
 inline int64_t vnni_pairs(int64_t K) { return (K + 31) / 32 * 16; }
 // The AMX tier takes an expert's rows from this many tokens on (fewer: its AVX-512 loops, faster there:
 // they do not pay for the unused tile columns; dev-box Xeon, one core: bf16 27 vs 20 GB/s at 1 token,
 // int4 12.6 vs 8.3), so only such groups need their activations packed.
 constexpr int kAmxMinTokens = 3;
-// Which loops the AMX tier runs for a call (the rest of a call's rows past the last block of 16
-// go to the AVX-512 loops in every case): the tile path for bf16 weights (activations packed by the
-// tier unless given), the int4 tile path (only with the activations given in the B layout), or all
-// of it on AVX-512 (fewer than kAmxMinTokens tokens, f32 weights or activations, K < 32, < 16 rows).
-enum class AmxRoute : int { kAvx512 = 0, kBf16 = 1, kInt4 = 2 };
-AmxRoute amx_route(WeightFormat format, int n_tokens, bool bf16_act, bool vnni_given, int64_t K, int64_t rows);
 inline int64_t amx_int4_column(int64_t pos) {
   const int64_t e = pos & 31;
   return (pos - e) + 4 * (e & 7) + (e >> 3);
@@ -66,7 +62,14 @@ inline int64_t amx_int4_position(int64_t k) {  // the inverse
   const int64_t e = k & 31;
   return (k - e) + 8 * (e & 3) + (e >> 2);
 }
-void pack_vnni(const uint16_t* x, int64_t stride, int n, int64_t K, uint32_t* dst, bool int4_order = false);
+// (SIMD where tier t has AVX-512, which every tier that reads the layout has.)
+void pack_vnni(const uint16_t* xj, int64_t K, int n, int j, uint32_t* dst, bool int4_order, Tier t);
+// Which loops the AMX tier runs for a call (the rest of a call's rows past the last block of 16
+// go to the AVX-512 loops in every case): the tile path for bf16 weights (activations packed by the
+// tier unless given), the int4 tile path (only with the activations given in the B layout), or all
+// of it on AVX-512 (fewer than kAmxMinTokens tokens, f32 weights or activations, K < 32, < 16 rows).
+enum class AmxRoute : int { kAvx512 = 0, kBf16 = 1, kInt4 = 2 };
+AmxRoute amx_route(WeightFormat format, int n_tokens, bool bf16_act, bool vnni_given, int64_t K, int64_t rows);
 
 // Position of element k of a vector in the pair64 order: in each span of 64 elements, e = k % 64
 // goes to (e & 1) * 32 + (e >> 2) * 2 + ((e >> 1) & 1). A span of packed int4 weights is 32 bytes,
@@ -77,6 +80,8 @@ inline int64_t pair64_index(int64_t k) {
   const int64_t e = k & 63;
   return (k - e) + (e & 1) * 32 + (e >> 2) * 2 + ((e >> 1) & 1);
 }
+// dst[pair64_index(k)] = x[k] for k < K (SIMD where tier t has AVX-512 and K % 64 == 0).
+void to_pair64(const uint16_t* x, int64_t K, uint16_t* dst, Tier t);
 
 // bf16 bits of q - 8 for a nibble q (exact in bf16), twice: VPERMW reads 5 index bits, so an index
 // whose bit 4 comes from the next nibble still finds the value of its low 4 bits (AVX-512 and AMX tiers).
@@ -88,7 +93,6 @@ alignas(64) inline constexpr uint16_t kInt4Bf16[32] = {
 // out[(r - r0) * a.n + j] = sum_k W[r, k] * a_j[k], for r in [r0, r1).
 using DotRowsFn = void (*)(const MatrixRef& w, int64_t r0, int64_t r1, const ActRef& a, float* out);
 
-enum class Tier : int { kScalar = 0, kAvx2 = 1, kAvx512Bf16 = 2, kAmx = 3 };
 const char* tier_name(Tier t);
 std::vector<Tier> available_tiers();  // compiled in and supported by this CPU, best last
 Tier active_tier();
@@ -105,6 +109,8 @@ void dot_rows_scalar(const MatrixRef&, int64_t, int64_t, const ActRef&, float*);
 void dot_rows_avx2(const MatrixRef&, int64_t, int64_t, const ActRef&, float*);
 void dot_rows_avx512bf16(const MatrixRef&, int64_t, int64_t, const ActRef&, float*);
 void dot_rows_amx(const MatrixRef&, int64_t, int64_t, const ActRef&, float*);
+void pack_vnni_avx512(const uint16_t* xj, int64_t K, int n, int j, uint32_t* dst, bool int4_order);
+void to_pair64_avx512(const uint16_t* x, int64_t K, uint16_t* dst);
 bool amx_enable();  // asks the kernel for AMX tile state; false if refused
 
 inline float bf16_to_f32(uint16_t b) {

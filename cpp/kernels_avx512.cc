@@ -211,6 +211,33 @@ struct Avx512Tile {
 };
 }  // namespace
 
+void to_pair64_avx512(const uint16_t* x, int64_t K, uint16_t* dst) {
+  // dst word p of a span <- x word e: p < 32 takes the even e = 4 (p >> 1) + 2 (p & 1), p >= 32 that + 1
+  alignas(64) uint16_t idx[2][32];
+  for (int p = 0; p < 32; ++p) idx[1][p] = static_cast<uint16_t>((idx[0][p] = static_cast<uint16_t>(4 * (p >> 1) + 2 * (p & 1))) + 1);
+  const __m512i even = _mm512_load_si512(idx[0]), odd = _mm512_load_si512(idx[1]);
+  for (int64_t s = 0; s < K; s += 64) {
+    const __m512i a = _mm512_loadu_si512(x + s), b = _mm512_loadu_si512(x + s + 32);
+    _mm512_storeu_si512(dst + s, _mm512_permutex2var_epi16(a, even, b));
+    _mm512_storeu_si512(dst + s + 32, _mm512_permutex2var_epi16(a, odd, b));
+  }
+}
+
+void pack_vnni_avx512(const uint16_t* xj, int64_t K, int n, int j, uint32_t* dst, bool int4_order) {
+  // per 32 columns: the words in position order (VPERMW by amx_int4_column, or as they are), then
+  // its 16 dwords to dst[p * n + j] (a scatter); past K, zeros
+  alignas(64) uint16_t col[32];
+  alignas(64) uint32_t at[16];
+  for (int e = 0; e < 32; ++e) col[e] = static_cast<uint16_t>(int4_order ? amx_int4_column(e) : e);
+  for (int p = 0; p < 16; ++p) at[p] = static_cast<uint32_t>(p * n);
+  const __m512i perm = _mm512_load_si512(col), offsets = _mm512_load_si512(at);
+  for (int64_t k = 0; k < K; k += 32) {
+    const __mmask32 in_k = K - k >= 32 ? ~__mmask32{0} : (__mmask32{1} << (K - k)) - 1;
+    const __m512i v = _mm512_permutexvar_epi16(perm, _mm512_maskz_loadu_epi16(in_k, xj + k));
+    _mm512_i32scatter_epi32(dst + k / 2 * n + j, offsets, v, 4);
+  }
+}
+
 void dot_rows_avx512bf16(const MatrixRef& w, int64_t r0, int64_t r1, const ActRef& a, float* out) {
   dot_rows_tiled<Avx512Tile, 4, 4>(w, r0, r1, a, out);
 }

@@ -29,6 +29,39 @@ int64_t rows_per_item(int64_t rows, int64_t groups, int64_t k_rows, int threads)
 
 inline float silu(float v) { return v / (1.f + std::exp(-v)); }
 
+// The call's activation layouts, kept across calls (fresh vectors of a few hundred KiB per call
+// cost page faults); one set per calling thread. Only what a call reads is written.
+struct CallBuffers {
+  std::vector<float> xg, act;                        // [n, H], [n, I]: f32
+  std::vector<uint16_t> xg_h, act_h, xg_p, act_p;    // bf16 bits; pair64 order
+  std::vector<uint32_t> xg_v, act_v_;                // B-tile layouts: [n, PH], [n, PI] dwords
+  void size(int64_t n, int64_t H, int64_t I, bool bf16, bool pair_x, bool pair_act, bool vnni) {
+    grow(xg, n * H);
+    grow(act, n * I);
+    if (bf16) {
+      grow(xg_h, n * H);
+      grow(act_h, n * I);
+    }
+    if (pair_x) grow(xg_p, n * H);
+    if (pair_act) grow(act_p, n * I);
+    if (vnni) {
+      grow(xg_v, n * vnni_pairs(H));
+      grow(act_v_, n * vnni_pairs(I));
+    }
+  }
+  const uint32_t* act_v() const { return act_v_.data(); }
+  // phase 1 writes the intermediate's B layout a word at a time (the kernels read it as dwords)
+  uint16_t* act_v_words() { return reinterpret_cast<uint16_t*>(act_v_.data()); }
+  template <class T>
+  static void grow(std::vector<T>& v, int64_t n) {
+    if (v.size() < static_cast<size_t>(n)) v.resize(n);
+  }
+};
+CallBuffers& call_buffers() {
+  thread_local CallBuffers b;
+  return b;
+}
+
 std::vector<float>& scratch(size_t n) {
   thread_local std::vector<float> buf;
   if (buf.size() < n) buf.resize(n);
@@ -73,53 +106,45 @@ void run_experts(WorkerPool& workers, const ExpertCall& c, Tier tier) {
   start.push_back(n);
   const int64_t groups = static_cast<int64_t>(start.size()) - 1;
 
-  // Activations gathered in route order: f32 always, bf16 bits too in bf16 mode.
-  std::vector<float> xg(n * H), act(n * I);
-  std::vector<uint16_t> xg_h, act_h;
-  if (c.x_bf16) {
-    xg_h.resize(n * H);
-    act_h.resize(n * I);
-  }
-  for (int64_t r = 0; r < n; ++r) {
-    const int64_t t = c.token_idx[order[r]];
-    if (c.x_bf16) {
-      const uint16_t* src = static_cast<const uint16_t*>(c.x) + t * H;
-      std::memcpy(&xg_h[r * H], src, H * 2);
-      for (int64_t h = 0; h < H; ++h) xg[r * H + h] = bf16_to_f32(src[h]);
-    } else {
-      std::memcpy(&xg[r * H], static_cast<const float*>(c.x) + t * H, H * 4);
-    }
-  }
   const DotRowsFn dot = dot_rows_for(tier);
-  // int4 weights with bf16 activations: the activations also in pair64 order (kernels.h).
-  const bool pair_x = c.x_bf16 && pool.gate_up().format == WeightFormat::kInt4 && H % 64 == 0;
-  const bool pair_act = c.x_bf16 && pool.down().format == WeightFormat::kInt4 && I % 64 == 0;
-  std::vector<uint16_t> xg_p, act_p;
-  if (pair_x) {
-    xg_p.resize(n * H);
-    for (int64_t r = 0; r < n; ++r)
-      for (int64_t h = 0; h < H; ++h) xg_p[r * H + pair64_index(h)] = xg_h[r * H + h];
-  }
-  if (pair_act) act_p.resize(n * I);
-  // AMX tier, groups of kAmxMinTokens or more: their activations in the B-tile layout (pack_vnni),
-  // once per call; a group's block starts at its first route r0: r0 * vnni_pairs(K) dwords. (Decode
-  // calls of one token per expert skip all of it.)
+  // Layouts of the activations a group's kernels read (kernels.h): bf16 bits in bf16 mode (f32
+  // always, for the tiers and tails that multiply in f32); for int4 weights on the AVX-512 loops the
+  // pair64 order; for groups the AMX tier takes (kAmxMinTokens+ tokens) the B-tile layout.
   const bool int4_x = pool.gate_up().format == WeightFormat::kInt4, int4_act = pool.down().format == WeightFormat::kInt4;
   const auto amx_group = [&](int64_t g) {
     return c.x_bf16 && tier == Tier::kAmx && start[g + 1] - start[g] >= kAmxMinTokens;
   };
-  bool vnni = false;
-  for (int64_t g = 0; g < groups && !vnni; ++g) vnni = amx_group(g);
+  const bool pair = c.x_bf16 && tier >= Tier::kAvx512Bf16;  // only those tiers read the pair64 order
+  const bool pair_x = pair && int4_x && H % 64 == 0, pair_act = pair && int4_act && I % 64 == 0;
   const int64_t PH = vnni_pairs(H), PI = vnni_pairs(I);
-  std::vector<uint32_t> xg_v, act_v;
-  if (vnni) {
-    xg_v.resize(n * PH);
-    act_v.resize(n * PI);  // zero: pairs past I stay zero
-    workers.parallel_for(groups, [&](int64_t g, int) {
-      if (amx_group(g))
-        pack_vnni(&xg_h[start[g] * H], H, static_cast<int>(start[g + 1] - start[g]), H, &xg_v[start[g] * PH], int4_x);
-    }, 1);
-  }
+  CallBuffers& b = call_buffers();
+  b.size(n, H, I, c.x_bf16, pair_x, pair_act, tier == Tier::kAmx && c.x_bf16);
+  std::vector<int64_t> group_of(n);
+  for (int64_t g = 0; g < groups; ++g) std::fill(&group_of[start[g]], &group_of[start[g + 1]], g);
+
+  // Gathered in route order, in parallel (serial, these copies and reorders cost more than the
+  // products of an 8-token int4 call spread over 15 threads: H200 host, bench/RESULTS.md session 15).
+  const int64_t route_bytes = H * (c.x_bf16 ? 8 : 4);
+  workers.parallel_for(n, [&](int64_t r, int) {
+    const int64_t t = c.token_idx[order[r]], g = group_of[r], r0 = start[g], nr = start[g + 1] - r0;
+    float* xf = &b.xg[r * H];
+    if (!c.x_bf16) {
+      std::memcpy(xf, static_cast<const float*>(c.x) + t * H, H * 4);
+      return;
+    }
+    const uint16_t* src = static_cast<const uint16_t*>(c.x) + t * H;
+    uint16_t* xh = &b.xg_h[r * H];
+    std::memcpy(xh, src, H * 2);
+    for (int64_t h = 0; h < H; ++h) xf[h] = bf16_to_f32(xh[h]);
+    if (amx_group(g)) {
+      pack_vnni(xh, H, static_cast<int>(nr), static_cast<int>(r - r0), &b.xg_v[r0 * PH], int4_x, tier);
+      // the intermediate's pad positions [I, 2 PI) of this route stay zero (phase 1 writes [u, I))
+      uint16_t* av = b.act_v_words() + 2 * r0 * PI;
+      for (int64_t pos = I; pos < 2 * PI; ++pos) av[2 * ((pos / 2) * nr + (r - r0)) + (pos & 1)] = 0;
+    } else if (pair_x) {
+      to_pair64(xh, H, &b.xg_p[r * H], tier);
+    }
+  }, min_chunk(route_bytes));
 
   // Phase 1: act[r, i] = silu(gate_e[i] . x_r) * (up_e[i] . x_r), items = (group, block of i).
   const int64_t rows1 = rows_per_item(I, groups, kRowsPhase1, workers.n_threads());
@@ -131,9 +156,10 @@ void run_experts(WorkerPool& workers, const ExpertCall& c, Tier tier) {
     const int64_t i0 = std::max((item % blocks1) * rows1, unit_of(order[r0]));  // the group's units only
     if (i0 >= i1) return;
     const MatrixRef w = matrix_of(pool.gate_up(), c.expert_ids[order[r0]]);
-    const ActRef a{&xg[r0 * H], c.x_bf16 ? &xg_h[r0 * H] : nullptr, H, static_cast<int>(nr),
-                   pair_x ? &xg_p[r0 * H] : nullptr, amx_group(g) ? &xg_v[r0 * PH] : nullptr};
     const bool vnni_act = amx_group(g);
+    const ActRef a{&b.xg[r0 * H], c.x_bf16 ? &b.xg_h[r0 * H] : nullptr, H, static_cast<int>(nr),
+                   pair_x && !vnni_act ? &b.xg_p[r0 * H] : nullptr, vnni_act ? &b.xg_v[r0 * PH] : nullptr};
+    uint16_t* act_v = vnni_act ? b.act_v_words() + 2 * r0 * PI : nullptr;
     std::vector<float>& buf = scratch(2 * rows1 * nr);
     float* gate = buf.data();
     float* up = buf.data() + rows1 * nr;
@@ -144,15 +170,16 @@ void run_experts(WorkerPool& workers, const ExpertCall& c, Tier tier) {
         float v = silu(gate[(i - i0) * nr + j]) * up[(i - i0) * nr + j];
         if (c.x_bf16) {
           const uint16_t h = f32_to_bf16(v);
-          act_h[(r0 + j) * I + i] = h;
-          if (pair_act) act_p[(r0 + j) * I + pair64_index(i)] = h;
-          if (vnni_act) {
+          b.act_h[(r0 + j) * I + i] = h;
+          if (vnni_act) {  // one word of the pair dword: items never write the same word
             const int64_t pos = int4_act ? amx_int4_position(i) : i;
-            act_v[r0 * PI + (pos / 2) * nr + j] |= static_cast<uint32_t>(h) << (16 * (pos & 1));
+            act_v[2 * ((pos / 2) * nr + j) + (pos & 1)] = h;
+          } else if (pair_act) {
+            b.act_p[(r0 + j) * I + pair64_index(i)] = h;
           }
           v = bf16_to_f32(h);
         }
-        act[(r0 + j) * I + i] = v;
+        b.act[(r0 + j) * I + i] = v;
       }
     }
   }, min_chunk(item1_bytes));
@@ -170,9 +197,10 @@ void run_experts(WorkerPool& workers, const ExpertCall& c, Tier tier) {
       // the down columns of the group's units; pair64 spans stay aligned only from a multiple of 64
       const MatrixRef w = column_window(matrix_of(pool.down(), c.expert_ids[order[r0]]), u, I - u);
       // the B layout of the window [u, I) from pair u / 2 on: whole 32-column steps only when u % 32 == 0
-      const ActRef a{&act[r0 * I + u], c.x_bf16 ? &act_h[r0 * I + u] : nullptr, I, static_cast<int>(nr),
-                     pair_act && u % 64 == 0 ? &act_p[r0 * I + u] : nullptr,
-                     amx_group(g) && u % 32 == 0 ? &act_v[r0 * PI + u / 2 * nr] : nullptr};
+      const bool vnni_act = amx_group(g);
+      const ActRef a{&b.act[r0 * I + u], c.x_bf16 ? &b.act_h[r0 * I + u] : nullptr, I, static_cast<int>(nr),
+                     pair_act && !vnni_act && u % 64 == 0 ? &b.act_p[r0 * I + u] : nullptr,
+                     vnni_act && u % 32 == 0 ? b.act_v() + r0 * PI + u / 2 * nr : nullptr};
       float* out = scratch(rows2 * nr).data();
       dot(w, h0, h1, a, out);
       for (int64_t j = 0; j < nr; ++j) {
