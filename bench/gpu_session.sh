@@ -53,6 +53,10 @@ for s in "${steps[@]}"; do
     cpu) run cpu_tests 60 python3 -m pytest -q tests/host/test_kernels.py
          run cpu_kernels 240 python3 bench/host_runtime.py --no-gpu --calls 10 --prefetch ${PREFETCH:-0 512 2048 8192 16384} \
            --per-core --out "$OUT/cpu_kernels.json" ;;
+    cpu-amx)  # kernel tests, then the table on the AMX and AVX-512 tiers and one core's rate (~3 min)
+         run cpu_tests 60 python3 -m pytest -q tests/host/test_kernels.py
+         run cpu_amx 180 python3 bench/host_runtime.py --no-gpu --tiers amx avx512bf16 --calls 10 --per-core \
+           --out "$OUT/cpu_amx.json" ;;
     cpu-core) run cpu_core 120 python3 bench/host_runtime.py --no-gpu --per-core --calls 10 --out "$OUT/cpu_core.json" ;;
     cpu-tiers) run cpu_tiers 150 python3 bench/host_runtime.py --all-tiers --no-gpu --calls 10 --out "$OUT/cpu_tiers.json" ;;
     calibrate) run calibrate 120 python3 -m ftjax calibrate --window-gib 2 ;;
