@@ -1,6 +1,7 @@
 // Run-time choice of the kernel tier: the best one compiled in and supported by this CPU, unless
 // forced (tests run every available tier; benchmarks compare them).
 #include <atomic>
+#include <mutex>
 #include <stdexcept>
 #include <string>
 
@@ -122,6 +123,39 @@ AmxRoute amx_route(WeightFormat format, int n_tokens, bool bf16_act, bool vnni_g
   if (format == WeightFormat::kInt4) return vnni_given ? AmxRoute::kInt4 : AmxRoute::kAvx512;
   if (format == WeightFormat::kBF16 && K >= 32) return AmxRoute::kBf16;
   return AmxRoute::kAvx512;
+}
+
+namespace {
+struct RouteCounts {  // one per thread that ever ran the AMX tier, never freed (a few bytes each)
+  std::atomic<int64_t> n[3] = {};
+};
+std::mutex g_route_mu;
+std::vector<RouteCounts*>& route_registry() {
+  static std::vector<RouteCounts*> all;
+  return all;
+}
+RouteCounts& my_route_counts() {
+  thread_local RouteCounts* mine = [] {
+    auto* c = new RouteCounts();
+    std::lock_guard<std::mutex> lock(g_route_mu);
+    route_registry().push_back(c);
+    return c;
+  }();
+  return *mine;
+}
+}  // namespace
+
+void count_amx_route(AmxRoute r) {  // the owning thread is the only writer: no atomic RMW
+  std::atomic<int64_t>& c = my_route_counts().n[static_cast<int>(r)];
+  c.store(c.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);
+}
+
+std::vector<int64_t> amx_route_counts() {
+  std::vector<int64_t> out(3, 0);
+  std::lock_guard<std::mutex> lock(g_route_mu);
+  for (const RouteCounts* c : route_registry())
+    for (int i = 0; i < 3; ++i) out[i] += c->n[i].load(std::memory_order_relaxed);
+  return out;
 }
 
 MatrixRef matrix_of(const Bank& bank, int64_t expert) {

@@ -70,6 +70,10 @@ void pack_vnni(const uint16_t* xj, int64_t K, int n, int j, uint32_t* dst, bool 
 // of it on AVX-512 (fewer than kAmxMinTokens tokens, f32 weights or activations, K < 32, < 16 rows).
 enum class AmxRoute : int { kAvx512 = 0, kBf16 = 1, kInt4 = 2 };
 AmxRoute amx_route(WeightFormat format, int n_tokens, bool bf16_act, bool vnni_given, int64_t K, int64_t rows);
+// How many dot_rows calls the AMX tier routed each way, since the process started (per-thread
+// counters, summed when read): tests and benchmarks check which loops really ran.
+void count_amx_route(AmxRoute r);
+std::vector<int64_t> amx_route_counts();  // indexed by AmxRoute
 
 // Position of element k of a vector in the pair64 order: in each span of 64 elements, e = k % 64
 // goes to (e & 1) * 32 + (e >> 2) * 2 + ((e >> 1) & 1). A span of packed int4 weights is 32 bytes,

@@ -180,56 +180,83 @@ inline __attribute__((always_inline)) void int4_expand(const uint8_t* rows, int6
   }
 }
 
-// The 16 row accumulators as named registers (GCC keeps an array of them on the stack).
-#define FTJAX_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11) X(12) X(13) X(14) X(15)
-// acc<row> += scale[row][g] * C_g[row] (sf: fp32 scales [row][G]; c: the stored C tile).
-#define FTJAX_SCALE_ROW(i) acc##i = _mm512_fmadd_ps(_mm512_load_ps(c_[i]), _mm512_set1_ps(sf[i * G + g_]), acc##i);
-#define FTJAX_SCALE(c, g)              \
-  do {                                  \
-    const float(*c_)[16] = (c);         \
-    const int64_t g_ = (g);             \
-    FTJAX_ROWS(FTJAX_SCALE_ROW)         \
-  } while (0)
-
+// int4_block<RP>: the C tile of each group is stored with RP rows (of nb <= 16 / RP tokens each) per
+// 64-byte line, so scaling it takes 16 / RP vector loads and FMAs (RP = 2 at 5-8 tokens, 4 at 3-4:
+// fewer than one per row); acc[v] holds rows RP v .. RP v + RP - 1, 16 / RP lanes each. A group's
+// row scales are one fp32 vector (transposed per block), spread over the lanes by VPERMPS.
+template <int RP>
 void int4_block(const MatrixRef& w, int64_t r, const uint32_t* b, int n, int nb, float* out, int64_t pf) {
+  constexpr int NV = 16 / RP, L = 16 / RP;  // vectors, lanes per row
   const int64_t G = w.cols / 32, rb = w.ld / 2, sc_stride = w.ld / 32;
   const uint8_t* rows = w.data + r * rb;
   const uint16_t* sc = w.scales + r * sc_stride;
-  alignas(64) uint16_t abuf[4][16][32];
-  // A C tile of nb < 16 columns stores only those; the other lanes of cbuf keep what was there,
-  // which only ever feeds lanes of acc that are not read. Zeroed once per thread: stack garbage
-  // there could be subnormal, and an FMA on a subnormal input costs ~100 cycles.
-  alignas(64) thread_local float cbuf[4][16][16] = {};
-  thread_local std::vector<float> scales;  // [row][group], fp32
+  alignas(64) uint16_t abuf[2][4][16][32];
+  // A C tile of nb columns stores only those (at a row stride of L lanes); the other lanes of cbuf
+  // keep what was there, which only ever feeds lanes of acc that are not read. Zeroed once per
+  // thread: stack garbage there could be subnormal, and an FMA on a subnormal input costs ~100 cycles.
+  alignas(64) thread_local float cbuf[2][4][256] = {};
+  thread_local std::vector<float> scales;  // [group][row], fp32, 64-byte aligned rows of 16
   if (scales.size() < static_cast<size_t>(16 * G + 16)) scales.resize(16 * G + 16);
-  for (int i = 0; i < 16; ++i) {
-    const uint16_t* s_row = sc + i * sc_stride;
-    float* d = scales.data() + i * G;
-    for (int64_t g = 0; g < G; g += 16) {
-      const __mmask16 m = G - g >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << (G - g)) - 1);
-      const __m512i v = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, s_row + g));
-      _mm512_mask_storeu_ps(d + g, m, _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)));
+  float* sf = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(scales.data()) + 63) & ~uintptr_t{63});
+  {
+    const __m512i row_off = _mm512_mullo_epi32(_mm512_set1_epi32(static_cast<int>(sc_stride)),
+                                               _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+    const __m512i hi_word = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+    int64_t g = 0;
+    for (; g + 2 <= G; g += 2) {  // the dword (scale g + 1, scale g) of every row
+      const __m512i v = _mm512_i32gather_epi32(row_off, sc + g, 2);
+      _mm512_store_ps(sf + g * 16, _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)));
+      _mm512_store_ps(sf + g * 16 + 16, _mm512_castsi512_ps(_mm512_and_si512(v, hi_word)));
     }
+    for (; g < G; ++g)
+      for (int i = 0; i < 16; ++i) sf[g * 16 + i] = bf16_to_f32(sc[i * sc_stride + g]);
   }
-  const float* sf = scales.data();
   const __m512i table = _mm512_load_si512(kInt4Bf16);
   const __m512i shifts = _mm512_set_epi64(0x000C000C000C000C, 0x000C000C000C000C, 0x0008000800080008,
                                           0x0008000800080008, 0x0004000400040004, 0x0004000400040004, 0, 0);
-#define FTJAX_ZERO_ROW(i) __m512 acc##i = _mm512_setzero_ps();
-  FTJAX_ROWS(FTJAX_ZERO_ROW)
-  // Four groups at a time: expand all four, four products into C tiles tmm0/1/3/6 (the A and B
-  // tiles alternate, so a load overlaps the previous product), store the four, scale the four:
-  // fewer switches between vector stores and tile instructions.
-  for (int64_t g0 = 0; g0 < G; g0 += 4) {
+  __m512i lane_row[NV];  // acc[v] lane l belongs to row RP v + l / L
+  __m512 acc[NV];
+#pragma GCC unroll 16
+  for (int v = 0; v < NV; ++v) {
+    alignas(64) int32_t idx[16];
+    for (int l = 0; l < 16; ++l) idx[l] = RP * v + l / L;
+    lane_row[v] = _mm512_load_si512(idx);
+    acc[v] = _mm512_setzero_ps();
+  }
+  // Batches of four groups, software-pipelined over two sets of staging buffers: batch t's four
+  // products (C tiles tmm0/1/3/6; A and B tiles alternate between tmm2 / tmm4 and tmm5 / tmm7, so a
+  // load overlaps the previous product) are issued first, then the vector work that does not wait
+  // for them (expanding batch t + 1, scaling batch t - 1 from its stored C tiles), then batch t's
+  // C tiles are stored. In program order the expansion, products, stores and scaling of a batch wait
+  // on each other (a tile load reads only committed stores; a vector load, only stored tiles).
+  const auto expand = [&](int64_t t) {
+    const int64_t g0 = 4 * t;
     const int nq = static_cast<int>(std::min<int64_t>(4, G - g0));
-    for (int q = 0; q < nq; ++q) int4_expand(rows, rb, g0 + q, shifts, table, abuf[q], pf);
+    for (int q = 0; q < nq; ++q) int4_expand(rows, rb, g0 + q, shifts, table, abuf[t & 1][q], pf);
+  };
+  const auto scale = [&](int64_t t) {
+    const int64_t g0 = 4 * t;
+    const int nq = static_cast<int>(std::min<int64_t>(4, G - g0));
+    const float(*cb)[256] = cbuf[t & 1];
+    for (int q = 0; q < nq; ++q) {
+      const __m512 s = _mm512_load_ps(sf + (g0 + q) * 16);
+#pragma GCC unroll 16
+      for (int v = 0; v < NV; ++v)
+        acc[v] = _mm512_fmadd_ps(_mm512_load_ps(cb[q] + 16 * v), _mm512_permutexvar_ps(lane_row[v], s), acc[v]);
+    }
+  };
+  const int64_t batches = (G + 3) / 4;
+  expand(0);
+  for (int64_t t = 0; t < batches; ++t) {
     publish(abuf);
-    const uint32_t* bk = b + g0 * 16 * n;
-    // group g0 + q: C tile c, A tile a, B tile bt (tile numbers are immediates)
+    const int nq = static_cast<int>(std::min<int64_t>(4, G - 4 * t));
+    const uint32_t* bk = b + 4 * t * 16 * n;
+    uint16_t(*ab)[16][32] = abuf[t & 1];
+    // group 4 t + q: C tile c, A tile a, B tile bt (tile numbers are immediates)
 #define FTJAX_INT4_PRODUCT(q, c, a, bt)              \
   if (nq > q) {                                      \
     _tile_zero(c);                                   \
-    _tile_loadd(a, abuf[q], 64);                     \
+    _tile_loadd(a, ab[q], 64);                       \
     _tile_loadd(bt, bk + q * 16 * n, 4 * n);         \
     _tile_dpbf16ps(c, a, bt);                        \
   }
@@ -238,24 +265,22 @@ void int4_block(const MatrixRef& w, int64_t r, const uint32_t* b, int n, int nb,
     FTJAX_INT4_PRODUCT(2, 3, 2, 4)
     FTJAX_INT4_PRODUCT(3, 6, 5, 7)
 #undef FTJAX_INT4_PRODUCT
-    _tile_stored(0, cbuf[0], 64);
-    if (nq > 1) _tile_stored(1, cbuf[1], 64);
-    if (nq > 2) _tile_stored(3, cbuf[2], 64);
-    if (nq > 3) _tile_stored(6, cbuf[3], 64);
+    if (t + 1 < batches) expand(t + 1);
+    if (t > 0) scale(t - 1);
+    float(*cb)[256] = cbuf[t & 1];
+    _tile_stored(0, cb[0], 4 * L);
+    if (nq > 1) _tile_stored(1, cb[1], 4 * L);
+    if (nq > 2) _tile_stored(3, cb[2], 4 * L);
+    if (nq > 3) _tile_stored(6, cb[3], 4 * L);
     publish(cbuf);
-    for (int q = 0; q < nq; ++q) FTJAX_SCALE(cbuf[q], g0 + q);
   }
-  alignas(64) float res[16][16];
-#define FTJAX_STORE_ROW(i) _mm512_store_ps(res[i], acc##i);
-  FTJAX_ROWS(FTJAX_STORE_ROW)
+  scale(batches - 1);
+  alignas(64) float res[256];
+#pragma GCC unroll 16
+  for (int v = 0; v < NV; ++v) _mm512_store_ps(res + 16 * v, acc[v]);
   for (int i = 0; i < 16; ++i)
-    for (int j = 0; j < nb; ++j) out[i * n + j] = res[i][j];
+    for (int j = 0; j < nb; ++j) out[i * n + j] = res[i * L + j];
 }
-#undef FTJAX_ROWS
-#undef FTJAX_SCALE_ROW
-#undef FTJAX_SCALE
-#undef FTJAX_ZERO_ROW
-#undef FTJAX_STORE_ROW
 }  // namespace
 
 bool amx_enable() {
@@ -268,13 +293,15 @@ bool amx_enable() {
 void dot_rows_amx(const MatrixRef& w, int64_t r0, int64_t r1, const ActRef& a, float* out) {
   const int64_t K = w.cols, r_amx = r0 + (r1 - r0) / 16 * 16;  // AMX rows: [r0, r_amx)
   const AmxRoute route = amx_route(w.format, a.n, a.bf16 != nullptr, a.vnni != nullptr, K, r1 - r0);
+  count_amx_route(route);
   if (route == AmxRoute::kAvx512) return dot_rows_avx512bf16(w, r0, r1, a, out);
   if (route == AmxRoute::kInt4) {
     const int64_t pf = prefetch_bytes();
     for (int j0 = 0; j0 < a.n; j0 += 16) {
       const int nb = std::min(16, a.n - j0);
       configure(nb, true);
-      for (int64_t r = r0; r < r_amx; r += 16) int4_block(w, r, a.vnni + j0, a.n, nb, out + (r - r0) * a.n + j0, pf);
+      const auto block = nb <= 4 ? int4_block<4> : nb <= 8 ? int4_block<2> : int4_block<1>;
+      for (int64_t r = r0; r < r_amx; r += 16) block(w, r, a.vnni + j0, a.n, nb, out + (r - r0) * a.n + j0, pf);
     }
     if (r_amx < r1) dot_rows_avx512bf16(w, r_amx, r1, a, out + (r_amx - r0) * a.n);
     return;

@@ -163,6 +163,15 @@ NB_MODULE(_host, m) {
     return out;
   });
   m.def("active_tier", [] { return std::string(tier_name(active_tier())); });
+  m.def("amx_route_counts", [] {
+    const std::vector<int64_t> c = amx_route_counts();
+    nb::dict d;
+    d["avx512"] = c[static_cast<int>(AmxRoute::kAvx512)];
+    d["bf16"] = c[static_cast<int>(AmxRoute::kBf16)];
+    d["int4"] = c[static_cast<int>(AmxRoute::kInt4)];
+    return d;
+  }, "dot_rows calls the AMX tier ran on its AVX-512 loops, its bf16 tile path and its int4 tile path, "
+     "since the process started.");
   m.def("set_tier", &set_tier, "name"_a);
   m.def("prefetch_bytes", &prefetch_bytes, "How far ahead (bytes) the AVX-512 and AMX tiers prefetch weight rows.");
   m.def("set_prefetch_bytes", &set_prefetch_bytes, "bytes"_a, "Set the prefetch distance (0 = off).");

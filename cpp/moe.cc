@@ -21,9 +21,10 @@ int64_t min_chunk(int64_t item_bytes) { return (kMinClaimBytes + item_bytes - 1)
 
 // Rows per item: kRows, halved while a phase would have fewer than kMinItemsPerThread items per
 // thread (one Qwen3.6 expert, I = 512, is 32 gate/up items for 15 threads: the last of 3 rounds ran
-// 2 items while 13 threads waited), never below the SIMD tiers' 4-row micro-tile.
-int64_t rows_per_item(int64_t rows, int64_t groups, int64_t k_rows, int threads) {
-  while (k_rows > 4 && groups * ((rows + k_rows - 1) / k_rows) < kMinItemsPerThread * threads) k_rows /= 2;
+// 2 items while 13 threads waited), never below min_rows: the SIMD tiers' 4-row micro-tile, or the
+// AMX tier's 16-row tile when a group goes to it (smaller items would all run on AVX-512).
+int64_t rows_per_item(int64_t rows, int64_t groups, int64_t k_rows, int threads, int64_t min_rows) {
+  while (k_rows > min_rows && groups * ((rows + k_rows - 1) / k_rows) < kMinItemsPerThread * threads) k_rows /= 2;
   return k_rows;
 }
 
@@ -147,7 +148,10 @@ void run_experts(WorkerPool& workers, const ExpertCall& c, Tier tier) {
   }, min_chunk(route_bytes));
 
   // Phase 1: act[r, i] = silu(gate_e[i] . x_r) * (up_e[i] . x_r), items = (group, block of i).
-  const int64_t rows1 = rows_per_item(I, groups, kRowsPhase1, workers.n_threads());
+  bool any_amx = false;
+  for (int64_t g = 0; g < groups && !any_amx; ++g) any_amx = amx_group(g);
+  const int64_t min_rows = any_amx ? 16 : 4;
+  const int64_t rows1 = rows_per_item(I, groups, kRowsPhase1, workers.n_threads(), min_rows);
   const int64_t blocks1 = (I + rows1 - 1) / rows1;
   const int64_t item1_bytes = rows1 * static_cast<int64_t>(pool.gate_up().expert_bytes) / I;  // 2 rows1 of 2I rows
   workers.parallel_for(groups * blocks1, [&](int64_t item, int) {
@@ -186,7 +190,7 @@ void run_experts(WorkerPool& workers, const ExpertCall& c, Tier tier) {
 
   // Phase 2: y[t, h] += w_r * (down_e[h] . act_r); an item owns output rows [h0, h1) of every
   // token, so no two threads write the same element.
-  const int64_t rows2 = rows_per_item(H, 1, kRowsPhase2, workers.n_threads());
+  const int64_t rows2 = rows_per_item(H, 1, kRowsPhase2, workers.n_threads(), min_rows);
   const int64_t blocks2 = (H + rows2 - 1) / rows2;
   const int64_t item2_bytes = groups * rows2 * static_cast<int64_t>(pool.down().expert_bytes) / H;  // of each down
   workers.parallel_for(blocks2, [&](int64_t item, int) {

@@ -308,25 +308,30 @@ def test_gpu_spin_only_for_a_pool_the_user_left_alone(monkeypatch):
         host._host.configure_workers(-1, 100, True)
 
 
-@pytest.mark.skipif("amx" not in TIERS or "avx512bf16" not in TIERS, reason="needs the AMX and AVX-512-BF16 tiers")
+@pytest.mark.skipif("amx" not in TIERS, reason="needs the AMX tier")
 @pytest.mark.parametrize("fmt", ["bf16", "int4"])
-def test_amx_tier_takes_its_calls(fmt):
-    """Which loops the AMX tier runs, seen from outside: its tile paths sum in another order than the
-    AVX-512 loops, so an expert of 4+ tokens gives results that differ from the AVX-512 tier's in the
-    last bits, while 1-2 tokens per expert (handed to the AVX-512 loops) give identical bits. (A
-    dispatch slip once sent every int4 call of 3+ tokens to AVX-512 with all results still right.)"""
-    rng = np.random.default_rng(zlib.crc32(f"route{fmt}".encode()))
-    pool, _ = make_pool(rng, fmt, 2, 256, 128)
-    x = rng.standard_normal((8, 256)).astype(BF16)
-    for tok, eid in [(np.arange(8), np.zeros(8)), (np.array([0, 1, 2]), np.array([0, 1, 1]))]:
-        tok, eid = tok.astype(np.int32), eid.astype(np.int32)
-        w = rng.random(tok.size).astype(np.float32)
-        ys = {}
-        for tier in ("amx", "avx512bf16"):
-            set_tier(tier)
-            ys[tier] = run(pool, x, tok, eid, w, tok.size)
-        if tok.size == 8:  # one expert, 8 tokens: the tile path
-            assert not np.array_equal(ys["amx"], ys["avx512bf16"]), f"{fmt}: the AMX tier ran no tile path"
-            assert rel_err(ys["amx"], ys["avx512bf16"]) < 1e-2
-        else:  # 1 and 2 tokens per expert: the AVX-512 loops
-            np.testing.assert_array_equal(ys["amx"], ys["avx512bf16"])
+@pytest.mark.parametrize("workers", [0, 15])
+def test_amx_tier_takes_its_calls(fmt, workers):
+    """Which loops the AMX tier runs (its per-route call counters): an expert of 8 tokens goes to the
+    tile path of its format, 1-2 tokens per expert to the AVX-512 loops, with 1 thread and with 16
+    (work items never shrink below the 16-row tile then; they once did on the 16-core GPU host, and
+    a dispatch slip once sent every int4 call of 3+ tokens to AVX-512, all results still right)."""
+    info = _host.worker_info()
+    _host.configure_workers(workers, info["spin_us"], False)
+    try:
+        rng = np.random.default_rng(zlib.crc32(f"route{fmt}".encode()))
+        pool, ref = make_pool(rng, fmt, 2, 256, 128)
+        x = rng.standard_normal((8, 256)).astype(BF16)
+        set_tier("amx")
+        for tok, eid, path in [(np.arange(8), np.zeros(8), fmt), (np.array([0, 1, 2]), np.array([0, 1, 1]), "avx512")]:
+            tok, eid = tok.astype(np.int32), eid.astype(np.int32)
+            w = rng.random(tok.size).astype(np.float32)
+            before = _host.amx_route_counts()
+            y = run(pool, x, tok, eid, w, tok.size)
+            ran = {k: v - before[k] for k, v in _host.amx_route_counts().items()}
+            assert ran[path] > 0 and sum(ran.values()) == ran[path], (tok.size, ran)
+            want = experts_reference(x.astype(np.float32), tok, eid, w, tok.size, ref["gate_up"], ref["down"],
+                                     bf16_act=True)
+            assert rel_err(y, want) < 2e-2
+    finally:
+        _host.configure_workers(info["n_workers"], info["spin_us"], info["pin"])
