@@ -185,6 +185,16 @@ def main(argv=None) -> int:
         print(f"{r['shape']:22} {r['format']:5} {r['tier']:11} {r['prefetch']:5d} {r['tokens']:>3} {r['top_k']:>2} "
               f"{r['ms']:7.3f} "
               f"{r['gbps']:7.1f} {r['ratio']:8.2f}")
+    if res["kernel"]:
+        print("\nWhere the calls go (us, the kernel's clock, medians): setup, then per round its wall time / the caller's"
+              "\nwait for other threads; 'outside' = the timed call minus the kernel's total (binding, y allocation)")
+        print(f"{'shape':22} {'fmt':5} {'tier':11} {'tok':>3} {'k':>2} {'total':>7} {'setup':>6} {'layouts':>13} "
+              f"{'phase1':>13} {'phase2':>13} {'outside':>7}")
+        for r in res["kernel"]:
+            p = r["profile"]
+            rounds = " ".join(f"{p[k + '_us']:7.1f}/{p[k + '_wait_us']:5.1f}" for k in ("layouts", "phase1", "phase2"))
+            print(f"{r['shape']:22} {r['format']:5} {r['tier']:11} {r['tokens']:>3} {r['top_k']:>2} {p['total_us']:7.1f} "
+                  f"{p['setup_us']:6.1f} {rounds} {r['ms'] * 1e3 - p['total_us']:7.1f}")
     if args.per_core:
         res["per_core"] = core_part(args.calls)
         share = res["kernel"][0]["stream_gbps"] / res["workers"]["n_threads"] if res["kernel"] else float("nan")

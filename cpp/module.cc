@@ -163,6 +163,24 @@ NB_MODULE(_host, m) {
     return out;
   });
   m.def("active_tier", [] { return std::string(tier_name(active_tier())); });
+  m.def("last_expert_call", [] {
+    const ExpertCallProfile p = last_expert_call_profile();
+    nb::dict d;
+    d["total_us"] = p.total_us;
+    d["setup_us"] = p.setup_us;
+    const char* names[3] = {"layouts", "phase1", "phase2"};
+    for (int k = 0; k < 3; ++k) {
+      d[(std::string(names[k]) + "_us").c_str()] = p.round_us[k];
+      d[(std::string(names[k]) + "_wait_us").c_str()] = p.wait_us[k];
+      d[(std::string(names[k]) + "_items").c_str()] = p.items[k];
+    }
+    d["routes"] = p.routes;
+    d["groups"] = p.groups;
+    d["rows1"] = p.rows1;
+    d["rows2"] = p.rows2;
+    return d;
+  }, "Where the last CPU expert call spent its time (us): setup, then per round (layouts, phase1 = "
+     "gate/up, phase2 = down) its wall time and the caller's wait for the other threads.");
   m.def("amx_route_counts", [] {
     const std::vector<int64_t> c = amx_route_counts();
     nb::dict d;

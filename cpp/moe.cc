@@ -1,11 +1,13 @@
 #include "moe.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <numeric>
 #include <stdexcept>
 #include <string>
+#include <mutex>
 #include <vector>
 
 namespace ftjax {
@@ -68,9 +70,17 @@ std::vector<float>& scratch(size_t n) {
   if (buf.size() < n) buf.resize(n);
   return buf;
 }
+std::mutex g_profile_mu;
+ExpertCallProfile g_profile;
 }  // namespace
 
+ExpertCallProfile last_expert_call_profile() {
+  std::lock_guard<std::mutex> lock(g_profile_mu);
+  return g_profile;
+}
+
 void run_experts(WorkerPool& workers, const ExpertCall& c, Tier tier) {
+  const auto t_start = std::chrono::steady_clock::now();
   const ExpertPool& pool = *c.pool;
   const int64_t H = pool.hidden(), I = pool.inter(), n = c.n_tasks;
   for (int64_t i = 0; i < n; ++i) {
@@ -126,6 +136,15 @@ void run_experts(WorkerPool& workers, const ExpertCall& c, Tier tier) {
   // Gathered in route order, in parallel (serial, these copies and reorders cost more than the
   // products of an 8-token int4 call spread over 15 threads: H200 host, bench/RESULTS.md session 15).
   const int64_t route_bytes = H * (c.x_bf16 ? 8 : 4);
+  ExpertCallProfile prof;
+  prof.routes = n;
+  prof.groups = groups;
+  prof.setup_us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t_start).count();
+  const auto record_round = [&](int k, int64_t items) {
+    prof.round_us[k] = workers.last_round_us();
+    prof.wait_us[k] = workers.last_wait_us();
+    prof.items[k] = items;
+  };
   workers.parallel_for(n, [&](int64_t r, int) {
     const int64_t t = c.token_idx[order[r]], g = group_of[r], r0 = start[g], nr = start[g + 1] - r0;
     float* xf = &b.xg[r * H];
@@ -146,6 +165,7 @@ void run_experts(WorkerPool& workers, const ExpertCall& c, Tier tier) {
       to_pair64(xh, H, &b.xg_p[r * H], tier);
     }
   }, min_chunk(route_bytes));
+  record_round(0, n);
 
   // Phase 1: act[r, i] = silu(gate_e[i] . x_r) * (up_e[i] . x_r), items = (group, block of i).
   bool any_amx = false;
@@ -187,6 +207,8 @@ void run_experts(WorkerPool& workers, const ExpertCall& c, Tier tier) {
       }
     }
   }, min_chunk(item1_bytes));
+  record_round(1, groups * blocks1);
+  prof.rows1 = rows1;
 
   // Phase 2: y[t, h] += w_r * (down_e[h] . act_r); an item owns output rows [h0, h1) of every
   // token, so no two threads write the same element.
@@ -215,6 +237,11 @@ void run_experts(WorkerPool& workers, const ExpertCall& c, Tier tier) {
       }
     }
   }, min_chunk(item2_bytes));
+  record_round(2, blocks2);
+  prof.rows2 = rows2;
+  prof.total_us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t_start).count();
+  std::lock_guard<std::mutex> lock(g_profile_mu);
+  g_profile = prof;
 }
 
 }  // namespace ftjax

@@ -31,4 +31,14 @@ struct ExpertCall {
 // Throws std::invalid_argument naming the bad task (index and value) before touching y.
 void run_experts(WorkerPool& workers, const ExpertCall& call, Tier tier);
 
+// Where the last run_experts call (any thread) spent its time, in microseconds: the whole call, the
+// work before the first round (checks, sort), and per round (activation layouts, phase 1 = gate/up,
+// phase 2 = down) its wall time and the caller's wait for the other threads after its last item.
+struct ExpertCallProfile {
+  double total_us = 0, setup_us = 0;
+  double round_us[3] = {}, wait_us[3] = {};  // layouts, phase 1, phase 2
+  int64_t routes = 0, groups = 0, items[3] = {}, rows1 = 0, rows2 = 0;
+};
+ExpertCallProfile last_expert_call_profile();
+
 }  // namespace ftjax

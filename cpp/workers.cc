@@ -169,6 +169,7 @@ void WorkerPool::parallel_for(int64_t n_items, const std::function<void(int64_t,
 }
 
 void WorkerPool::run_round(int64_t n_items, const std::function<void(int64_t, int)>& fn, int64_t min_chunk) {
+  const auto t0 = std::chrono::steady_clock::now();
   fn_.store(&fn, std::memory_order_relaxed);
   chunk_.store(std::max<int64_t>({1, min_chunk, n_items / (8 * n_threads())}), std::memory_order_relaxed);
   items_done_.store(0, std::memory_order_relaxed);
@@ -182,8 +183,12 @@ void WorkerPool::run_round(int64_t n_items, const std::function<void(int64_t, in
     }
   }
   run_items(0);
+  const auto t_own = std::chrono::steady_clock::now();
   while (items_done_.load(std::memory_order_acquire) < n_items) FTJAX_PAUSE();
   fn_.store(nullptr, std::memory_order_relaxed);
+  const auto t1 = std::chrono::steady_clock::now();
+  last_round_us_ = std::chrono::duration<double, std::micro>(t1 - t0).count();
+  last_wait_us_ = std::chrono::duration<double, std::micro>(t1 - t_own).count();
 }
 
 int64_t worker_self_test(WorkerPool& pool, int rounds, int64_t max_items, uint64_t seed, bool big) {

@@ -39,6 +39,10 @@ class WorkerPool {
   // items so small that a contended claim would cost more than the item).
   void parallel_for(int64_t n_items, const std::function<void(int64_t, int)>& fn, int64_t min_chunk = 1);
   int n_threads() const { return static_cast<int>(threads_.size()) + 1; }
+  // The last round's wall time and how long its caller waited for the other threads after running
+  // out of items to claim (stragglers, late wake-ups), in microseconds: call profiles read them.
+  double last_round_us() const { return last_round_us_; }
+  double last_wait_us() const { return last_wait_us_; }
   const WorkerConfig& config() const { return cfg_; }
   const std::vector<int>& pinned_cpus() const { return cpus_; }
 
@@ -67,6 +71,7 @@ class WorkerPool {
   alignas(64) std::atomic<int64_t> items_done_{0};
   alignas(64) std::atomic<uint64_t> generation_{0};
   uint64_t round_ = 0;
+  double last_round_us_ = 0, last_wait_us_ = 0;
   std::atomic<bool> stop_{false};
   std::mutex err_mu_;
   std::string error_;

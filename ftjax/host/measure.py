@@ -71,7 +71,7 @@ def cpu_kernel_gbps(pool: HostPool, shape: ExpertShape, tokens: int, calls: int 
     x = rng.standard_normal((tokens, shape.hidden)).astype(np.float32)
     if act == "bf16":
         x = (x.view(np.uint32) >> 16).astype(np.uint16)  # bf16 bits (truncated), passed as uint16
-    times, uniq_bytes = [], []
+    times, uniq_bytes, profiles = [], [], []
     cursor = 0
     for _ in range(calls + 2):
         # each token picks top_k distinct experts out of a fresh window of 2*top_k experts
@@ -83,8 +83,12 @@ def cpu_kernel_gbps(pool: HostPool, shape: ExpertShape, tokens: int, calls: int 
         t0 = time.perf_counter()
         _host.run_experts(pool._h, x, tok, eid, w, eid.size, x_bf16=act == "bf16")
         times.append(time.perf_counter() - t0)
+        profiles.append(_host.last_expert_call())
         uniq_bytes.append(len(np.unique(eid)) * (pool.expert_bytes("gate_up") + pool.expert_bytes("down")))
     times, uniq_bytes = np.array(times[2:]), np.array(uniq_bytes[2:])  # first calls warm the threads
     rates = uniq_bytes / times
+    # where the calls went (the kernel's own clock, median per field): setup, and per round
+    # (layouts, phase1, phase2) the wall time and the caller's wait for the other threads
+    profile = {k: float(np.median([p[k] for p in profiles[2:]])) for k in profiles[0]}
     return {"gbps": float(np.median(rates)) / 1e9, "ms": float(np.median(times)) * 1e3,
-            "bytes_per_call": float(np.median(uniq_bytes))}
+            "bytes_per_call": float(np.median(uniq_bytes)), "profile": profile}
