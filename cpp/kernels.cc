@@ -1,5 +1,6 @@
 // Run-time choice of the kernel tier: the best one compiled in and supported by this CPU, unless
 // forced (tests run every available tier; benchmarks compare them).
+#include <algorithm>
 #include <atomic>
 #include <mutex>
 #include <stdexcept>
@@ -166,13 +167,14 @@ MatrixRef matrix_of(const Bank& bank, int64_t expert) {
   return m;
 }
 
-void pack_vnni(const uint16_t* xj, int64_t K, int n, int j, uint32_t* dst, bool int4_order, Tier t) {
+void pack_vnni(const uint16_t* xj, int64_t K, int64_t k0, int64_t k1, int n, int j, uint32_t* dst, bool int4_order,
+               Tier t) {
+  k1 = std::min(k1, vnni_pairs(K) * 2);
 #ifdef FTJAX_HAVE_AVX512BF16
-  if (t >= Tier::kAvx512Bf16) return pack_vnni_avx512(xj, K, n, j, dst, int4_order);
+  if (t >= Tier::kAvx512Bf16) return pack_vnni_avx512(xj, K, k0, k1, n, j, dst, int4_order);
 #endif
-  const int64_t pairs = vnni_pairs(K);
   uint32_t* d = dst + j;
-  for (int64_t p = 0; p < pairs; ++p) {
+  for (int64_t p = k0 / 2; p < k1 / 2; ++p) {
     const int64_t k0 = int4_order ? amx_int4_column(2 * p) : 2 * p, k1 = int4_order ? amx_int4_column(2 * p + 1) : 2 * p + 1;
     d[p * n] = (k0 < K ? xj[k0] : 0u) | (k1 < K ? static_cast<uint32_t>(xj[k1]) << 16 : 0u);
   }

@@ -63,7 +63,9 @@ inline int64_t amx_int4_position(int64_t k) {  // the inverse
   return (k - e) + 8 * (e & 3) + (e >> 2);
 }
 // (SIMD where tier t has AVX-512, which every tier that reads the layout has.)
-void pack_vnni(const uint16_t* xj, int64_t K, int n, int j, uint32_t* dst, bool int4_order, Tier t);
+// Columns [k0, k1) only (multiples of 32; k1 may pass K: the pad pairs are written as zeros).
+void pack_vnni(const uint16_t* xj, int64_t K, int64_t k0, int64_t k1, int n, int j, uint32_t* dst, bool int4_order,
+               Tier t);
 // Which loops the AMX tier runs for a call (the rest of a call's rows past the last block of 16
 // go to the AVX-512 loops in every case): the tile path for bf16 weights (activations packed by the
 // tier unless given), the int4 tile path (only with the activations given in the B layout), or all
@@ -113,7 +115,8 @@ void dot_rows_scalar(const MatrixRef&, int64_t, int64_t, const ActRef&, float*);
 void dot_rows_avx2(const MatrixRef&, int64_t, int64_t, const ActRef&, float*);
 void dot_rows_avx512bf16(const MatrixRef&, int64_t, int64_t, const ActRef&, float*);
 void dot_rows_amx(const MatrixRef&, int64_t, int64_t, const ActRef&, float*);
-void pack_vnni_avx512(const uint16_t* xj, int64_t K, int n, int j, uint32_t* dst, bool int4_order);
+void pack_vnni_avx512(const uint16_t* xj, int64_t K, int64_t k0, int64_t k1, int n, int j, uint32_t* dst,
+                      bool int4_order);
 void to_pair64_avx512(const uint16_t* x, int64_t K, uint16_t* dst);
 bool amx_enable();  // asks the kernel for AMX tile state; false if refused
 

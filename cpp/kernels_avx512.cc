@@ -223,7 +223,8 @@ void to_pair64_avx512(const uint16_t* x, int64_t K, uint16_t* dst) {
   }
 }
 
-void pack_vnni_avx512(const uint16_t* xj, int64_t K, int n, int j, uint32_t* dst, bool int4_order) {
+void pack_vnni_avx512(const uint16_t* xj, int64_t K, int64_t k0, int64_t k1, int n, int j, uint32_t* dst,
+                      bool int4_order) {
   // per 32 columns: the words in position order (VPERMW by amx_int4_column, or as they are), then
   // its 16 dwords to dst[p * n + j] (a scatter); past K, zeros
   alignas(64) uint16_t col[32];
@@ -231,8 +232,8 @@ void pack_vnni_avx512(const uint16_t* xj, int64_t K, int n, int j, uint32_t* dst
   for (int e = 0; e < 32; ++e) col[e] = static_cast<uint16_t>(int4_order ? amx_int4_column(e) : e);
   for (int p = 0; p < 16; ++p) at[p] = static_cast<uint32_t>(p * n);
   const __m512i perm = _mm512_load_si512(col), offsets = _mm512_load_si512(at);
-  for (int64_t k = 0; k < K; k += 32) {
-    const __mmask32 in_k = K - k >= 32 ? ~__mmask32{0} : (__mmask32{1} << (K - k)) - 1;
+  for (int64_t k = k0; k < k1; k += 32) {
+    const __mmask32 in_k = K - k >= 32 ? ~__mmask32{0} : K > k ? (__mmask32{1} << (K - k)) - 1 : 0;
     const __m512i v = _mm512_permutexvar_epi16(perm, _mm512_maskz_loadu_epi16(in_k, xj + k));
     _mm512_i32scatter_epi32(dst + k / 2 * n + j, offsets, v, 4);
   }

@@ -15,7 +15,8 @@ namespace {
 constexpr int64_t kRowsPhase1 = 16;  // gate rows (and as many up rows) per work item
 constexpr int64_t kRowsPhase2 = 16;  // output rows of down per work item
 constexpr int64_t kMinItemsPerThread = 4;  // below it, items of half the rows (load balance)
-constexpr int64_t kMinClaimBytes = 32 << 10;  // weight bytes a thread claims at once, at least
+constexpr int64_t kMinClaimBytes = 32 << 10;
+constexpr int64_t kVnniColumns = 512;  // columns of a group's B-tile layout per layout item (a multiple of 32)  // weight bytes a thread claims at once, at least
 
 // Items per claim so that a claim covers kMinClaimBytes of weights: a contended claim costs ~0.1 us,
 // as long as reading a few KiB.
@@ -135,7 +136,6 @@ void run_experts(WorkerPool& workers, const ExpertCall& c, Tier tier) {
 
   // Gathered in route order, in parallel (serial, these copies and reorders cost more than the
   // products of an 8-token int4 call spread over 15 threads: H200 host, bench/RESULTS.md session 15).
-  const int64_t route_bytes = H * (c.x_bf16 ? 8 : 4);
   ExpertCallProfile prof;
   prof.routes = n;
   prof.groups = groups;
@@ -145,8 +145,24 @@ void run_experts(WorkerPool& workers, const ExpertCall& c, Tier tier) {
     prof.wait_us[k] = workers.last_wait_us();
     prof.items[k] = items;
   };
-  workers.parallel_for(n, [&](int64_t r, int) {
-    const int64_t t = c.token_idx[order[r]], g = group_of[r], r0 = start[g], nr = start[g + 1] - r0;
+  // Items [0, n): a route's copies (and its pair64 order); then, per AMX group, blocks of
+  // kVnniColumns columns of its B-tile layout, packed by one thread for all of the group's tokens
+  // straight from x (one item per route instead wrote interleaved dwords of the same lines from
+  // several threads: 86 us of 1.26 ms in a bf16 8 x 8 call on the H200 host).
+  std::vector<int64_t> vnni_first{n};  // per group: its first vnni item (AMX groups only have some)
+  for (int64_t g = 0; g < groups; ++g)
+    vnni_first.push_back(vnni_first.back() + (amx_group(g) ? (H + kVnniColumns - 1) / kVnniColumns : 0));
+  const int64_t layout_items = vnni_first.back();
+  workers.parallel_for(layout_items, [&](int64_t item, int) {
+    if (item >= n) {
+      const int64_t g = std::upper_bound(vnni_first.begin(), vnni_first.end(), item) - vnni_first.begin() - 1;
+      const int64_t r0 = start[g], nr = start[g + 1] - r0, k0 = (item - vnni_first[g]) * kVnniColumns;
+      for (int64_t j = 0; j < nr; ++j)
+        pack_vnni(static_cast<const uint16_t*>(c.x) + c.token_idx[order[r0 + j]] * H, H, k0, k0 + kVnniColumns,
+                  static_cast<int>(nr), static_cast<int>(j), &b.xg_v[r0 * PH], int4_x, tier);
+      return;
+    }
+    const int64_t r = item, t = c.token_idx[order[r]], g = group_of[r], r0 = start[g], nr = start[g + 1] - r0;
     float* xf = &b.xg[r * H];
     if (!c.x_bf16) {
       std::memcpy(xf, static_cast<const float*>(c.x) + t * H, H * 4);
@@ -157,15 +173,14 @@ void run_experts(WorkerPool& workers, const ExpertCall& c, Tier tier) {
     std::memcpy(xh, src, H * 2);
     for (int64_t h = 0; h < H; ++h) xf[h] = bf16_to_f32(xh[h]);
     if (amx_group(g)) {
-      pack_vnni(xh, H, static_cast<int>(nr), static_cast<int>(r - r0), &b.xg_v[r0 * PH], int4_x, tier);
       // the intermediate's pad positions [I, 2 PI) of this route stay zero (phase 1 writes [u, I))
       uint16_t* av = b.act_v_words() + 2 * r0 * PI;
       for (int64_t pos = I; pos < 2 * PI; ++pos) av[2 * ((pos / 2) * nr + (r - r0)) + (pos & 1)] = 0;
     } else if (pair_x) {
       to_pair64(xh, H, &b.xg_p[r * H], tier);
     }
-  }, min_chunk(route_bytes));
-  record_round(0, n);
+  }, layout_items <= 2 ? layout_items : 1);  // one or two routes (decode at batch 1): the caller alone, no wake-up
+  record_round(0, layout_items);
 
   // Phase 1: act[r, i] = silu(gate_e[i] . x_r) * (up_e[i] . x_r), items = (group, block of i).
   bool any_amx = false;

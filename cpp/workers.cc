@@ -84,8 +84,13 @@ void WorkerPool::run_items(int thread) {
     uint64_t take;
     do {
       if (ticket_next(t) >= ticket_n(t)) return;
-      // chunk_ was stored before the ticket of its round; a stale t fails the CAS below
-      take = std::min<uint64_t>(chunk_.load(std::memory_order_relaxed), ticket_n(t) - ticket_next(t));
+      // chunk_ / min_chunk_ were stored before the ticket of their round; a stale t fails the CAS
+      // below. Guided: claims shrink with what is left (down to min_chunk_), so the round's last
+      // claims are short and the threads finish together.
+      const uint64_t left = ticket_n(t) - ticket_next(t);
+      const uint64_t guided = std::max<uint64_t>(left / (2 * static_cast<uint64_t>(n_threads())),
+                                                 static_cast<uint64_t>(min_chunk_.load(std::memory_order_relaxed)));
+      take = std::min<uint64_t>({static_cast<uint64_t>(chunk_.load(std::memory_order_relaxed)), guided, left});
     } while (!ticket_.compare_exchange_weak(t, t + take, std::memory_order_acq_rel, std::memory_order_acquire));
     const int64_t first = static_cast<int64_t>(ticket_next(t));
     try {
@@ -172,6 +177,7 @@ void WorkerPool::run_round(int64_t n_items, const std::function<void(int64_t, in
   const auto t0 = std::chrono::steady_clock::now();
   fn_.store(&fn, std::memory_order_relaxed);
   chunk_.store(std::max<int64_t>({1, min_chunk, n_items / (8 * n_threads())}), std::memory_order_relaxed);
+  min_chunk_.store(std::max<int64_t>(1, min_chunk), std::memory_order_relaxed);
   items_done_.store(0, std::memory_order_relaxed);
   ++round_;
   ticket_.store(pack_ticket(round_, static_cast<uint64_t>(n_items), 0), std::memory_order_release);

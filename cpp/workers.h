@@ -61,12 +61,12 @@ class WorkerPool {
   // claims a chunk of items by advancing it with a CAS, so a claim always names items of the round
   // that fn_ belongs to, and a worker that wakes late (asleep, or descheduled by another thread on its
   // core) finds the items taken and nobody waits for it: the caller waits for items, not workers.
-  // Chunks (n_items / (8 n_threads): ~8 claims per thread keep the last round short; at least the
-  // caller's min_chunk) and one cache line per hot atomic, so 15 threads do not
+  // Chunks (n_items / (8 n_threads): ~8 claims per thread, shrinking to the caller's min_chunk as
+  // the items run out, so the last claims are short) and one cache line per hot atomic, so 15 threads do not
   // queue on one line per item (on the H200 host this did not shorten a tiny expert call: ~33 us
   // stays, cause not found yet; bench/RESULTS.md session 4). generation_ only wakes the workers.
   std::atomic<const std::function<void(int64_t, int)>*> fn_{nullptr};
-  std::atomic<int64_t> chunk_{1};
+  std::atomic<int64_t> chunk_{1}, min_chunk_{1};
   alignas(64) std::atomic<uint64_t> ticket_{0};
   alignas(64) std::atomic<int64_t> items_done_{0};
   alignas(64) std::atomic<uint64_t> generation_{0};
