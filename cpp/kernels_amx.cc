@@ -198,18 +198,16 @@ void int4_block(const MatrixRef& w, int64_t r, const uint32_t* b, int n, int nb,
   thread_local std::vector<float> scales;  // [group][row], fp32, 64-byte aligned rows of 16
   if (scales.size() < static_cast<size_t>(16 * G + 16)) scales.resize(16 * G + 16);
   float* sf = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(scales.data()) + 63) & ~uintptr_t{63});
-  {
-    const __m512i row_off = _mm512_mullo_epi32(_mm512_set1_epi32(static_cast<int>(sc_stride)),
-                                               _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
-    const __m512i hi_word = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
-    int64_t g = 0;
-    for (; g + 2 <= G; g += 2) {  // the dword (scale g + 1, scale g) of every row
-      const __m512i v = _mm512_i32gather_epi32(row_off, sc + g, 2);
-      _mm512_store_ps(sf + g * 16, _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)));
-      _mm512_store_ps(sf + g * 16 + 16, _mm512_castsi512_ps(_mm512_and_si512(v, hi_word)));
-    }
-    for (; g < G; ++g)
-      for (int i = 0; i < 16; ++i) sf[g * 16 + i] = bf16_to_f32(sc[i * sc_stride + g]);
+  // sf[g * 16 + i] = scale (row i, group g), 16 groups at a time: each row's 16 bf16 scales widen to
+  // fp32, then a 16 x 16 transpose (no gathers: with the Gather Data Sampling mitigation that cloud
+  // hosts run, a VPGATHERDD costs tens of cycles).
+  for (int64_t g = 0; g < G; g += 16) {
+    const __mmask16 m = G - g >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << (G - g)) - 1);
+    __m512i v[16];
+    for (int i = 0; i < 16; ++i)
+      v[i] = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, sc + i * sc_stride + g)), 16);
+    transpose16(v);
+    for (int k = 0; k < 16 && g + k < G; ++k) _mm512_store_si512(sf + (g + k) * 16, v[k]);
   }
   const __m512i table = _mm512_load_si512(kInt4Bf16);
   const __m512i shifts = _mm512_set_epi64(0x000C000C000C000C, 0x000C000C000C000C, 0x0008000800080008,
