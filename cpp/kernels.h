@@ -108,6 +108,14 @@ DotRowsFn dot_rows_for(Tier t);
 // kDefaultPrefetchBytes; benchmarks sweep it (bench/host_runtime.py --prefetch).
 constexpr int64_t kDefaultPrefetchBytes = 512;
 int64_t prefetch_bytes();
+// int4 rows prefetch kInt4PrefetchScale times further: a row of int4 is read 4x slower per byte, and
+// its rows are short (1 KiB at H 2048), so at 512 B half of a 4-row tile's lines were demand misses
+// (dev box, one thread from DRAM, int4 1-token calls: 512 B 9.0-9.5 GB/s, 2048 B 10.2-10.5, 8192 B 9.3-9.9;
+// bf16 512-2048 B within noise).
+constexpr int64_t kInt4PrefetchScale = 4;
+inline int64_t prefetch_bytes(WeightFormat f) {
+  return f == WeightFormat::kInt4 ? kInt4PrefetchScale * prefetch_bytes() : prefetch_bytes();
+}
 void set_prefetch_bytes(int64_t bytes);  // 0 .. 1 MiB
 
 // Per-tier entry points (defined only where compiled; see CMakeLists.txt).

@@ -294,7 +294,7 @@ void dot_rows_amx(const MatrixRef& w, int64_t r0, int64_t r1, const ActRef& a, f
   count_amx_route(route);
   if (route == AmxRoute::kAvx512) return dot_rows_avx512bf16(w, r0, r1, a, out);
   if (route == AmxRoute::kInt4) {
-    const int64_t pf = prefetch_bytes();
+    const int64_t pf = prefetch_bytes(WeightFormat::kInt4);
     for (int j0 = 0; j0 < a.n; j0 += 16) {
       const int nb = std::min(16, a.n - j0);
       configure(nb, true);

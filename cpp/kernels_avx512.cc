@@ -48,7 +48,7 @@ void tile(const MatrixRef& w, int64_t r, const ActRef& a, int j0, float* out) {
   const float* x[N];
   for (int j = 0; j < N; ++j) x[j] = a.f32 + (j0 + j) * a.stride;
   int64_t k = 0;  // first column left for the scalar tail
-  const int64_t pf = prefetch_bytes();
+  const int64_t pf = prefetch_bytes(w.format);
   if (w.format == WeightFormat::kInt4 && a.bf16_pair64 != nullptr && K % 64 == 0) {
     // Two groups (64 weights, 32 bytes) at a time: the bytes widen to 32 words; VPERMW of the words
     // (index: low 5 bits = low nibble + a repeated table) gives the even elements, of the words >> 4
