@@ -32,27 +32,31 @@ SHAPES = {"qwen3.6 (H2048 I512)": measure.ExpertShape(2048, 512), "large (H4096 
 
 
 def cpu_part(window_gib: float, calls: int, tiers: list[str], prefetch: list[int],
-             formats: tuple[str, ...] = ("bf16", "int4")) -> list[dict]:
+             formats: tuple[str, ...] = ("bf16", "int4"), short_rows: list[int] | None = None) -> list[dict]:
     window = int(window_gib * 2**30)
-    default_pf = _host.prefetch_bytes()
+    default_pf, default_short = _host.prefetch_bytes(), _host.short_row_bytes()
+    short_rows = short_rows or [default_short]
     stream = measure.stream_read_gbps(window)
     rows = []
     for name, shape in SHAPES.items():
         for fmt in formats:
             pool = measure.make_pool(shape, fmt, window)
-            for tier, pf in [(t, p) for t in tiers for p in prefetch]:
+            for tier, pf, short in [(t, p, s) for t in tiers for p in prefetch for s in short_rows]:
                 _host.set_tier(tier)
                 _host.set_prefetch_bytes(pf)
+                _host.set_short_row_bytes(short)
                 # (tokens, routes per token): decode calls of 1 and 8 tokens x top-8, and the 1-2 expert
                 # calls a CPU branch gets per layer when most misses are filled
                 for tokens, k in ((1, shape.top_k), (8, shape.top_k), (1, 1), (1, 2)):
                     r = measure.cpu_kernel_gbps(pool, dataclasses.replace(shape, top_k=k), tokens, calls=calls)
-                    rows.append({"shape": name, "format": fmt, "tier": tier, "prefetch": pf, "tokens": tokens,
+                    rows.append({"shape": name, "format": fmt, "tier": tier, "prefetch": pf, "short_rows": short,
+                                 "tokens": tokens,
                                  "top_k": k, **r, "stream_gbps": stream, "ratio": r["gbps"] / stream})
             pool.close()
             del pool
     _host.set_tier("auto")
     _host.set_prefetch_bytes(default_pf)
+    _host.set_short_row_bytes(default_short)
     return rows
 
 
@@ -160,6 +164,9 @@ def main(argv=None) -> int:
     ap.add_argument("--formats", nargs="+", choices=("bf16", "int4"), default=["bf16", "int4"])
     ap.add_argument("--prefetch", type=int, nargs="+", default=None,
                     help="weight-row prefetch distances (bytes) to time, e.g. 0 256 512 1024 (default: the built-in one)")
+    ap.add_argument("--short-rows", type=int, nargs="+", default=None,
+                    help="short-row limits (bytes) to time: rows up to it prefetch a micro-tile ahead (0 = never; "
+                         "default: the built-in one)")
     ap.add_argument("--per-core", action="store_true",
                     help="also time one thread on one cache-resident expert (compute rate per core)")
     ap.add_argument("--no-gpu", action="store_true")
@@ -176,13 +183,16 @@ def main(argv=None) -> int:
     res = {"cpu": _host.cpu_brand(), "workers": _host.worker_info(), "window_gib": args.window_gib,
            "routing": "synthetic: fresh expert window per call (no reuse), DRAM-bound"}
     prefetch = args.prefetch if args.prefetch else [_host.prefetch_bytes()]
-    res["kernel"] = [] if args.no_cpu else cpu_part(args.window_gib, args.calls, tiers, prefetch, tuple(args.formats))
+    res["kernel"] = [] if args.no_cpu else cpu_part(args.window_gib, args.calls, tiers, prefetch, tuple(args.formats),
+                                                    args.short_rows)
     if res["kernel"]:
         print(f"CPU: {res['cpu']}, {res['workers']['n_threads']} threads; STREAM read "
               f"{res['kernel'][0]['stream_gbps']:.1f} GB/s ({args.window_gib} GiB, same threads)")
-        print(f"{'shape':22} {'fmt':5} {'tier':11} {'pf B':>5} {'tok':>3} {'k':>2} {'ms':>7} {'GB/s':>7} {'/STREAM':>8}")
+        print(f"{'shape':22} {'fmt':5} {'tier':11} {'pf B':>5} {'short':>5} {'tok':>3} {'k':>2} {'ms':>7} {'GB/s':>7} "
+              f"{'/STREAM':>8}")
     for r in res["kernel"]:
-        print(f"{r['shape']:22} {r['format']:5} {r['tier']:11} {r['prefetch']:5d} {r['tokens']:>3} {r['top_k']:>2} "
+        print(f"{r['shape']:22} {r['format']:5} {r['tier']:11} {r['prefetch']:5d} {r['short_rows']:5d} {r['tokens']:>3} "
+              f"{r['top_k']:>2} "
               f"{r['ms']:7.3f} "
               f"{r['gbps']:7.1f} {r['ratio']:8.2f}")
     if res["kernel"]:

@@ -45,6 +45,7 @@ Tier best_tier() { return available_tiers().back(); }
 
 std::atomic<int> g_tier{-1};
 std::atomic<int64_t> g_prefetch{kDefaultPrefetchBytes};
+std::atomic<int64_t> g_short_rows{kShortRowBytes};
 }  // namespace
 
 #ifndef FTJAX_HAVE_AMX
@@ -100,6 +101,14 @@ void set_prefetch_bytes(int64_t bytes) {
   if (bytes < 0 || bytes > (int64_t{1} << 20))
     throw std::invalid_argument("prefetch distance must be in [0, 1 MiB] bytes, got " + std::to_string(bytes));
   g_prefetch.store(bytes, std::memory_order_relaxed);
+}
+
+int64_t short_row_bytes() { return g_short_rows.load(std::memory_order_relaxed); }
+
+void set_short_row_bytes(int64_t bytes) {
+  if (bytes < 0 || bytes > (int64_t{1} << 20))
+    throw std::invalid_argument("short-row limit must be in [0, 1 MiB] bytes, got " + std::to_string(bytes));
+  g_short_rows.store(bytes, std::memory_order_relaxed);
 }
 
 DotRowsFn dot_rows_for(Tier t) {

@@ -113,6 +113,11 @@ int64_t prefetch_bytes();
 // (dev box, one thread from DRAM, int4 1-token calls: 512 B 9.0-9.5 GB/s, 2048 B 10.2-10.5, 8192 B 9.3-9.9;
 // bf16 512-2048 B within noise).
 constexpr int64_t kInt4PrefetchScale = 4;
+// Rows of at most short_row_bytes() prefetch a whole micro-tile ahead instead (kernels_avx512.cc).
+// Default kShortRowBytes; 0 turns it off (benchmarks compare: bench/host_runtime.py --short-rows).
+constexpr int64_t kShortRowBytes = 2048;
+int64_t short_row_bytes();
+void set_short_row_bytes(int64_t bytes);  // 0 .. 1 MiB
 inline int64_t prefetch_bytes(WeightFormat f) {
   return f == WeightFormat::kInt4 ? kInt4PrefetchScale * prefetch_bytes() : prefetch_bytes();
 }

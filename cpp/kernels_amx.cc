@@ -164,10 +164,8 @@ void row_blocks(const uint16_t* w, int64_t K, int64_t ld, const uint32_t* b, int
 // acc[row] += scale[row][g] * C_g[row], tokens in lanes). A group's 16 packed bytes expand to an
 // A-tile row of 32 exact bf16 values q - 8 with one load, one shift and one table lookup: the bytes
 // broadcast to the four 128-bit lanes, word lane 8c + m shifted right by 4c (its nibble c), then
-// VPERMW (column order amx_int4_column, which the B tiles at b follow). Groups go four at a time: four
-// expansions into staging A tiles, four products into C tiles tmm0 / tmm1 / tmm3 / tmm6 (A and B
-// alternate between tmm2 / tmm4 and tmm5 / tmm7, so a load overlaps the previous product), four
-// stores, four scalings (as fast as one group at a time pipelined over two buffers: RESULTS session 14).
+// VPERMW (column order amx_int4_column, which the B tiles at b follow). Groups go in batches of four
+// (int4_block below).
 // Group g of 16 int4 rows (row stride rb bytes) into the staging A tile dst.
 inline __attribute__((always_inline)) void int4_expand(const uint8_t* rows, int64_t rb, int64_t g, __m512i shifts,
                                                       __m512i table, uint16_t (*dst)[32], int64_t pf) {
@@ -186,7 +184,8 @@ inline __attribute__((always_inline)) void int4_expand(const uint8_t* rows, int6
 // row scales are one fp32 vector (transposed per block), spread over the lanes by VPERMPS.
 template <int RP>
 void int4_block(const MatrixRef& w, int64_t r, const uint32_t* b, int n, int nb, float* out, int64_t pf) {
-  constexpr int NV = 16 / RP, L = 16 / RP;  // vectors, lanes per row
+  constexpr int NV = 16 / RP;  // accumulator vectors (RP rows each)
+  constexpr int L = 16 / RP;   // lanes per row: the C tile's row stride in fp32
   const int64_t G = w.cols / 32, rb = w.ld / 2, sc_stride = w.ld / 32;
   const uint8_t* rows = w.data + r * rb;
   const uint16_t* sc = w.scales + r * sc_stride;

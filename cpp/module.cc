@@ -194,6 +194,8 @@ NB_MODULE(_host, m) {
   m.def("prefetch_bytes", [] { return prefetch_bytes(); },
         "How far ahead (bytes) the AVX-512 and AMX tiers prefetch bf16 weight rows (int4 rows: 4x as far).");
   m.def("set_prefetch_bytes", &set_prefetch_bytes, "bytes"_a, "Set the prefetch distance (0 = off).");
+  m.def("short_row_bytes", &short_row_bytes, "Rows up to this many bytes prefetch a micro-tile ahead (0 = never).");
+  m.def("set_short_row_bytes", &set_short_row_bytes, "bytes"_a, "Set the short-row limit (0 = off).");
   m.def("configure_workers", [](int n_workers, int spin_us, bool pin) {
     if (spin_us < 0) throw std::invalid_argument("spin_us must be >= 0, got " + std::to_string(spin_us));
     configure_global_workers(WorkerConfig{n_workers, spin_us, pin});

@@ -4,10 +4,10 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <mutex>
 #include <numeric>
 #include <stdexcept>
 #include <string>
-#include <mutex>
 #include <vector>
 
 namespace ftjax {
@@ -15,8 +15,8 @@ namespace {
 constexpr int64_t kRowsPhase1 = 16;  // gate rows (and as many up rows) per work item
 constexpr int64_t kRowsPhase2 = 16;  // output rows of down per work item
 constexpr int64_t kMinItemsPerThread = 4;  // below it, items of half the rows (load balance)
-constexpr int64_t kMinClaimBytes = 32 << 10;
-constexpr int64_t kVnniColumns = 512;  // columns of a group's B-tile layout per layout item (a multiple of 32)  // weight bytes a thread claims at once, at least
+constexpr int64_t kMinClaimBytes = 32 << 10;  // weight bytes a thread claims at once, at least
+constexpr int64_t kVnniColumns = 512;  // columns of a group's B-tile layout per layout item (a multiple of 32)
 
 // Items per claim so that a claim covers kMinClaimBytes of weights: a contended claim costs ~0.1 us,
 // as long as reading a few KiB.
@@ -134,8 +134,6 @@ void run_experts(WorkerPool& workers, const ExpertCall& c, Tier tier) {
   std::vector<int64_t> group_of(n);
   for (int64_t g = 0; g < groups; ++g) std::fill(&group_of[start[g]], &group_of[start[g + 1]], g);
 
-  // Gathered in route order, in parallel (serial, these copies and reorders cost more than the
-  // products of an 8-token int4 call spread over 15 threads: H200 host, bench/RESULTS.md session 15).
   ExpertCallProfile prof;
   prof.routes = n;
   prof.groups = groups;
@@ -145,7 +143,9 @@ void run_experts(WorkerPool& workers, const ExpertCall& c, Tier tier) {
     prof.wait_us[k] = workers.last_wait_us();
     prof.items[k] = items;
   };
-  // Items [0, n): a route's copies (and its pair64 order); then, per AMX group, blocks of
+  // The layouts, in route order, in parallel (serially they cost more than the products of an
+  // 8-token int4 call spread over 15 threads: bench/RESULTS.md session 15). Items [0, n): a
+  // route's copies (and its pair64 order); then, per AMX group, blocks of
   // kVnniColumns columns of its B-tile layout, packed by one thread for all of the group's tokens
   // straight from x (one item per route instead wrote interleaved dwords of the same lines from
   // several threads: 86 us of 1.26 ms in a bf16 8 x 8 call on the H200 host).
