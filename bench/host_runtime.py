@@ -151,7 +151,8 @@ def gpu_handshake_part(layers: int = 40, reps: int = 50, tokens: int = 1) -> lis
         serve = sum(_host.channel_serve_seconds(base + i) for i in range(layers)) - serve0
         out.append({"cmd_buffer": cb, "fused": fused, "tasks": n_valid, "tokens": tokens, "layers": layers,
                     "us_per_layer": per_layer * 1e6, "cpu_jobs": jobs,
-                    "cpu_serve_us_per_job": serve / jobs * 1e6 if jobs else 0.0})
+                    "cpu_serve_us_per_job": serve / jobs * 1e6 if jobs else 0.0,
+                    "last_call": _host.last_expert_call() if jobs else None})
     return out
 
 
@@ -228,6 +229,11 @@ def main(argv=None) -> int:
             print(f"  {r['tasks']} task{'s' if r['tasks'] != 1 else ' '}, command-buffer trait {str(r['cmd_buffer']):5}, "
                   f"fused kernels {str(r['fused']):5}: {r['us_per_layer']:6.1f} us per layer; CPU side "
                   f"{r['cpu_serve_us_per_job']:5.1f} us per job ({r['cpu_jobs']} jobs)")
+            if r["last_call"]:
+                p = r["last_call"]
+                print(f"    its last call: kernel {p['total_us']:.1f} us = setup {p['setup_us']:.1f}, layouts "
+                      f"{p['layouts_us']:.1f}, phase1 {p['phase1_us']:.1f} (wait {p['phase1_wait_us']:.1f}), phase2 "
+                      f"{p['phase2_us']:.1f} (wait {p['phase2_wait_us']:.1f})")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
     return 0
