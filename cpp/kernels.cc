@@ -176,24 +176,21 @@ MatrixRef matrix_of(const Bank& bank, int64_t expert) {
   return m;
 }
 
-void pack_vnni(const uint16_t* xj, int64_t K, int64_t k0, int64_t k1, int n, int j, uint32_t* dst, bool int4_order,
-               Tier t) {
-  k1 = std::min(k1, vnni_pairs(K) * 2);
+void pack_vnni(const uint16_t* xj, int64_t K, int64_t k0, int64_t k1, int n, int j, uint32_t* dst, bool int4_order) {
 #ifdef FTJAX_HAVE_AVX512BF16
-  if (t >= Tier::kAvx512Bf16) return pack_vnni_avx512(xj, K, k0, k1, n, j, dst, int4_order);
+  pack_vnni_avx512(xj, K, k0, std::min(k1, vnni_pairs(K) * 2), n, j, dst, int4_order);
+#else
+  throw std::logic_error("pack_vnni: only the AMX tier reads this layout, and this build has no AVX-512");
 #endif
-  uint32_t* d = dst + j;
-  for (int64_t p = k0 / 2; p < k1 / 2; ++p) {
-    const int64_t k0 = int4_order ? amx_int4_column(2 * p) : 2 * p, k1 = int4_order ? amx_int4_column(2 * p + 1) : 2 * p + 1;
-    d[p * n] = (k0 < K ? xj[k0] : 0u) | (k1 < K ? static_cast<uint32_t>(xj[k1]) << 16 : 0u);
-  }
 }
 
-void to_pair64(const uint16_t* x, int64_t K, uint16_t* dst, Tier t) {
+void to_pair64(const uint16_t* x, int64_t K, uint16_t* dst) {
 #ifdef FTJAX_HAVE_AVX512BF16
-  if (t >= Tier::kAvx512Bf16 && K % 64 == 0) return to_pair64_avx512(x, K, dst);
+  if (K % 64) throw std::logic_error("to_pair64: K must be a multiple of 64, got " + std::to_string(K));
+  to_pair64_avx512(x, K, dst);
+#else
+  throw std::logic_error("to_pair64: only the AVX-512 tiers read this layout, and this build has none");
 #endif
-  for (int64_t k = 0; k < K; ++k) dst[pair64_index(k)] = x[k];
 }
 
 MatrixRef column_window(const MatrixRef& w, int64_t c0, int64_t n) {

@@ -62,10 +62,9 @@ inline int64_t amx_int4_position(int64_t k) {  // the inverse
   const int64_t e = k & 31;
   return (k - e) + 8 * (e & 3) + (e >> 2);
 }
-// (SIMD where tier t has AVX-512, which every tier that reads the layout has.)
-// Columns [k0, k1) only (multiples of 32; k1 may pass K: the pad pairs are written as zeros).
-void pack_vnni(const uint16_t* xj, int64_t K, int64_t k0, int64_t k1, int n, int j, uint32_t* dst, bool int4_order,
-               Tier t);
+// Columns [k0, k1) only (multiples of 32; k1 may pass K: the pad pairs are written as zeros). In
+// AVX-512 (only the AMX tier reads the layout).
+void pack_vnni(const uint16_t* xj, int64_t K, int64_t k0, int64_t k1, int n, int j, uint32_t* dst, bool int4_order);
 // Which loops the AMX tier runs for a call (the rest of a call's rows past the last block of 16
 // go to the AVX-512 loops in every case): the tile path for bf16 weights (activations packed by the
 // tier unless given), the int4 tile path (only with the activations given in the B layout), or all
@@ -86,8 +85,8 @@ inline int64_t pair64_index(int64_t k) {
   const int64_t e = k & 63;
   return (k - e) + (e & 1) * 32 + (e >> 2) * 2 + ((e >> 1) & 1);
 }
-// dst[pair64_index(k)] = x[k] for k < K (SIMD where tier t has AVX-512 and K % 64 == 0).
-void to_pair64(const uint16_t* x, int64_t K, uint16_t* dst, Tier t);
+// dst[pair64_index(k)] = x[k] for k < K, K % 64 == 0, in AVX-512 (only those tiers read the order).
+void to_pair64(const uint16_t* x, int64_t K, uint16_t* dst);
 
 // bf16 bits of q - 8 for a nibble q (exact in bf16), twice: VPERMW reads 5 index bits, so an index
 // whose bit 4 comes from the next nibble still finds the value of its low 4 bits (AVX-512 and AMX tiers).
@@ -108,20 +107,20 @@ DotRowsFn dot_rows_for(Tier t);
 // kDefaultPrefetchBytes; benchmarks sweep it (bench/host_runtime.py --prefetch).
 constexpr int64_t kDefaultPrefetchBytes = 512;
 int64_t prefetch_bytes();
-// int4 rows prefetch kInt4PrefetchScale times further: a row of int4 is read 4x slower per byte, and
-// its rows are short (1 KiB at H 2048), so at 512 B half of a 4-row tile's lines were demand misses
-// (dev box, one thread from DRAM, int4 1-token calls: 512 B 9.0-9.5 GB/s, 2048 B 10.2-10.5, 8192 B 9.3-9.9;
-// bf16 512-2048 B within noise).
-constexpr int64_t kInt4PrefetchScale = 4;
-// Rows of at most short_row_bytes() prefetch a whole micro-tile ahead instead (kernels_avx512.cc).
-// Default kShortRowBytes; 0 turns it off (benchmarks compare: bench/host_runtime.py --short-rows).
+void set_prefetch_bytes(int64_t bytes);  // 0 .. 1 MiB
+// Rows of at most short_row_bytes() prefetch a whole tile of rows ahead instead (the same column R rows
+// further: an AVX-512 micro-tile, an AMX block): a row's prefetch pf bytes ahead would land in the next
+// row, which the tile reads already (Qwen3.6 down rows are 1 KiB in bf16, int4 rows 256 B - 1 KiB; H200
+// host, bench/RESULTS.md session 15: Qwen bf16 1x8 0.78 -> 0.91 of STREAM, large int4 1x1 0.45 -> 0.55).
+// Default kShortRowBytes; 0 turns it off (bench/host_runtime.py --short-rows compares).
 constexpr int64_t kShortRowBytes = 2048;
 int64_t short_row_bytes();
 void set_short_row_bytes(int64_t bytes);  // 0 .. 1 MiB
-inline int64_t prefetch_bytes(WeightFormat f) {
-  return f == WeightFormat::kInt4 ? kInt4PrefetchScale * prefetch_bytes() : prefetch_bytes();
+// The prefetch distance of a tile of `rows` rows of `row_bytes` (row stride) each.
+inline int64_t prefetch_distance(int64_t rows, int64_t row_bytes) {
+  const int64_t pf = prefetch_bytes();
+  return pf > 0 && row_bytes <= short_row_bytes() ? rows * row_bytes : pf;
 }
-void set_prefetch_bytes(int64_t bytes);  // 0 .. 1 MiB
 
 // Per-tier entry points (defined only where compiled; see CMakeLists.txt).
 void dot_rows_scalar(const MatrixRef&, int64_t, int64_t, const ActRef&, float*);

@@ -48,12 +48,8 @@ void tile(const MatrixRef& w, int64_t r, const ActRef& a, int j0, float* out) {
   const float* x[N];
   for (int j = 0; j < N; ++j) x[j] = a.f32 + (j0 + j) * a.stride;
   int64_t k = 0;  // first column left for the scalar tail
-  // Short rows (a Qwen3.6 down row is 1 KiB in bf16; int4 gate/up rows are 1 KiB, down rows 256 B):
-  // a row's prefetch pf bytes ahead lands in the next row, which this tile is reading already, so
-  // such rows prefetch the same column of the next tile's rows (R rows further) instead.
-  const int64_t row_bytes = w.format == WeightFormat::kInt4 ? w.ld / 2 : w.ld * (w.format == WeightFormat::kF32 ? 4 : 2);
-  const int64_t pf = prefetch_bytes(w.format) > 0 && row_bytes <= short_row_bytes() ? R * row_bytes
-                                                                                     : prefetch_bytes(w.format);
+  const int64_t pf = prefetch_distance(R, w.format == WeightFormat::kInt4 ? w.ld / 2
+                                                                          : w.ld * (w.format == WeightFormat::kF32 ? 4 : 2));
   if (w.format == WeightFormat::kInt4 && a.bf16_pair64 != nullptr && K % 64 == 0) {
     // Two groups (64 weights, 32 bytes) at a time: the bytes widen to 32 words; VPERMW of the words
     // (index: low 5 bits = low nibble + a repeated table) gives the even elements, of the words >> 4

@@ -192,7 +192,7 @@ NB_MODULE(_host, m) {
      "since the process started.");
   m.def("set_tier", &set_tier, "name"_a);
   m.def("prefetch_bytes", [] { return prefetch_bytes(); },
-        "How far ahead (bytes) the AVX-512 and AMX tiers prefetch bf16 weight rows (int4 rows: 4x as far).");
+        "How far ahead (bytes) the AVX-512 and AMX tiers prefetch weight rows longer than short_row_bytes.");
   m.def("set_prefetch_bytes", &set_prefetch_bytes, "bytes"_a, "Set the prefetch distance (0 = off).");
   m.def("short_row_bytes", &short_row_bytes, "Rows up to this many bytes prefetch a micro-tile ahead (0 = never).");
   m.def("set_short_row_bytes", &set_short_row_bytes, "bytes"_a, "Set the short-row limit (0 = off).");

@@ -138,9 +138,9 @@ void run_experts(WorkerPool& workers, const ExpertCall& c, Tier tier) {
   prof.routes = n;
   prof.groups = groups;
   prof.setup_us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t_start).count();
-  const auto record_round = [&](int k, int64_t items) {
-    prof.round_us[k] = workers.last_round_us();
-    prof.wait_us[k] = workers.last_wait_us();
+  const auto record_round = [&](int k, int64_t items, RoundTiming t) {
+    prof.round_us[k] = t.wall_us;
+    prof.wait_us[k] = t.wait_us;
     prof.items[k] = items;
   };
   // The layouts, in route order, in parallel (serially they cost more than the products of an
@@ -153,13 +153,13 @@ void run_experts(WorkerPool& workers, const ExpertCall& c, Tier tier) {
   for (int64_t g = 0; g < groups; ++g)
     vnni_first.push_back(vnni_first.back() + (amx_group(g) ? (H + kVnniColumns - 1) / kVnniColumns : 0));
   const int64_t layout_items = vnni_first.back();
-  workers.parallel_for(layout_items, [&](int64_t item, int) {
+  const RoundTiming t_layouts = workers.parallel_for(layout_items, [&](int64_t item, int) {
     if (item >= n) {
       const int64_t g = std::upper_bound(vnni_first.begin(), vnni_first.end(), item) - vnni_first.begin() - 1;
       const int64_t r0 = start[g], nr = start[g + 1] - r0, k0 = (item - vnni_first[g]) * kVnniColumns;
       for (int64_t j = 0; j < nr; ++j)
         pack_vnni(static_cast<const uint16_t*>(c.x) + c.token_idx[order[r0 + j]] * H, H, k0, k0 + kVnniColumns,
-                  static_cast<int>(nr), static_cast<int>(j), &b.xg_v[r0 * PH], int4_x, tier);
+                  static_cast<int>(nr), static_cast<int>(j), &b.xg_v[r0 * PH], int4_x);
       return;
     }
     const int64_t r = item, t = c.token_idx[order[r]], g = group_of[r], r0 = start[g], nr = start[g + 1] - r0;
@@ -177,10 +177,10 @@ void run_experts(WorkerPool& workers, const ExpertCall& c, Tier tier) {
       uint16_t* av = b.act_v_words() + 2 * r0 * PI;
       for (int64_t pos = I; pos < 2 * PI; ++pos) av[2 * ((pos / 2) * nr + (r - r0)) + (pos & 1)] = 0;
     } else if (pair_x) {
-      to_pair64(xh, H, &b.xg_p[r * H], tier);
+      to_pair64(xh, H, &b.xg_p[r * H]);
     }
   }, layout_items <= 2 ? layout_items : 1);  // one or two routes (decode at batch 1): the caller alone, no wake-up
-  record_round(0, layout_items);
+  record_round(0, layout_items, t_layouts);
 
   // Phase 1: act[r, i] = silu(gate_e[i] . x_r) * (up_e[i] . x_r), items = (group, block of i).
   bool any_amx = false;
@@ -189,7 +189,7 @@ void run_experts(WorkerPool& workers, const ExpertCall& c, Tier tier) {
   const int64_t rows1 = rows_per_item(I, groups, kRowsPhase1, workers.n_threads(), min_rows);
   const int64_t blocks1 = (I + rows1 - 1) / rows1;
   const int64_t item1_bytes = rows1 * static_cast<int64_t>(pool.gate_up().expert_bytes) / I;  // 2 rows1 of 2I rows
-  workers.parallel_for(groups * blocks1, [&](int64_t item, int) {
+  const RoundTiming t_phase1 = workers.parallel_for(groups * blocks1, [&](int64_t item, int) {
     const int64_t g = item / blocks1, r0 = start[g], nr = start[g + 1] - r0;
     const int64_t i1 = std::min(I, (item % blocks1 + 1) * rows1);
     const int64_t i0 = std::max((item % blocks1) * rows1, unit_of(order[r0]));  // the group's units only
@@ -222,7 +222,7 @@ void run_experts(WorkerPool& workers, const ExpertCall& c, Tier tier) {
       }
     }
   }, min_chunk(item1_bytes));
-  record_round(1, groups * blocks1);
+  record_round(1, groups * blocks1, t_phase1);
   prof.rows1 = rows1;
 
   // Phase 2: y[t, h] += w_r * (down_e[h] . act_r); an item owns output rows [h0, h1) of every
@@ -230,7 +230,7 @@ void run_experts(WorkerPool& workers, const ExpertCall& c, Tier tier) {
   const int64_t rows2 = rows_per_item(H, 1, kRowsPhase2, workers.n_threads(), min_rows);
   const int64_t blocks2 = (H + rows2 - 1) / rows2;
   const int64_t item2_bytes = groups * rows2 * static_cast<int64_t>(pool.down().expert_bytes) / H;  // of each down
-  workers.parallel_for(blocks2, [&](int64_t item, int) {
+  const RoundTiming t_phase2 = workers.parallel_for(blocks2, [&](int64_t item, int) {
     const int64_t h0 = item * rows2, h1 = std::min(H, h0 + rows2);
     for (int64_t g = 0; g < groups; ++g) {
       const int64_t r0 = start[g], nr = start[g + 1] - r0, u = unit_of(order[r0]);
@@ -252,7 +252,7 @@ void run_experts(WorkerPool& workers, const ExpertCall& c, Tier tier) {
       }
     }
   }, min_chunk(item2_bytes));
-  record_round(2, blocks2);
+  record_round(2, blocks2, t_phase2);
   prof.rows2 = rows2;
   prof.total_us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t_start).count();
   std::lock_guard<std::mutex> lock(g_profile_mu);

@@ -157,23 +157,26 @@ void WorkerPool::worker_main(int index) {
   }
 }
 
-void WorkerPool::parallel_for(int64_t n_items, const std::function<void(int64_t, int)>& fn, int64_t min_chunk) {
-  if (n_items <= 0) return;
+RoundTiming WorkerPool::parallel_for(int64_t n_items, const std::function<void(int64_t, int)>& fn, int64_t min_chunk) {
+  RoundTiming timing;
+  if (n_items <= 0) return timing;
   std::lock_guard<std::mutex> call_lock(call_mu_);
   failed_ = false;
   error_.clear();
   if (n_items <= kMaxRoundItems) {
-    run_round(n_items, fn, min_chunk);
+    run_round(n_items, fn, min_chunk, timing);
   } else {  // more items than a ticket holds: rounds of at most kMaxRoundItems
     for (int64_t base = 0; base < n_items && !failed_; base += kMaxRoundItems) {
       const std::function<void(int64_t, int)> shifted = [&](int64_t i, int t) { fn(base + i, t); };
-      run_round(std::min(kMaxRoundItems, n_items - base), shifted, min_chunk);
+      run_round(std::min(kMaxRoundItems, n_items - base), shifted, min_chunk, timing);
     }
   }
   if (failed_) throw std::runtime_error(error_);
+  return timing;
 }
 
-void WorkerPool::run_round(int64_t n_items, const std::function<void(int64_t, int)>& fn, int64_t min_chunk) {
+void WorkerPool::run_round(int64_t n_items, const std::function<void(int64_t, int)>& fn, int64_t min_chunk,
+                           RoundTiming& timing) {
   const auto t0 = std::chrono::steady_clock::now();
   fn_.store(&fn, std::memory_order_relaxed);
   chunk_.store(std::max<int64_t>({1, min_chunk, n_items / (8 * n_threads())}), std::memory_order_relaxed);
@@ -193,8 +196,8 @@ void WorkerPool::run_round(int64_t n_items, const std::function<void(int64_t, in
   while (items_done_.load(std::memory_order_acquire) < n_items) FTJAX_PAUSE();
   fn_.store(nullptr, std::memory_order_relaxed);
   const auto t1 = std::chrono::steady_clock::now();
-  last_round_us_ = std::chrono::duration<double, std::micro>(t1 - t0).count();
-  last_wait_us_ = std::chrono::duration<double, std::micro>(t1 - t_own).count();
+  timing.wall_us += std::chrono::duration<double, std::micro>(t1 - t0).count();
+  timing.wait_us += std::chrono::duration<double, std::micro>(t1 - t_own).count();
 }
 
 int64_t worker_self_test(WorkerPool& pool, int rounds, int64_t max_items, uint64_t seed, bool big) {

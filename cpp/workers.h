@@ -26,6 +26,12 @@ struct WorkerConfig {
 // Logical CPUs this process may run on, one per physical core (SMT siblings dropped).
 std::vector<int> physical_core_cpus();
 
+// A parallel_for's wall time and how long its caller waited for the other threads after running out
+// of items to claim (stragglers, late wake-ups), in microseconds: call profiles read them.
+struct RoundTiming {
+  double wall_us = 0, wait_us = 0;
+};
+
 class WorkerPool {
  public:
   explicit WorkerPool(const WorkerConfig& cfg);
@@ -37,18 +43,14 @@ class WorkerPool {
   // thread is in [0, n_threads()). Returns when all items ran; rethrows the first exception.
   // Calls are serialised: one job at a time. A thread claims at least min_chunk items at once (for
   // items so small that a contended claim would cost more than the item).
-  void parallel_for(int64_t n_items, const std::function<void(int64_t, int)>& fn, int64_t min_chunk = 1);
+  RoundTiming parallel_for(int64_t n_items, const std::function<void(int64_t, int)>& fn, int64_t min_chunk = 1);
   int n_threads() const { return static_cast<int>(threads_.size()) + 1; }
-  // The last round's wall time and how long its caller waited for the other threads after running
-  // out of items to claim (stragglers, late wake-ups), in microseconds: call profiles read them.
-  double last_round_us() const { return last_round_us_; }
-  double last_wait_us() const { return last_wait_us_; }
   const WorkerConfig& config() const { return cfg_; }
   const std::vector<int>& pinned_cpus() const { return cpus_; }
 
  private:
   void worker_main(int index);
-  void run_round(int64_t n_items, const std::function<void(int64_t, int)>& fn, int64_t min_chunk);
+  void run_round(int64_t n_items, const std::function<void(int64_t, int)>& fn, int64_t min_chunk, RoundTiming& t);
   void run_items(int thread);
   void close_round();
 
@@ -71,7 +73,6 @@ class WorkerPool {
   alignas(64) std::atomic<int64_t> items_done_{0};
   alignas(64) std::atomic<uint64_t> generation_{0};
   uint64_t round_ = 0;
-  double last_round_us_ = 0, last_wait_us_ = 0;
   std::atomic<bool> stop_{false};
   std::mutex err_mu_;
   std::string error_;
