@@ -304,7 +304,7 @@ void dot_rows_amx(const MatrixRef& w, int64_t r0, int64_t r1, const ActRef& a, f
     return;
   }
   const uint32_t* b = a.vnni != nullptr ? a.vnni : repack(a, K);
-  const int64_t pf = prefetch_distance(32, w.ld * 2);  // row_blocks<2>: 32 rows a block
+  const int64_t pf = prefetch_distance(16, w.ld * 2);  // a call's items are blocks of 16 rows
   const uint16_t* wd = reinterpret_cast<const uint16_t*>(w.data);
   for (int j0 = 0; j0 < a.n; j0 += 16) {
     const int nb = std::min(16, a.n - j0);
