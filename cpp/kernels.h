@@ -109,17 +109,19 @@ constexpr int64_t kDefaultPrefetchBytes = 512;
 int64_t prefetch_bytes();
 void set_prefetch_bytes(int64_t bytes);  // 0 .. 1 MiB
 // Rows of at most short_row_bytes() prefetch a whole tile of rows ahead instead (the same column R rows
-// further: an AVX-512 micro-tile, an AMX block): a row's prefetch pf bytes ahead would land in the next
-// row, which the tile reads already (Qwen3.6 down rows are 1 KiB in bf16, int4 rows 256 B - 1 KiB; H200
+// further, an AVX-512 micro-tile, inside the call's rows): a row's prefetch pf bytes ahead would land in
+// the next row, which the tile reads already (Qwen3.6 down rows are 1 KiB in bf16, int4 rows 256 B - 1 KiB; H200
 // host, bench/RESULTS.md session 15: Qwen bf16 1x8 0.78 -> 0.91 of STREAM, large int4 1x1 0.45 -> 0.55).
 // Default kShortRowBytes; 0 turns it off (bench/host_runtime.py --short-rows compares).
 constexpr int64_t kShortRowBytes = 2048;
 int64_t short_row_bytes();
 void set_short_row_bytes(int64_t bytes);  // 0 .. 1 MiB
-// The prefetch distance of a tile of `rows` rows of `row_bytes` (row stride) each.
-inline int64_t prefetch_distance(int64_t rows, int64_t row_bytes) {
+// The prefetch distance of a tile of `rows` rows of `row_bytes` (row stride) each, whose call goes on
+// past the next tile (`next_in_call`; past the call's rows, another thread may be reading them: in
+// 8-token calls that prefetch cost 0.05 of STREAM).
+inline int64_t prefetch_distance(int64_t rows, int64_t row_bytes, bool next_in_call) {
   const int64_t pf = prefetch_bytes();
-  return pf > 0 && row_bytes <= short_row_bytes() ? rows * row_bytes : pf;
+  return pf > 0 && next_in_call && row_bytes <= short_row_bytes() ? rows * row_bytes : pf;
 }
 
 // Per-tier entry points (defined only where compiled; see CMakeLists.txt).

@@ -111,7 +111,7 @@ const uint32_t* repack(const ActRef& a, int64_t K) {
 // out[i * n + j] for i < 16 * NB, j < nb. Each B tile is loaded once for the NB blocks. NB = 1: the
 // even and odd k-steps accumulate in tmm0 and tmm1 (two chains), summed at the end; NB = 2: block
 // b accumulates in tmm<b>. Each k-step also prefetches every row's line `pf` bytes ahead
-// (prefetch_distance: for short rows the next block's; 0 = off).
+// (prefetch_bytes(); 0 = off).
 template <int NB>
 void row_blocks(const uint16_t* w, int64_t K, int64_t ld, const uint32_t* b, int n, int nb, float* out, int64_t pf) {
   alignas(64) uint16_t tail[16 * NB][32];
@@ -293,7 +293,7 @@ void dot_rows_amx(const MatrixRef& w, int64_t r0, int64_t r1, const ActRef& a, f
   count_amx_route(route);
   if (route == AmxRoute::kAvx512) return dot_rows_avx512bf16(w, r0, r1, a, out);
   if (route == AmxRoute::kInt4) {
-    const int64_t pf = prefetch_distance(16, w.ld / 2);
+    const int64_t pf = prefetch_bytes();
     for (int j0 = 0; j0 < a.n; j0 += 16) {
       const int nb = std::min(16, a.n - j0);
       configure(nb, true);
@@ -304,7 +304,7 @@ void dot_rows_amx(const MatrixRef& w, int64_t r0, int64_t r1, const ActRef& a, f
     return;
   }
   const uint32_t* b = a.vnni != nullptr ? a.vnni : repack(a, K);
-  const int64_t pf = prefetch_distance(16, w.ld * 2);  // a call's items are blocks of 16 rows
+  const int64_t pf = prefetch_bytes();
   const uint16_t* wd = reinterpret_cast<const uint16_t*>(w.data);
   for (int j0 = 0; j0 < a.n; j0 += 16) {
     const int nb = std::min(16, a.n - j0);

@@ -94,7 +94,7 @@ void tile(const MatrixRef& w, int64_t r, const ActRef& a, int j0, float* out) {
 
 struct Avx2Tile {
   template <int R, int N>
-  static void run(const MatrixRef& w, int64_t r, const ActRef& a, int j0, float* out) {
+  static void run(const MatrixRef& w, int64_t r, int64_t /*r_end*/, const ActRef& a, int j0, float* out) {
     tile<R, N>(w, r, a, j0, out);
   }
 };

@@ -23,6 +23,9 @@ inline void prefetch_rows(const T* const (&row)[R], int64_t elem, int64_t pf) {
   for (int i = 0; i < R; ++i)
     _mm_prefetch(reinterpret_cast<const char*>(row[i] + elem) + pf, _MM_HINT_T0);
 }
+inline int64_t row_bytes_of(const MatrixRef& w) {  // the row stride in bytes
+  return w.format == WeightFormat::kInt4 ? w.ld / 2 : w.ld * (w.format == WeightFormat::kF32 ? 4 : 2);
+}
 inline __m512 load_bf16x16(const uint16_t* p) {
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
@@ -37,8 +40,9 @@ inline void int4_rows(const MatrixRef& w, int64_t r, const uint8_t* (&row)[R], c
   }
 }
 
+// r_end: the end of the call's rows (its work item): short rows prefetch the next tile only inside it.
 template <int R, int N>
-void tile(const MatrixRef& w, int64_t r, const ActRef& a, int j0, float* out) {
+void tile(const MatrixRef& w, int64_t r, int64_t r_end, const ActRef& a, int j0, float* out) {
   const int64_t K = w.cols;
   __m512 acc[R][N];
 #pragma GCC unroll 16
@@ -48,8 +52,7 @@ void tile(const MatrixRef& w, int64_t r, const ActRef& a, int j0, float* out) {
   const float* x[N];
   for (int j = 0; j < N; ++j) x[j] = a.f32 + (j0 + j) * a.stride;
   int64_t k = 0;  // first column left for the scalar tail
-  const int64_t pf = prefetch_distance(R, w.format == WeightFormat::kInt4 ? w.ld / 2
-                                                                          : w.ld * (w.format == WeightFormat::kF32 ? 4 : 2));
+  const int64_t pf = prefetch_distance(R, row_bytes_of(w), r + 2 * R <= r_end);
   if (w.format == WeightFormat::kInt4 && a.bf16_pair64 != nullptr && K % 64 == 0) {
     // Two groups (64 weights, 32 bytes) at a time: the bytes widen to 32 words; VPERMW of the words
     // (index: low 5 bits = low nibble + a repeated table) gives the even elements, of the words >> 4
@@ -206,8 +209,8 @@ void tile(const MatrixRef& w, int64_t r, const ActRef& a, int j0, float* out) {
 
 struct Avx512Tile {
   template <int R, int N>
-  static void run(const MatrixRef& w, int64_t r, const ActRef& a, int j0, float* out) {
-    tile<R, N>(w, r, a, j0, out);
+  static void run(const MatrixRef& w, int64_t r, int64_t r_end, const ActRef& a, int j0, float* out) {
+    tile<R, N>(w, r, r_end, a, j0, out);
   }
 };
 }  // namespace
@@ -241,6 +244,12 @@ void pack_vnni_avx512(const uint16_t* xj, int64_t K, int64_t k0, int64_t k1, int
 }
 
 void dot_rows_avx512bf16(const MatrixRef& w, int64_t r0, int64_t r1, const ActRef& a, float* out) {
+  const int64_t row_bytes = row_bytes_of(w);
+  if (prefetch_bytes() > 0 && row_bytes <= short_row_bytes()) {  // short rows: the first tile's own lines
+    const char* first = reinterpret_cast<const char*>(w.data) + r0 * row_bytes;
+    const int64_t bytes = std::min<int64_t>(4, r1 - r0) * row_bytes;
+    for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(first + off, _MM_HINT_T0);
+  }
   dot_rows_tiled<Avx512Tile, 4, 4>(w, r0, r1, a, out);
 }
 

@@ -10,11 +10,11 @@
 namespace ftjax {
 
 template <class Tile, int R, int N>
-inline void tile_upto(int n, const MatrixRef& w, int64_t r, const ActRef& a, int j0, float* out) {
+inline void tile_upto(int n, const MatrixRef& w, int64_t r, int64_t r_end, const ActRef& a, int j0, float* out) {
   if constexpr (N > 1) {
-    if (n < N) return tile_upto<Tile, R, N - 1>(n, w, r, a, j0, out);
+    if (n < N) return tile_upto<Tile, R, N - 1>(n, w, r, r_end, a, j0, out);
   }
-  Tile::template run<R, N>(w, r, a, j0, out);
+  Tile::template run<R, N>(w, r, r_end, a, j0, out);
 }
 
 template <class Tile, int kRows, int kVecs>
@@ -22,8 +22,8 @@ inline void dot_rows_tiled(const MatrixRef& w, int64_t r0, int64_t r1, const Act
   for (int j0 = 0; j0 < a.n; j0 += kVecs) {
     const int n = std::min(kVecs, a.n - j0);
     int64_t r = r0;
-    for (; r + kRows <= r1; r += kRows) tile_upto<Tile, kRows, kVecs>(n, w, r, a, j0, out + (r - r0) * a.n);
-    for (; r < r1; ++r) tile_upto<Tile, 1, kVecs>(n, w, r, a, j0, out + (r - r0) * a.n);
+    for (; r + kRows <= r1; r += kRows) tile_upto<Tile, kRows, kVecs>(n, w, r, r1, a, j0, out + (r - r0) * a.n);
+    for (; r < r1; ++r) tile_upto<Tile, 1, kVecs>(n, w, r, r1, a, j0, out + (r - r0) * a.n);
   }
 }
 
