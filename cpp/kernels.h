@@ -110,8 +110,9 @@ int64_t prefetch_bytes();
 void set_prefetch_bytes(int64_t bytes);  // 0 .. 1 MiB
 // Rows of at most short_row_bytes() prefetch a whole tile of rows ahead instead (the same column R rows
 // further, an AVX-512 micro-tile, inside the call's rows): a row's prefetch pf bytes ahead would land in
-// the next row, which the tile reads already (Qwen3.6 down rows are 1 KiB in bf16, int4 rows 256 B - 1 KiB; H200
-// host, bench/RESULTS.md session 15: Qwen bf16 1x8 0.78 -> 0.91 of STREAM, large int4 1x1 0.45 -> 0.55).
+// the next row, which the tile reads already (Qwen3.6 down rows are 1 KiB in bf16, int4 rows 256 B - 1 KiB;
+// H200 host, bench/RESULTS.md session 15 call 13: Qwen bf16 1x8 0.78 -> 0.85 of STREAM, large int4 1x8
+// 0.54 -> 0.68). A call's first tile is prefetched whole (dot_rows_avx512bf16).
 // Default kShortRowBytes; 0 turns it off (bench/host_runtime.py --short-rows compares).
 constexpr int64_t kShortRowBytes = 2048;
 int64_t short_row_bytes();
