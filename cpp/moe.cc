@@ -34,7 +34,10 @@ int64_t rows_per_item(int64_t rows, int64_t groups, int64_t k_rows, int threads,
 inline float silu(float v) { return v / (1.f + std::exp(-v)); }
 
 // The call's activation layouts, kept across calls (fresh vectors of a few hundred KiB per call
-// cost page faults); one set per calling thread. Only what a call reads is written.
+// cost page faults); one set per calling thread. Only what a call reads is written. A call that
+// grew them past kKeepBufferBytes (a prefill on the CPU: ~10 B per route and hidden unit) frees
+// them when it ends.
+constexpr size_t kKeepBufferBytes = size_t{64} << 20;
 struct CallBuffers {
   std::vector<float> xg, act;                        // [n, H], [n, I]: f32
   std::vector<uint16_t> xg_h, act_h, xg_p, act_p;    // bf16 bits; pair64 order
@@ -59,6 +62,14 @@ struct CallBuffers {
   template <class T>
   static void grow(std::vector<T>& v, int64_t n) {
     if (v.size() < static_cast<size_t>(n)) v.resize(n);
+  }
+  size_t bytes() const {
+    return (xg.capacity() + act.capacity()) * 4 +
+           (xg_h.capacity() + act_h.capacity() + xg_p.capacity() + act_p.capacity()) * 2 +
+           (xg_v.capacity() + act_v_.capacity()) * 4;
+  }
+  void trim() {
+    if (bytes() > kKeepBufferBytes) *this = CallBuffers();
   }
 };
 CallBuffers& call_buffers() {
@@ -253,6 +264,7 @@ void run_experts(WorkerPool& workers, const ExpertCall& c, Tier tier) {
     }
   }, min_chunk(item2_bytes));
   record_round(2, blocks2, t_phase2);
+  b.trim();
   prof.rows2 = rows2;
   prof.total_us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t_start).count();
   std::lock_guard<std::mutex> lock(g_profile_mu);
