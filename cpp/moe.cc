@@ -139,9 +139,11 @@ void run_experts(WorkerPool& workers, const ExpertCall& c, Tier tier) {
   };
   const bool pair = c.x_bf16 && tier >= Tier::kAvx512Bf16;  // only those tiers read the pair64 order
   const bool pair_x = pair && int4_x && H % 64 == 0, pair_act = pair && int4_act && I % 64 == 0;
+  bool any_amx = false;
+  for (int64_t g = 0; g < groups && !any_amx; ++g) any_amx = amx_group(g);
   const int64_t PH = vnni_pairs(H), PI = vnni_pairs(I);
   CallBuffers& b = call_buffers();
-  b.size(n, H, I, c.x_bf16, pair_x, pair_act, tier == Tier::kAmx && c.x_bf16);
+  b.size(n, H, I, c.x_bf16, pair_x, pair_act, any_amx);
   std::vector<int64_t> group_of(n);
   for (int64_t g = 0; g < groups; ++g) std::fill(&group_of[start[g]], &group_of[start[g + 1]], g);
 
@@ -194,8 +196,6 @@ void run_experts(WorkerPool& workers, const ExpertCall& c, Tier tier) {
   record_round(0, layout_items, t_layouts);
 
   // Phase 1: act[r, i] = silu(gate_e[i] . x_r) * (up_e[i] . x_r), items = (group, block of i).
-  bool any_amx = false;
-  for (int64_t g = 0; g < groups && !any_amx; ++g) any_amx = amx_group(g);
   const int64_t min_rows = any_amx ? 16 : 4;
   const int64_t rows1 = rows_per_item(I, groups, kRowsPhase1, workers.n_threads(), min_rows);
   const int64_t blocks1 = (I + rows1 - 1) / rows1;
