@@ -3,6 +3,7 @@
 # Each step has its own time limit so one slow step cannot eat the call; the last lines are a summary.
 #   bash bench/gpu_session.sh [tests] [host] [cpu] [kernels] [tune] [decode] [decode-more]
 #   (default: tests host kernels)
+# Session 16 steps: prefill-pipelines (per-tile vs cross-tile prefill pipelines, ~4 min; $PIPE_TOKENS).
 # Session 13 steps: tests-plan (the fused plan's GPU tests + the CUDA offload tests, ~2.5 min), decode-plan-b1 /
 # -b4 (lru-split with the fused plan vs the jnp plan, lru-fill; ~4.5 min).
 # Session 12 steps: prefill-split (the prefill kernels' own times, routed vs one expert, ~1.5 min),
@@ -78,6 +79,9 @@ for s in "${steps[@]}"; do
            --tune-prefill $shape --iters 3 --out "$OUT/tune_prefill_$shape.json"
        done ;;
     tests-pallas) run gpu_tests_pallas 200 python3 -m pytest -q -m gpu tests/pallas ;;
+    prefill-pipelines)  # prefill, 8K tokens, both shapes, bf16: per-tile vs cross-tile pipelines, b2b + kernel split (~4 min)
+       run prefill_pipelines 300 python3 bench/kernels.py --only prefill --pipelines --shapes 2048x512 4096x2048 \
+         --dtypes bf16 --tokens ${PIPE_TOKENS:-8192} --iters 5 --profile /tmp/ppipe --out "$OUT/prefill_pipelines.json" ;;
     prefill-sizes)  # prefill b2b, bf16, both shapes, 1K / 8K / 16K tokens (~3 min)
        run prefill_sizes 300 python3 bench/kernels.py --only prefill --shapes 2048x512 4096x2048 --dtypes bf16 \
          --tokens 1024 8192 16384 --iters 5 --out "$OUT/prefill_sizes.json" ;;

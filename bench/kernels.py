@@ -268,6 +268,56 @@ def bench_prefill_tiles(args, ceiling, rows):
               f"b2b {tf:7.1f} TFLOP/s {tf / ceiling:5.2f}", flush=True)
 
 
+PIPELINE_CONFIGS = {  # (name, kwargs): the per-tile ring against a CTA's tiles as one pipeline
+    "per-tile s3": dict(stages=3, cross_tile=False),
+    "per-tile s4": dict(stages=4, cross_tile=False),
+    "cross s4": dict(stages=4, cross_tile=True),
+    "cross s2": dict(stages=2, cross_tile=True),
+    "cross k128 s2": dict(tile_k=128, stages=2, cross_tile=True),
+}
+
+
+def bench_prefill_pipeline(args, ceiling, rows):
+    """Per-tile vs cross-tile pipelines at max(--tokens), every --shapes / --dtypes, b2b; with
+    --profile also the gate+up and down kernels' own times (ratios to the same ceiling)."""
+    T = max(args.tokens)
+    print(f"\nprefill pipelines, {T} tokens (matmul ceiling {ceiling:.0f} TFLOP/s; b2b = calls back to back)")
+    for shape in args.shapes:
+        H, I = map(int, shape.split("x"))
+        flops = pg.prefill_flops(T, args.top_k, H, I)
+        for dtype in args.dtypes:
+            int4 = dtype == "int4"
+            route, banks, slots = _inputs(jax.random.key(T), T, args.top_k, H, I, args.experts,
+                                          args.slots, int4, args.one_expert)
+            base = pg.prefill_experts_int4 if int4 else pg.prefill_experts
+            for name, cfg in PIPELINE_CONFIGS.items():
+                row = dict(kind="prefill_pipeline", H=H, I=I, T=T, dtype=dtype, config=name, **cfg)
+                try:
+                    fn = jax.jit(lambda *a, _c=cfg: base(*a, **_c))
+                    ms = time_back_to_back_ms(fn, *route, *banks, slots, iters=args.iters)
+                except (ValueError, jax.errors.JaxRuntimeError) as e:
+                    rows.append(dict(row, error=str(e)[:160]))
+                    print(f"  {shape} {dtype} {name:>14}: {type(e).__name__}: {str(e)[:100]}", flush=True)
+                    continue
+                row.update(b2b_ms=ms, ratio=flops / ms / 1e9 / ceiling)
+                split = ""
+                if args.profile:
+                    pdir = args.profile / f"pipeline-{shape}-{dtype}-{name.replace(' ', '_')}"
+                    with jax.profiler.trace(str(pdir), create_perfetto_trace=True):
+                        jax.block_until_ready(fn(*route, *banks, slots))
+                    k1_us, k2_us = prefill_kernel_us(pdir)
+                    if k1_us and k2_us:
+                        row.update(gate_up_ms=k1_us / 1e3, down_ms=k2_us / 1e3,
+                                   gate_up_ratio=flops * 2 / 3 / k1_us / 1e6 / ceiling,
+                                   down_ratio=flops / 3 / k2_us / 1e6 / ceiling)
+                        split = (f"  gate+up {k1_us / 1e3:.3f} ms = {row['gate_up_ratio']:.2f}, down "
+                                 f"{k2_us / 1e3:.3f} ms = {row['down_ratio']:.2f}")
+                rows.append(row)
+                print(f"  {shape} {dtype} {name:>14}: b2b {ms:7.3f} ms {row['ratio']:5.2f}" + split,
+                      flush=True)
+            del banks
+
+
 def _inputs(key, T, k, H, I, E, S, int4, one_expert=False):
     ks = jax.random.split(key, 6)
     x = jax.random.normal(ks[0], (T, H), jnp.bfloat16)
@@ -323,18 +373,23 @@ def main():
     ap.add_argument("--tune-shapes", nargs="+", default=["2048x512"], help="shapes the decode sweep covers")
     ap.add_argument("--tune-tokens", type=int, nargs="+", default=[1, 8], help="token counts the sweep covers")
     ap.add_argument("--tune-prefill", metavar="HxI", help="sweep the prefill tiles at this shape, max(--tokens)")
+    ap.add_argument("--pipelines", action="store_true",
+                    help="per-tile vs cross-tile prefill pipelines at max(--tokens), then stop")
+    ap.add_argument("--cross-tile", choices=["auto", "on", "off"], default="auto",
+                    help="the prefill kernels' cross-tile pipeline (auto: where the stages divide the steps)")
     ap.add_argument("--profile", type=Path, metavar="DIR",
                     help="also trace one scan of each default decode kernel and one call of each prefill "
                          "(bench/trace_summary.py DIR): the kernels' own time beside the per-call figures")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "out" / "kernels.json")
     args = ap.parse_args()
 
-    kw = dict(tile_m=args.tile_m, stages=args.stages)
+    cross = {"auto": None, "on": True, "off": False}[args.cross_tile]
+    kw = dict(tile_m=args.tile_m, stages=args.stages, cross_tile=cross)
     if args.smoke:
         args.tokens, args.shapes, args.experts, args.slots, args.iters = [40], ["256x256"], 8, 8, 1
         args.decode_tokens, args.slots_decode, args.decode_calls = [1], 16, 2
         kw = dict(tile_m=64, tile_n_gate_up=64, tile_n_down=64, stages=2, num_sms=2,
-                  interpret=True)
+                  interpret=True, cross_tile=cross)
     ceiling = 1.0 if args.smoke else dense_ceiling_tflops()
     copy_gbps = 1.0 if args.smoke else copy_ceiling_gbps()
     read_gbps = 1.0 if args.smoke else read_ceiling_gbps()
@@ -345,6 +400,9 @@ def main():
         bench_decode(args, copy_gbps, read_gbps, rows)
     if args.tune_prefill and args.only != "decode":
         bench_prefill_tiles(args, ceiling, rows)
+    if args.pipelines:
+        bench_prefill_pipeline(args, ceiling, rows)
+        args.shapes = []
     if args.only == "decode":
         args.shapes = []
     else:

@@ -242,7 +242,7 @@ def _dequant_tile(q_ref, s_ref, k, *, tile_k):
 
 
 def _grouped_matmul(a, tile_slot, tile_row0, tile_rows, n_tiles, weights, *, n_out, swiglu, tile_m, tile_n,
-                    tile_k, stages, num_sms, interpret):
+                    tile_k, stages, num_sms, interpret, cross_tile):
     """``out[tile m's rows] = epilogue(a[tile_row0[m] : tile_row0[m] + tile_m] @ W[slot]^T)`` over
     the active row tiles; tile m's output rows are ``m * tile_m ..`` (the padded layout).
 
@@ -252,7 +252,8 @@ def _grouped_matmul(a, tile_slot, tile_row0, tile_rows, n_tiles, weights, *, n_o
     ``weights`` is ``(w,)`` with ``w [S, n_w, K]`` bf16, or ``(q, s)`` with ``q [S, n_w, K]`` int4
     and ``s [S, n_w, K/32]`` bf16. ``swiglu``: ``n_w = 2 * n_out`` and the output is
     ``silu(a @ W[:n_out]^T) * (a @ W[n_out:]^T)``; otherwise ``n_w = n_out``. Returns
-    ``[R_pad, n_out]`` bf16; rows of idle tiles are left unwritten.
+    ``[R_pad, n_out]`` bf16; rows of idle tiles are left unwritten. ``cross_tile``: a CTA's
+    tiles run as one pipeline of pipelines (needs ``K / tile_k`` divisible by ``stages``).
     """
     from jax.experimental import pallas as pl
 
@@ -279,10 +280,23 @@ def _grouped_matmul(a, tile_slot, tile_row0, tile_rows, n_tiles, weights, *, n_o
             in_specs.append(plgpu.BlockSpec((cta_n, _SCALE_BLOCK),
                                             lambda k: (0, k // k_per_scale_block)))
 
-    def get_pipeline(body, compute_context):
+    def get_pipeline(body, compute_context, state=None):
         return plgpu.emit_pipeline_warp_specialized(
             body, grid=(k_iters,), memory_registers=40, in_specs=in_specs, wg_axis="wg",
-            num_compute_wgs=2, max_concurrent_steps=stages, compute_context=compute_context)
+            num_compute_wgs=2, max_concurrent_steps=stages, compute_context=compute_context,
+            pipeline_state=state)
+
+    def pipeline_state(info):
+        """START on a CTA's first tile (fill the ring), STOP on its last (drain it), STEADY in
+        between: the memory warpgroup copies the next tile's first steps while the compute
+        warpgroups finish this tile and run its epilogue. A CTA with one tile takes START and
+        skips the drain, which only waits for releases nothing reuses."""
+        if not cross_tile:
+            return None
+        pp = plgpu.PipelinePipeline
+        last = info.local_index == info.num_local_steps - 1
+        return jnp.where(info.local_index == 0, jnp.int32(pp.START),
+                         jnp.where(last, jnp.int32(pp.STOP), jnp.int32(pp.STEADY)))
 
     def weight_refs(w_gmem, slot, ni):
         """GMEM slabs of the ``n_b`` weight row blocks (gate, up) of output block ni."""
@@ -365,7 +379,7 @@ def _grouped_matmul(a, tile_slot, tile_row0, tile_rows, n_tiles, weights, *, n_o
                     return accs
 
                 row0 = pl.multiple_of(row0_ref[mi], routing.INPUT_ALIGN)  # a TMA starts on an 8-row tile
-                get_pipeline(mma, compute_context)(
+                get_pipeline(mma, compute_context, pipeline_state(info))(
                     a_gmem.at[pl.ds(row0, tile_m)], *weight_refs(w_gmem, slot, ni), allocations=allocs)
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -407,7 +421,7 @@ def _check_routing(x, expert_ids, gate_weights, token_valid, slot_of_expert):
 
 def _prefill(x, expert_ids, gate_weights, token_valid, slot_of_expert, gu_weights, d_weights,
              *, hidden, inter, tiles):
-    tile_m, tile_n_gate_up, tile_n_down, tile_k, stages, num_sms, interpret = tiles
+    tile_m, tile_n_gate_up, tile_n_down, tile_k, stages, num_sms, interpret, cross_tile = tiles
     num_experts = slot_of_expert.shape[0]
     # materialized before the gather and the combine: without this barrier (or the lax.cond it
     # replaces) XLA fused the plan's index math (searchsorted, gathers) into both and recomputed it
@@ -417,7 +431,7 @@ def _prefill(x, expert_ids, gate_weights, token_valid, slot_of_expert, gu_weight
     tile_slot = jnp.clip(slot_of_expert.astype(jnp.int32)[plan.tile_group], 0, n_slots - 1)
     n_tiles = jnp.maximum(plan.n_tiles, 1).reshape(1)  # never an all-empty launch (see the docstring)
     common = dict(tile_m=tile_m, tile_k=tile_k, stages=stages, num_sms=num_sms,
-                  interpret=interpret)
+                  interpret=interpret, cross_tile=cross_tile)
     x_rows = routing.gather_input_rows(x.astype(jnp.bfloat16), plan)
     act = _grouped_matmul(x_rows, tile_slot, plan.tile_row0, plan.tile_rows, n_tiles, gu_weights,
                           n_out=inter, swiglu=True, tile_n=tile_n_gate_up, **common)
@@ -427,24 +441,45 @@ def _prefill(x, expert_ids, gate_weights, token_valid, slot_of_expert, gu_weight
     return routing.combine_rows(out, plan, gate_weights)
 
 
-_STATIC = ("tile_m", "tile_n_gate_up", "tile_n_down", "tile_k", "stages", "num_sms", "interpret")
+_STATIC = ("tile_m", "tile_n_gate_up", "tile_n_down", "tile_k", "stages", "num_sms", "interpret",
+           "cross_tile")
+
+
+def _has_pipeline_of_pipelines() -> bool:
+    """This jax's Mosaic GPU pipelines take ``pipeline_state`` (START / STEADY / STOP)."""
+    import inspect
+
+    plgpu = _plgpu()
+    return hasattr(plgpu, "PipelinePipeline") and "pipeline_state" in inspect.signature(
+        plgpu.emit_pipeline_warp_specialized).parameters
 
 
 def _tiles_and_checks(hidden, inter, *, int4, tile_m, tile_n_gate_up, tile_n_down, tile_k,
-                      stages, num_sms, interpret):
+                      stages, num_sms, interpret, cross_tile):
     _check_tiles(what="gate_up", n_out=inter, k_dim=hidden, tile_m=tile_m,
                  tile_n=tile_n_gate_up, tile_k=tile_k, stages=stages, int4=int4, n_b=2)
     _check_tiles(what="down", n_out=hidden, k_dim=inter, tile_m=tile_m, tile_n=tile_n_down,
                  tile_k=tile_k, stages=stages, int4=int4, n_b=1)
+    divisible = (hidden // tile_k) % stages == 0 and (inter // tile_k) % stages == 0
+    if cross_tile is None:
+        cross_tile = divisible and _has_pipeline_of_pipelines()
+    elif cross_tile and not divisible:
+        raise ValueError(f"cross_tile needs both reductions' step counts (H / tile_k = "
+                         f"{hidden // tile_k}, I / tile_k = {inter // tile_k}) divisible by "
+                         f"stages = {stages}; pick stages dividing both, or cross_tile=False")
+    elif cross_tile and not _has_pipeline_of_pipelines():
+        raise ValueError(f"cross_tile needs Mosaic GPU's pipeline_state (jax {jax.__version__} "
+                         f"has none); use cross_tile=False")
     if num_sms is None:
         num_sms = _default_num_sms()
-    return (tile_m, tile_n_gate_up, tile_n_down, tile_k, stages, num_sms, interpret)
+    return (tile_m, tile_n_gate_up, tile_n_down, tile_k, stages, num_sms, interpret,
+            bool(cross_tile))
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def prefill_experts(x, expert_ids, gate_weights, token_valid, gate_up, down, slot_of_expert, *,
                     tile_m=128, tile_n_gate_up=64, tile_n_down=128, tile_k=64, stages=3,
-                    num_sms=None, interpret=False):
+                    num_sms=None, interpret=False, cross_tile=None):
     """Mosaic GPU prefill expert MLP, bf16 weights; same contract as `reference_prefill_experts`.
 
     x [T, H]; expert_ids [T, k] int32 in 0..E-1; gate_weights [T, k]; token_valid [T] bool (or
@@ -452,7 +487,11 @@ def prefill_experts(x, expert_ids, gate_weights, token_valid, gate_up, down, slo
     gate_up [S, 2I, H] and down [S, H, I] bf16; slot_of_expert [E] int32. Returns [T, H] fp32.
     Needs ``I % (2 * tile_n_gate_up) == 0``, ``H % (2 * tile_n_down) == 0`` and both divisible by
     ``tile_k`` (ValueError otherwise). ``num_sms`` CTAs (default: this GPU's SM count, else 132);
-    ``interpret=True`` runs Mosaic GPU interpret mode on the CPU.
+    ``interpret=True`` runs Mosaic GPU interpret mode on the CPU. ``cross_tile`` (default: where
+    ``H / tile_k`` and ``I / tile_k`` are multiples of ``stages`` and this jax supports it) runs
+    each CTA's tiles as one pipeline, so the next tile's first copies overlap this tile's last
+    steps and epilogue; ``True`` where that cannot be raises ValueError, ``False`` drains the
+    ring at every tile.
     """
     _check_routing(x, expert_ids, gate_weights, token_valid, slot_of_expert)
     hidden, inter = x.shape[1], down.shape[-1]
@@ -462,7 +501,8 @@ def prefill_experts(x, expert_ids, gate_weights, token_valid, gate_up, down, slo
                          f"x {x.shape}: want [S, 2I, H] and [S, H, I]")
     tiles = _tiles_and_checks(hidden, inter, int4=False, tile_m=tile_m,
                               tile_n_gate_up=tile_n_gate_up, tile_n_down=tile_n_down,
-                              tile_k=tile_k, stages=stages, num_sms=num_sms, interpret=interpret)
+                              tile_k=tile_k, stages=stages, num_sms=num_sms, interpret=interpret,
+                              cross_tile=cross_tile)
     return _prefill(x, expert_ids, gate_weights, token_valid, slot_of_expert,
                     (gate_up.astype(jnp.bfloat16),), (down.astype(jnp.bfloat16),),
                     hidden=hidden, inter=inter, tiles=tiles)
@@ -478,7 +518,7 @@ def _as_int4(packed):
 def prefill_experts_int4(x, expert_ids, gate_weights, token_valid, gate_up_packed,
                          gate_up_scales, down_packed, down_scales, slot_of_expert, *,
                          tile_m=128, tile_n_gate_up=64, tile_n_down=128, tile_k=64, stages=3,
-                         num_sms=None, interpret=False):
+                         num_sms=None, interpret=False, cross_tile=None):
     """Mosaic GPU prefill expert MLP, int4 group-32 weights (host pool layout, `ftjax.host.quant`).
 
     gate_up_packed uint8 [S, 2I, H/2], gate_up_scales bf16 [S, 2I, H/32], down_packed uint8
@@ -502,7 +542,8 @@ def prefill_experts_int4(x, expert_ids, gate_weights, token_valid, gate_up_packe
             raise ValueError(f"{name} must be uint8 (two int4 per byte), got {got[name].dtype}")
     tiles = _tiles_and_checks(hidden, inter, int4=True, tile_m=tile_m,
                               tile_n_gate_up=tile_n_gate_up, tile_n_down=tile_n_down,
-                              tile_k=tile_k, stages=stages, num_sms=num_sms, interpret=interpret)
+                              tile_k=tile_k, stages=stages, num_sms=num_sms, interpret=interpret,
+                              cross_tile=cross_tile)
     return _prefill(x, expert_ids, gate_weights, token_valid, slot_of_expert,
                     (_as_int4(gate_up_packed), gate_up_scales.astype(jnp.bfloat16)),
                     (_as_int4(down_packed), down_scales.astype(jnp.bfloat16)),

@@ -185,6 +185,29 @@ def test_prefill_bf16_matches_reference(case, mgpu_interpret):
     _check(out, ref, np.asarray(args[3]))
 
 
+@pytest.mark.parametrize("case, num_sms, int4", [
+    ("empty-groups", 1, False),  # one CTA running both tiles: START then STOP
+    ("empty-groups", 3, False),  # two CTAs of one tile each (START, no drain), one idle CTA
+    ("random", 2, False),  # many tiles per CTA: START, STEADY.., STOP
+    ("random", 5, True),  # int4: the dequant buffer across tiles too
+])
+def test_cross_tile_pipeline_matches_reference(case, num_sms, int4, mgpu_interpret):
+    """A CTA's tiles as one pipeline of pipelines (``cross_tile``) for 0, 1, 2 and many tiles per
+    CTA: the same result as the reference (and so as the per-tile pipeline)."""
+    size = dict(H=256, I=256) if int4 else dict(H=128, I=128)
+    args, slots, gate_up, down = _inputs(3, **{**size, **BF16_CASES[case]})
+    tiles = {**SMALL, "num_sms": num_sms, "cross_tile": True}
+    if int4:
+        banks = _int4_banks(gate_up, down)
+        out = pg.prefill_experts_int4(*args, *banks, slots, **tiles)
+        ref = pg.reference_prefill_experts_int4(*args, *banks, slots)
+    else:
+        gu, dn = jnp.asarray(gate_up, jnp.bfloat16), jnp.asarray(down, jnp.bfloat16)
+        out = pg.prefill_experts(*args, gu, dn, slots, **tiles)
+        ref = pg.reference_prefill_experts(*args, gu, dn, slots)
+    _check(out, ref, np.asarray(args[3]))
+
+
 def test_prefill_slabs_without_routes_skip_exactly(mgpu_interpret):
     """tile_m 128 = two 64-row slabs: a slab holding no route skips its WGMMAs. Groups of 130
     (a full tile + 2 rows), 100 (both slabs live) and 30 routes (the upper slab skipped)."""
@@ -280,6 +303,8 @@ def _shapes(T=8, k=2, H=128, I=128, E=4, S=4):
                            r"warpgroup\), got 100"),
     ({}, dict(tile_k=48), r"tile_k must be one of 32, 64, 128, 256, got 48"),
     ({}, dict(stages=9, tile_m=256), r"needs \d+ bytes of SMEM"),
+    ({}, dict(stages=3, cross_tile=True), r"cross_tile needs both reductions' step counts \(H / "
+                                          r"tile_k = 2, I / tile_k = 2\) divisible by stages = 3"),
 ])
 def test_bad_sizes_raise_value_error(sizes, kwargs, match):
     fn = functools.partial(pg.prefill_experts, **{**SMALL, **kwargs})
@@ -330,9 +355,11 @@ def _export(fn, *shapes):
     return exp.mlir_module()
 
 
+@pytest.mark.parametrize("pipeline", [dict(stages=3), dict(stages=4, cross_tile=True)],
+                         ids=["per-tile", "cross-tile"])
 @pytest.mark.parametrize("H, I", [(2048, 512), (4096, 2048)])
 @pytest.mark.parametrize("int4", [False, True], ids=["bf16", "int4"])
-def test_lowers_for_cuda_at_real_shape(int4, H, I, mgpu):
+def test_lowers_for_cuda_at_real_shape(int4, H, I, pipeline, mgpu):
     sd = jax.ShapeDtypeStruct
     T, k, E, S = 1024, 8, 256, 256
     common = [sd((T, H), jnp.bfloat16), sd((T, k), jnp.int32), sd((T, k), jnp.float32),
@@ -340,10 +367,10 @@ def test_lowers_for_cuda_at_real_shape(int4, H, I, mgpu):
     if int4:
         banks = [sd((S, 2 * I, H // 2), jnp.uint8), sd((S, 2 * I, H // 32), jnp.bfloat16),
                  sd((S, H, I // 2), jnp.uint8), sd((S, H, I // 32), jnp.bfloat16)]
-        fn = functools.partial(pg.prefill_experts_int4, num_sms=132)
+        fn = functools.partial(pg.prefill_experts_int4, num_sms=132, **pipeline)
     else:
         banks = [sd((S, 2 * I, H), jnp.bfloat16), sd((S, H, I), jnp.bfloat16)]
-        fn = functools.partial(pg.prefill_experts, num_sms=132)
+        fn = functools.partial(pg.prefill_experts, num_sms=132, **pipeline)
     text = _export(fn, *common, *banks, sd((E,), jnp.int32))
     assert text.count("stablehlo.custom_call @mosaic_gpu") == 2  # gate_up and down kernels
 
@@ -369,7 +396,9 @@ def _chunked_reference(ref_fn, args, banks, slots, chunk=32):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _on_gpu(), reason="needs JAX's GPU backend (Hopper)")
-@pytest.mark.parametrize("tiles", [{}, dict(tile_m=64)], ids=["default", "tile_m64"])
+@pytest.mark.parametrize("tiles", [{}, dict(tile_m=64), dict(stages=4, cross_tile=True),
+                                   dict(tile_k=128, stages=2, cross_tile=True)],
+                         ids=["default", "tile_m64", "cross-tile", "cross-tile-k128"])
 @pytest.mark.parametrize("int4", [False, True], ids=["bf16", "int4"])
 def test_compiled_matches_reference_on_gpu(int4, tiles):
     T, k, H, I, E, S = 1024, 8, 2048, 512, 64, 72
