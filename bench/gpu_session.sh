@@ -3,7 +3,8 @@
 # Each step has its own time limit so one slow step cannot eat the call; the last lines are a summary.
 #   bash bench/gpu_session.sh [tests] [host] [cpu] [kernels] [tune] [decode] [decode-more]
 #   (default: tests host kernels)
-# Session 16 steps: prefill-pipelines (per-tile vs cross-tile prefill pipelines, ~4 min; $PIPE_TOKENS).
+# Session 16 steps: prefill-pipelines (per-tile vs cross-tile prefill pipelines, ~1 min; $PIPE_TOKENS),
+# prefill-ncu (Nsight Compute counters of the prefill kernels: DRAM bytes against the weights' own).
 # Session 13 steps: tests-plan (the fused plan's GPU tests + the CUDA offload tests, ~2.5 min), decode-plan-b1 /
 # -b4 (lru-split with the fused plan vs the jnp plan, lru-fill; ~4.5 min).
 # Session 12 steps: prefill-split (the prefill kernels' own times, routed vs one expert, ~1.5 min),
@@ -82,6 +83,15 @@ for s in "${steps[@]}"; do
     prefill-pipelines)  # prefill, 8K tokens, both shapes, bf16: per-tile vs cross-tile pipelines, b2b + kernel split (~4 min)
        run prefill_pipelines 300 python3 bench/kernels.py --only prefill --pipelines --shapes 2048x512 4096x2048 \
          --dtypes bf16 --tokens ${PIPE_TOKENS:-8192} --iters 5 --profile /tmp/ppipe --out "$OUT/prefill_pipelines.json" ;;
+    prefill-ncu)  # Nsight Compute counters of the prefill kernels, 8K tokens, both shapes, random and one expert (~3 min)
+       NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+       if [ -z "$NCU" ]; then echo "no ncu on this machine" | tee "$OUT/prefill_ncu.log"; else
+         for cfg in "2048x512" "4096x2048" "2048x512 --one-expert" "4096x2048 --one-expert"; do
+           run prefill_ncu 150 "$NCU" -k regex:mosaic_prefill -c 2 --section SpeedOfLight \
+             --metrics dram__bytes_read.sum,lts__t_sector_hit_rate.pct,lts__t_sectors_srcunit_tex_op_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed \
+             python3 bench/prefill_counters.py --shape $cfg
+         done
+       fi ;;
     prefill-sizes)  # prefill b2b, bf16, both shapes, 1K / 8K / 16K tokens (~3 min)
        run prefill_sizes 300 python3 bench/kernels.py --only prefill --shapes 2048x512 4096x2048 --dtypes bf16 \
          --tokens 1024 8192 16384 --iters 5 --out "$OUT/prefill_sizes.json" ;;
