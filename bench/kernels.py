@@ -274,6 +274,9 @@ PIPELINE_CONFIGS = {  # (name, kwargs): the per-tile ring against a CTA's tiles 
     "cross s4": dict(stages=4, cross_tile=True),
     "cross s2": dict(stages=2, cross_tile=True),
     "cross k128 s2": dict(tile_k=128, stages=2, cross_tile=True),
+    # 256-row tiles: an expert of <= 256 routes is one row tile, its weights streamed once per
+    # output block (128-row tiles share them only through L2, which drifting CTAs miss)
+    "m256 s3": dict(tile_m=256, tile_n_gate_up=32, tile_n_down=64, stages=3, cross_tile=False),
 }
 
 
