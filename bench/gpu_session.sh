@@ -83,6 +83,10 @@ for s in "${steps[@]}"; do
     prefill-pipelines)  # prefill, 8K tokens, both shapes, bf16: per-tile vs cross-tile pipelines, b2b + kernel split (~4 min)
        run prefill_pipelines 300 python3 bench/kernels.py --only prefill --pipelines --shapes 2048x512 4096x2048 \
          --dtypes bf16 --tokens ${PIPE_TOKENS:-8192} --iters 5 --profile /tmp/ppipe --out "$OUT/prefill_pipelines.json" ;;
+    prefill-b2b)  # prefill, 8K tokens, both shapes, bf16: 4 calls back to back under the profiler, idle between them (~2 min)
+       run prefill_b2b 200 python3 bench/kernels.py --only prefill --shapes 2048x512 4096x2048 --dtypes bf16 \
+         --tokens 8192 --iters 3 --profile /tmp/pb2b --profile-b2b 4 --out "$OUT/prefill_b2b.json"
+       for d in /tmp/pb2b/b2b-*; do run prefill_b2b 60 python3 bench/trace_summary.py "$d" --top 12 --steps 4; done ;;
     prefill-ncu)  # Nsight Compute counters of the prefill kernels, 8K tokens, both shapes, random and one expert (~3 min)
        NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
        if [ -z "$NCU" ]; then echo "no ncu on this machine" | tee "$OUT/prefill_ncu.log"; else

@@ -380,6 +380,8 @@ def main():
                     help="per-tile vs cross-tile prefill pipelines at max(--tokens), then stop")
     ap.add_argument("--cross-tile", choices=["auto", "on", "off"], default="auto",
                     help="the prefill kernels' cross-tile pipeline (auto: where the stages divide the steps)")
+    ap.add_argument("--profile-b2b", type=int, default=0, metavar="N",
+                    help="with --profile: also trace N prefill calls dispatched back to back (DIR/b2b-*)")
     ap.add_argument("--profile", type=Path, metavar="DIR",
                     help="also trace one scan of each default decode kernel and one call of each prefill "
                          "(bench/trace_summary.py DIR): the kernels' own time beside the per-call figures")
@@ -432,6 +434,10 @@ def main():
                         jax.block_until_ready(fn(*route, *banks, slots))
                     kern_us, all_us = gpu_kernel_us(pdir)
                     k1_us, k2_us = prefill_kernel_us(pdir)
+                    if args.profile_b2b:  # calls back to back under the profiler: the GPU's idle between them
+                        with jax.profiler.trace(str(args.profile / f"b2b-{shape}-{dtype}-T{T}"),
+                                                create_perfetto_trace=True):
+                            jax.block_until_ready([fn(*route, *banks, slots) for _ in range(args.profile_b2b)])
                 hit = int(jnp.unique(route[1]).size)
                 flops = pg.prefill_flops(T, args.top_k, H, I)
                 nbytes = pg.prefill_bytes(T, args.top_k, H, I, hit, int4=int4)
