@@ -16,7 +16,8 @@ Plan (one screen):
      `routing.gather_input_rows` builds kernel 1's input ``x_rows``: the same groups aligned to
      8 rows only (~T*k rows; row tile m reads from ``plan.tile_row0[m]`` on, and the rows it
      reads past its group's routes only feed padding rows of ``act``). At 8K tokens, 256
-     experts, that writes ~66,000 rows of ``x`` instead of ~98,000.
+     experts, that writes ~66,000 rows of ``x`` instead of ~98,000; by one TMA load and store
+     per row (`row_gather`) where a row is one TMA box, else by XLA's take (``gather="xla"``).
   2. kernel 1, gate+up grouped matmul with fused SwiGLU: ``act [R_pad, I]`` bf16.
   3. kernel 2, down grouped matmul: ``out [R_pad, H]`` bf16.
   4. `routing.combine_rows`: fp32 weighted gather-sum back to tokens.
@@ -88,6 +89,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ftjax.pallas import routing
+from ftjax.pallas import row_gather
 from ftjax.pallas.int4 import GROUP as QUANT_GROUP
 from ftjax.pallas.int4 import dequantize_int4
 _SCALE_BLOCK = 8  # scale columns per TMA copy: 8 bf16 = the 16-byte TMA minimum = 256 inputs
@@ -426,7 +428,7 @@ def _check_routing(x, expert_ids, gate_weights, token_valid, slot_of_expert):
 
 def _prefill(x, expert_ids, gate_weights, token_valid, slot_of_expert, gu_weights, d_weights,
              *, hidden, inter, tiles):
-    tile_m, tile_n_gate_up, tile_n_down, tile_k, stages, num_sms, interpret, cross_tile = tiles
+    tile_m, tile_n_gate_up, tile_n_down, tile_k, stages, num_sms, interpret, cross_tile, gather = tiles
     num_experts = slot_of_expert.shape[0]
     # materialized before the gather and the combine: without this barrier (or the lax.cond it
     # replaces) XLA fused the plan's index math (searchsorted, gathers) into both and recomputed it
@@ -437,7 +439,8 @@ def _prefill(x, expert_ids, gate_weights, token_valid, slot_of_expert, gu_weight
     n_tiles = jnp.maximum(plan.n_tiles, 1).reshape(1)  # never an all-empty launch (see the docstring)
     common = dict(tile_m=tile_m, tile_k=tile_k, stages=stages, num_sms=num_sms,
                   interpret=interpret, cross_tile=cross_tile)
-    x_rows = routing.gather_input_rows(x.astype(jnp.bfloat16), plan)
+    x_rows = _input_rows(x.astype(jnp.bfloat16), plan, gather=gather, num_sms=num_sms,
+                         interpret=interpret)
     act = _grouped_matmul(x_rows, tile_slot, plan.tile_row0, plan.tile_rows, n_tiles, gu_weights,
                           n_out=inter, swiglu=True, tile_n=tile_n_gate_up, **common)
     padded_row0 = jnp.arange(plan.tile_row0.shape[0], dtype=jnp.int32) * tile_m
@@ -447,7 +450,17 @@ def _prefill(x, expert_ids, gate_weights, token_valid, slot_of_expert, gu_weight
 
 
 _STATIC = ("tile_m", "tile_n_gate_up", "tile_n_down", "tile_k", "stages", "num_sms", "interpret",
-           "cross_tile")
+           "cross_tile", "gather")
+GATHERS = ("tma", "xla")
+
+
+def _input_rows(x, plan, *, gather, num_sms, interpret):
+    """Kernel 1's input rows (`routing.gather_input_rows`): by TMA row copies (`row_gather`) where
+    the rows allow and ``gather == "tma"``, else XLA's take."""
+    idx = plan.token_of_input_row
+    if gather == "tma" and row_gather.supported(x.shape, x.dtype, idx.shape[0], num_sms):
+        return row_gather.gather_rows(x, idx, num_sms=num_sms, interpret=interpret)
+    return routing.gather_input_rows(x, plan)
 
 
 def _has_pipeline_of_pipelines() -> bool:
@@ -460,7 +473,9 @@ def _has_pipeline_of_pipelines() -> bool:
 
 
 def _tiles_and_checks(hidden, inter, *, int4, tile_m, tile_n_gate_up, tile_n_down, tile_k,
-                      stages, num_sms, interpret, cross_tile):
+                      stages, num_sms, interpret, cross_tile, gather):
+    if gather not in GATHERS:
+        raise ValueError(f"gather must be one of {GATHERS}, got {gather!r}")
     _check_tiles(what="gate_up", n_out=inter, k_dim=hidden, tile_m=tile_m,
                  tile_n=tile_n_gate_up, tile_k=tile_k, stages=stages, int4=int4, n_b=2)
     _check_tiles(what="down", n_out=hidden, k_dim=inter, tile_m=tile_m, tile_n=tile_n_down,
@@ -478,13 +493,13 @@ def _tiles_and_checks(hidden, inter, *, int4, tile_m, tile_n_gate_up, tile_n_dow
     if num_sms is None:
         num_sms = _default_num_sms()
     return (tile_m, tile_n_gate_up, tile_n_down, tile_k, stages, num_sms, interpret,
-            bool(cross_tile))
+            bool(cross_tile), gather)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def prefill_experts(x, expert_ids, gate_weights, token_valid, gate_up, down, slot_of_expert, *,
                     tile_m=128, tile_n_gate_up=64, tile_n_down=128, tile_k=64, stages=3,
-                    num_sms=None, interpret=False, cross_tile=None):
+                    num_sms=None, interpret=False, cross_tile=None, gather="tma"):
     """Mosaic GPU prefill expert MLP, bf16 weights; same contract as `reference_prefill_experts`.
 
     x [T, H]; expert_ids [T, k] int32 in 0..E-1; gate_weights [T, k]; token_valid [T] bool (or
@@ -496,7 +511,8 @@ def prefill_experts(x, expert_ids, gate_weights, token_valid, gate_up, down, slo
     ``H / tile_k`` and ``I / tile_k`` are multiples of ``stages`` and this jax supports it) runs
     each CTA's tiles as one pipeline, so the next tile's first copies overlap this tile's last
     steps and epilogue; ``True`` where that cannot be raises ValueError, ``False`` drains the
-    ring at every tile.
+    ring at every tile. ``gather``: kernel 1's input rows by TMA row copies (``"tma"``, where a row
+    is one TMA box, `row_gather`) or by XLA's take (``"xla"``).
     """
     _check_routing(x, expert_ids, gate_weights, token_valid, slot_of_expert)
     hidden, inter = x.shape[1], down.shape[-1]
@@ -507,7 +523,7 @@ def prefill_experts(x, expert_ids, gate_weights, token_valid, gate_up, down, slo
     tiles = _tiles_and_checks(hidden, inter, int4=False, tile_m=tile_m,
                               tile_n_gate_up=tile_n_gate_up, tile_n_down=tile_n_down,
                               tile_k=tile_k, stages=stages, num_sms=num_sms, interpret=interpret,
-                              cross_tile=cross_tile)
+                              cross_tile=cross_tile, gather=gather)
     return _prefill(x, expert_ids, gate_weights, token_valid, slot_of_expert,
                     (gate_up.astype(jnp.bfloat16),), (down.astype(jnp.bfloat16),),
                     hidden=hidden, inter=inter, tiles=tiles)
@@ -523,7 +539,7 @@ def _as_int4(packed):
 def prefill_experts_int4(x, expert_ids, gate_weights, token_valid, gate_up_packed,
                          gate_up_scales, down_packed, down_scales, slot_of_expert, *,
                          tile_m=128, tile_n_gate_up=64, tile_n_down=128, tile_k=64, stages=3,
-                         num_sms=None, interpret=False, cross_tile=None):
+                         num_sms=None, interpret=False, cross_tile=None, gather="tma"):
     """Mosaic GPU prefill expert MLP, int4 group-32 weights (host pool layout, `ftjax.host.quant`).
 
     gate_up_packed uint8 [S, 2I, H/2], gate_up_scales bf16 [S, 2I, H/32], down_packed uint8
@@ -548,7 +564,7 @@ def prefill_experts_int4(x, expert_ids, gate_weights, token_valid, gate_up_packe
     tiles = _tiles_and_checks(hidden, inter, int4=True, tile_m=tile_m,
                               tile_n_gate_up=tile_n_gate_up, tile_n_down=tile_n_down,
                               tile_k=tile_k, stages=stages, num_sms=num_sms, interpret=interpret,
-                              cross_tile=cross_tile)
+                              cross_tile=cross_tile, gather=gather)
     return _prefill(x, expert_ids, gate_weights, token_valid, slot_of_expert,
                     (_as_int4(gate_up_packed), gate_up_scales.astype(jnp.bfloat16)),
                     (_as_int4(down_packed), down_scales.astype(jnp.bfloat16)),

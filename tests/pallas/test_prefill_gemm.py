@@ -208,6 +208,16 @@ def test_cross_tile_pipeline_matches_reference(case, num_sms, int4, mgpu_interpr
     _check(out, ref, np.asarray(args[3]))
 
 
+def test_prefill_input_row_gathers_agree(mgpu_interpret):
+    """Kernel 1's input rows by TMA row copies (default) or XLA's take: the same bits out."""
+    args, slots, gate_up, down = _inputs(4, **{"H": 128, "I": 128, **BF16_CASES["random"]})
+    gu, dn = jnp.asarray(gate_up, jnp.bfloat16), jnp.asarray(down, jnp.bfloat16)
+    tma = pg.prefill_experts(*args, gu, dn, slots, **SMALL)
+    xla = pg.prefill_experts(*args, gu, dn, slots, **SMALL, gather="xla")
+    np.testing.assert_array_equal(np.asarray(tma), np.asarray(xla))
+    _check(tma, pg.reference_prefill_experts(*args, gu, dn, slots), np.asarray(args[3]))
+
+
 def test_prefill_slabs_without_routes_skip_exactly(mgpu_interpret):
     """tile_m 128 = two 64-row slabs: a slab holding no route skips its WGMMAs. Groups of 130
     (a full tile + 2 rows), 100 (both slabs live) and 30 routes (the upper slab skipped)."""
@@ -303,6 +313,7 @@ def _shapes(T=8, k=2, H=128, I=128, E=4, S=4):
                            r"warpgroup\), got 100"),
     ({}, dict(tile_k=48), r"tile_k must be one of 32, 64, 128, 256, got 48"),
     ({}, dict(stages=9, tile_m=256), r"needs \d+ bytes of SMEM"),
+    ({}, dict(gather="take"), r"gather must be one of \('tma', 'xla'\), got 'take'"),
     ({}, dict(stages=3, cross_tile=True), r"cross_tile needs both reductions' step counts \(H / "
                                           r"tile_k = 2, I / tile_k = 2\) divisible by stages = 3"),
 ])
@@ -372,7 +383,7 @@ def test_lowers_for_cuda_at_real_shape(int4, H, I, pipeline, mgpu):
         banks = [sd((S, 2 * I, H), jnp.bfloat16), sd((S, H, I), jnp.bfloat16)]
         fn = functools.partial(pg.prefill_experts, num_sms=132, **pipeline)
     text = _export(fn, *common, *banks, sd((E,), jnp.int32))
-    assert text.count("stablehlo.custom_call @mosaic_gpu") == 2  # gate_up and down kernels
+    assert text.count("stablehlo.custom_call @mosaic_gpu") == 3  # row gather, gate_up and down
 
 
 # ---------------------------------------------------------------------------------------------
