@@ -10,8 +10,10 @@ one on the rows the kernels read, so the next change to `ftjax.pallas.routing` c
   a real row instead of zeros: no route reads them, and they stay finite);
 - gather ``take-u32``: the same on ``x`` viewed as uint32 words (2 bf16 per element: fewer, wider
   loads and stores for XLA's gather loop; uint64 needs jax_enable_x64);
-- gather ``input-rows``: `routing.gather_input_rows`, the kernels' current input: groups aligned to 8
+- gather ``input-rows``: `routing.gather_input_rows`, the kernels' input: groups aligned to 8
   rows instead of padded to the row tile (kernel 1 reads tile m from ``plan.tile_row0[m]``), u32 take;
+- gather ``input-tma``: the same rows by TMA row copies (`ftjax.pallas.row_gather`, the prefill's
+  default since session 16);
 - combine ``current``: `routing.combine_rows`;
 - combine ``u32``: the routes' rows gathered as uint32 words (2 bf16), then widened and summed.
 
@@ -32,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ftjax.pallas import routing
+from ftjax.pallas import row_gather
 
 sys.path.insert(0, str(Path(__file__).parent))
 from kernels import time_back_to_back_ms, copy_ceiling_gbps  # noqa: E402  (bench/ sibling)
@@ -78,8 +81,15 @@ def gather_input(x, plan, k):
     return routing.gather_input_rows(x, plan)
 
 
+def gather_input_tma(x, plan, k):
+    """The same input rows by TMA row copies (`row_gather`, what the prefill runs since session 16)."""
+    num_sms = jax.devices()[0].core_count if jax.default_backend() == "gpu" else 2
+    return row_gather.gather_rows(x, plan.token_of_input_row, num_sms=num_sms,
+                                  interpret=jax.default_backend() != "gpu")
+
+
 GATHERS = {"select": gather_select, "take": gather_take, "take-u32": gather_take_u32,
-           "input-rows": gather_input}
+           "input-rows": gather_input, "input-tma": gather_input_tma}
 COMBINES = {"current": combine_current, "u32": combine_u32}
 
 
@@ -125,7 +135,7 @@ def main(argv=None) -> int:
         f = jax.jit(fn, static_argnums=2)
         got = np.asarray(f(x, plan, k))
         rows_out[name] = got
-        mine = got[in_row[route_rows]] if name == "input-rows" else got[route_rows]
+        mine = got[in_row[route_rows]] if name.startswith("input-") else got[route_rows]
         if name != "select" and not np.array_equal(mine, rows_out["select"][route_rows]):
             print(f"gather {name}: rows differ from select", file=sys.stderr)
             return 1
