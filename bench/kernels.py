@@ -269,8 +269,8 @@ def bench_prefill_tiles(args, ceiling, rows):
 
 
 PIPELINE_CONFIGS = {  # (name, kwargs): the per-tile ring against a CTA's tiles as one pipeline
-    "per-tile s3": dict(stages=3, cross_tile=False),  # the defaults (input rows by TMA row copies)
-    "per-tile s3 xla-gather": dict(stages=3, cross_tile=False, gather="xla"),
+    "per-tile s3": dict(stages=3, cross_tile=False),  # the defaults (input rows by XLA's take)
+    "per-tile s3 tma-gather": dict(stages=3, cross_tile=False, gather="tma"),
     "per-tile s4": dict(stages=4, cross_tile=False),
     "cross s4": dict(stages=4, cross_tile=True),
     "cross s2": dict(stages=2, cross_tile=True),

@@ -13,7 +13,7 @@ one on the rows the kernels read, so the next change to `ftjax.pallas.routing` c
 - gather ``input-rows``: `routing.gather_input_rows`, the kernels' input: groups aligned to 8
   rows instead of padded to the row tile (kernel 1 reads tile m from ``plan.tile_row0[m]``), u32 take;
 - gather ``input-tma``: the same rows by TMA row copies (`ftjax.pallas.row_gather`, the prefill's
-  default since session 16);
+  ``gather="tma"``);
 - combine ``current``: `routing.combine_rows`;
 - combine ``u32``: the routes' rows gathered as uint32 words (2 bf16), then widened and summed.
 
@@ -82,7 +82,7 @@ def gather_input(x, plan, k):
 
 
 def gather_input_tma(x, plan, k):
-    """The same input rows by TMA row copies (`row_gather`, what the prefill runs since session 16)."""
+    """The same input rows by TMA row copies (`row_gather`, the prefill's ``gather="tma"``)."""
     num_sms = jax.devices()[0].core_count if jax.default_backend() == "gpu" else 2
     return row_gather.gather_rows(x, plan.token_of_input_row, num_sms=num_sms,
                                   interpret=jax.default_backend() != "gpu")

@@ -16,8 +16,10 @@ Plan (one screen):
      `routing.gather_input_rows` builds kernel 1's input ``x_rows``: the same groups aligned to
      8 rows only (~T*k rows; row tile m reads from ``plan.tile_row0[m]`` on, and the rows it
      reads past its group's routes only feed padding rows of ``act``). At 8K tokens, 256
-     experts, that writes ~66,000 rows of ``x`` instead of ~98,000; by one TMA load and store
-     per row (`row_gather`) where a row is one TMA box, else by XLA's take (``gather="xla"``).
+     experts, that writes ~66,000 rows of ``x`` instead of ~98,000, by XLA's take; ``gather="tma"``
+     copies them by one TMA load and store per row (`row_gather`) instead: twice as fast alone
+     (137 against 279 us in `bench/prefill_glue.py`) but 1-3% slower in the prefill call on the
+     H200, where XLA's take ran 117 us (session 16), so not the default.
   2. kernel 1, gate+up grouped matmul with fused SwiGLU: ``act [R_pad, I]`` bf16.
   3. kernel 2, down grouped matmul: ``out [R_pad, H]`` bf16.
   4. `routing.combine_rows`: fp32 weighted gather-sum back to tokens.
@@ -499,7 +501,7 @@ def _tiles_and_checks(hidden, inter, *, int4, tile_m, tile_n_gate_up, tile_n_dow
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def prefill_experts(x, expert_ids, gate_weights, token_valid, gate_up, down, slot_of_expert, *,
                     tile_m=128, tile_n_gate_up=64, tile_n_down=128, tile_k=64, stages=3,
-                    num_sms=None, interpret=False, cross_tile=None, gather="tma"):
+                    num_sms=None, interpret=False, cross_tile=None, gather="xla"):
     """Mosaic GPU prefill expert MLP, bf16 weights; same contract as `reference_prefill_experts`.
 
     x [T, H]; expert_ids [T, k] int32 in 0..E-1; gate_weights [T, k]; token_valid [T] bool (or
@@ -511,8 +513,8 @@ def prefill_experts(x, expert_ids, gate_weights, token_valid, gate_up, down, slo
     ``H / tile_k`` and ``I / tile_k`` are multiples of ``stages`` and this jax supports it) runs
     each CTA's tiles as one pipeline, so the next tile's first copies overlap this tile's last
     steps and epilogue; ``True`` where that cannot be raises ValueError, ``False`` drains the
-    ring at every tile. ``gather``: kernel 1's input rows by TMA row copies (``"tma"``, where a row
-    is one TMA box, `row_gather`) or by XLA's take (``"xla"``).
+    ring at every tile. ``gather``: kernel 1's input rows by XLA's take (``"xla"``) or by TMA row
+    copies (``"tma"``, where a row is one TMA box, `row_gather`; measured slower in the call).
     """
     _check_routing(x, expert_ids, gate_weights, token_valid, slot_of_expert)
     hidden, inter = x.shape[1], down.shape[-1]
@@ -539,7 +541,7 @@ def _as_int4(packed):
 def prefill_experts_int4(x, expert_ids, gate_weights, token_valid, gate_up_packed,
                          gate_up_scales, down_packed, down_scales, slot_of_expert, *,
                          tile_m=128, tile_n_gate_up=64, tile_n_down=128, tile_k=64, stages=3,
-                         num_sms=None, interpret=False, cross_tile=None, gather="tma"):
+                         num_sms=None, interpret=False, cross_tile=None, gather="xla"):
     """Mosaic GPU prefill expert MLP, int4 group-32 weights (host pool layout, `ftjax.host.quant`).
 
     gate_up_packed uint8 [S, 2I, H/2], gate_up_scales bf16 [S, 2I, H/32], down_packed uint8
