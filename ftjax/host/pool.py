@@ -108,6 +108,17 @@ class HostPool:
             return self.bank(name)
         return alloc
 
+    def page_backing(self) -> dict:
+        """How the banks are backed, from ``/proc/self/smaps``: ``{"resident": bytes, "huge": bytes}``
+        over the banks' address ranges (``huge``: transparent huge pages, ``AnonHugePages``). The
+        pool asks for huge pages (``madvise``); whether it gets them is the OS's setting
+        (``/sys/kernel/mm/transparent_hugepage/enabled``). Zeros where smaps cannot be read."""
+        ranges = []
+        for name in ("gate_up", "down"):
+            view = self.raw(name)
+            ranges.append((view.ctypes.data, view.ctypes.data + view.nbytes))
+        return smaps_backing(ranges)
+
     def pin(self) -> None:
         """Register the filled pool as pinned, device-mapped memory (needs a CUDA build and GPU)."""
         self._h.pin()
@@ -125,6 +136,27 @@ class HostPool:
     def __repr__(self) -> str:
         return (f"HostPool(id={self.id}, n_experts={self.n_experts}, hidden={self.hidden}, inter={self.inter}, "
                 f"format={self.format!r}, {self.total_bytes / 2**30:.2f} GiB, pinned={self.pinned})")
+
+
+def smaps_backing(ranges, smaps: str = "/proc/self/smaps") -> dict:
+    """``{"resident": bytes, "huge": bytes}`` of the mappings in ``smaps`` overlapping the address
+    ``ranges`` ``[(lo, hi), ...]``, each mapping's figures scaled by its overlapped share."""
+    total = {"resident": 0, "huge": 0}
+    try:
+        lines = open(smaps).read().splitlines()
+    except OSError:
+        return total
+    share = 0.0
+    for line in lines:
+        head = line.split(None, 1)[0] if line else ""
+        if "-" in head and not head.endswith(":"):  # a mapping's header: "lo-hi perms ..."
+            lo, hi = (int(v, 16) for v in head.split("-"))
+            covered = sum(max(0, min(hi, b) - max(lo, a)) for a, b in ranges)
+            share = covered / (hi - lo) if hi > lo else 0.0
+        elif share and head in ("Rss:", "AnonHugePages:"):
+            kib = int(line.split()[1])
+            total["resident" if head == "Rss:" else "huge"] += int(kib * 1024 * share)
+    return total
 
 
 def load_store_into_pool(path, *, pin: bool = True, **load_kwargs):
