@@ -55,12 +55,15 @@ def calibrate(window_gib: float = 1.0, fmt: str = "bf16", calls: int = 20, secon
     stream = measure.stream_read_gbps(window)
     pool = measure.make_pool(shape, fmt, window)
     b_h = measure.cpu_kernel_gbps(pool, shape, tokens=1, calls=calls)
+    backing = pool.page_backing()
     result = {
         "version": PROFILE_VERSION, "machine": machine_key(),
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "format": fmt, "expert_shape": {"hidden": shape.hidden, "inter": shape.inter, "top_k": shape.top_k},
         "workers": _host.worker_info(), "cpu_tier": _host.active_tier(),
         "stream_read_gbps": stream, "b_host_gbps": b_h["gbps"], "b_host_ms_per_call": b_h["ms"],
+        "pool_huge_page_fraction": backing["huge"] / backing["resident"] if backing["resident"] else None,
+        "transparent_hugepage": measure.thp_setting(),
         "memcpy_h2d_gbps": None, "b_pcie_gbps": None,
         "concurrent": None,
     }
@@ -88,6 +91,10 @@ def table(prof: dict) -> str:
     for name, v, c, what in rows:
         ratio = "-" if v is None or not c else f"{v / c:.2f}"
         out.append(f"{name:34} {f(v):>8} {f(c):>8}  {ratio:>6}  {what}")
+    huge = prof.get("pool_huge_page_fraction")
+    if huge is not None:
+        out.append(f"expert window on huge pages: {huge:.0%} (transparent_hugepage: "
+                   f"{prof.get('transparent_hugepage') or 'unknown'})")
     return "\n".join(out)
 
 

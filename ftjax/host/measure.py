@@ -53,6 +53,18 @@ def make_pool(shape: ExpertShape, fmt: str, window_bytes: int, seed: int = 0) ->
     return pool
 
 
+def thp_setting() -> str | None:
+    """The host's transparent huge page mode (the bracketed word of
+    ``/sys/kernel/mm/transparent_hugepage/enabled``: always, madvise or never), None if unreadable.
+    The pool asks for huge pages with ``madvise``, so "never" leaves it on 4 KiB pages."""
+    try:
+        text = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+    except OSError:
+        return None
+    start, end = text.find("["), text.find("]")
+    return text[start + 1:end] if 0 <= start < end else None
+
+
 def stream_read_gbps(nbytes: int, reps: int = 3) -> float:
     """Read ceiling: all worker threads read a touched buffer of ``nbytes`` once (best of reps)."""
     buf = np.empty(nbytes + 64, np.uint8)

@@ -1,9 +1,12 @@
-"""Host pool: alignment, views, lifetime, the loader's allocator."""
+"""Host pool: alignment, views, lifetime, the loader's allocator, page backing."""
+import os
+
 import numpy as np
 import pytest
 
 from ftjax import _host
 from ftjax.host import HostPool
+from ftjax.host.pool import smaps_backing
 
 
 def test_banks_are_2mib_aligned_views():
@@ -55,3 +58,42 @@ def test_pin_without_cuda_raises():
     with pytest.raises(RuntimeError, match="without CUDA"):
         HostPool(1, 32, 32).pin()
     assert HostPool(1, 32, 32).pin_if_cuda() is False
+
+
+def test_smaps_backing_scales_each_mapping_by_its_overlap(tmp_path):
+    smaps = tmp_path / "smaps"
+    smaps.write_text(
+        "00400000-00600000 r--p 00000000 08:01 12 /usr/bin/x\n"
+        "Rss:                2048 kB\nAnonHugePages:         0 kB\n"
+        "7f0000000000-7f0000400000 rw-p 00000000 00:00 0 \n"
+        "Size:               4096 kB\nRss:                4096 kB\nAnonHugePages:      2048 kB\n"
+        "VmFlags: rd wr mr mw me ac hg\n")
+    lo = 0x7f0000000000
+    # the first half of the anonymous mapping: half its resident and huge bytes; the binary not at all
+    assert smaps_backing([(lo, lo + (2 << 20))], str(smaps)) == {"resident": 2 << 20, "huge": 1 << 20}
+    assert smaps_backing([(0, 1)], str(smaps)) == {"resident": 0, "huge": 0}
+    assert smaps_backing([(lo, lo + 1)], str(tmp_path / "missing")) == {"resident": 0, "huge": 0}
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="needs Linux /proc/self/smaps")
+def test_page_backing_counts_the_touched_banks():
+    pool = HostPool(2, 1024, 512, "bf16")  # banks of 4 and 2 MiB: whole 2 MiB-aligned mappings
+    pool.raw("gate_up")[...] = 1
+    pool.raw("down")[...] = 2
+    got = pool.page_backing()
+    # (a mapping the kernel merged with a neighbour is counted by its share, hence not ==)
+    assert 0.5 * pool.total_bytes <= got["resident"] <= 1.5 * pool.total_bytes
+    assert 0 <= got["huge"] <= got["resident"]  # huge pages: the OS's THP setting decides
+
+
+def test_calibration_table_reports_the_page_backing():
+    from ftjax.host import calibrate, measure
+
+    assert measure.thp_setting() in ("always", "madvise", "never", None)
+    prof = {"machine": {"cpu": "c", "gpu": None}, "cpu_tier": "avx512bf16", "workers": {"n_threads": 3},
+            "format": "bf16", "expert_shape": {"hidden": 2048, "inter": 512}, "b_host_gbps": 80.0,
+            "stream_read_gbps": 100.0, "b_pcie_gbps": None, "memcpy_h2d_gbps": None, "concurrent": None}
+    assert "huge pages" not in calibrate.table(prof)  # a profile written before the field
+    text = calibrate.table({**prof, "pool_huge_page_fraction": 0.25, "transparent_hugepage": "never"})
+    assert "B_H: CPU expert kernel (alone)" in text and "0.80" in text
+    assert "expert window on huge pages: 25% (transparent_hugepage: never)" in text
