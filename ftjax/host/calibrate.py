@@ -95,6 +95,10 @@ def table(prof: dict) -> str:
     if huge is not None:
         out.append(f"expert window on huge pages: {huge:.0%} (transparent_hugepage: "
                    f"{prof.get('transparent_hugepage') or 'unknown'})")
+        if huge < 0.5:
+            out.append("  the pool asks for huge pages with madvise; on 4 KiB pages every page of a streamed "
+                       "expert costs a TLB walk and stops the hardware prefetcher: as root, "
+                       "`echo madvise > /sys/kernel/mm/transparent_hugepage/enabled` before loading")
     return "\n".join(out)
 
 
