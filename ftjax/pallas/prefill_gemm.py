@@ -72,7 +72,7 @@ kernel 2 ``tile_n=128`` (CTA 128 x 256). Both use 48 KiB per stage in bf16 and 2
 ``cross_tile=True`` runs a CTA's tiles as one pipeline of pipelines (the next tile's first copies
 during this tile's last steps and epilogue); it needs the stage count to divide the step counts, so
 not 3 stages at power-of-two sizes. On the H200 (session 16) it lifted the Qwen down kernel by
-0.04-0.06 of the ceiling over the same stages, but the calls stayed within ~2% of per-tile 3 stages,
+0.02-0.06 of the ceiling over the same stages, but the calls stayed within ~2-3% of per-tile 3 stages,
 which stays the default (``cross_tile=None`` picks cross-tile only where the stages divide the steps).
 
 Cost model (for the benchmark): `prefill_flops` counts the useful FLOPs, ``6 * T*k * H * I``
