@@ -64,15 +64,15 @@ def gather_rows(x: jax.Array, idx: jax.Array, *, num_sms: int = 132, interpret: 
     past the end would read zeros; the jnp take clamps too). ``interpret=True`` runs Mosaic GPU
     interpret mode on the CPU.
     """
-    from jax.experimental import pallas as pl
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
     num_tokens, hidden = x.shape
     (n,) = idx.shape
     if not supported(x.shape, x.dtype, n, num_sms):
         raise ValueError(f"gather_rows: x {x.shape} {x.dtype} with {n} rows over {num_sms} CTAs is "
                          f"not one TMA box per row (H = C * B, B <= 256 elements of 16-byte multiples, "
                          f"C <= 256) or has no rows; use reference_gather_rows")
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
     chunks, box = row_layout(hidden, x.dtype.itemsize)
     per = -(-n // num_sms)
     lanes = -(-per // _IDX_LANES)
