@@ -268,6 +268,20 @@ def bench_prefill_tiles(args, ceiling, rows):
               f"b2b {tf:7.1f} TFLOP/s {tf / ceiling:5.2f}", flush=True)
 
 
+def kernel_split(row, kernel_us, flops, ceiling):
+    """Record the gate+up and down kernels' own times (us, from `prefill_kernel_us`) and their ratios
+    to the ceiling in ``row`` (gate+up does 2/3 of the FLOPs, down 1/3); return the text ("" if a
+    kernel was not found in the trace)."""
+    k1_us, k2_us = kernel_us
+    if not (k1_us and k2_us):
+        return ""
+    row.update(gate_up_ms=k1_us / 1e3, down_ms=k2_us / 1e3,
+               gate_up_ratio=flops * 2 / 3 / k1_us / 1e6 / ceiling,
+               down_ratio=flops / 3 / k2_us / 1e6 / ceiling)
+    return (f"  gate+up {k1_us / 1e3:.3f} ms = {row['gate_up_ratio']:.2f}, down "
+            f"{k2_us / 1e3:.3f} ms = {row['down_ratio']:.2f}")
+
+
 PIPELINE_CONFIGS = {  # (name, kwargs): the per-tile ring against a CTA's tiles as one pipeline
     "per-tile s3": dict(stages=3, cross_tile=False),  # the defaults (input rows by XLA's take)
     "per-tile s3 tma-gather": dict(stages=3, cross_tile=False, gather="tma"),
@@ -275,8 +289,7 @@ PIPELINE_CONFIGS = {  # (name, kwargs): the per-tile ring against a CTA's tiles 
     "cross s4": dict(stages=4, cross_tile=True),
     "cross s2": dict(stages=2, cross_tile=True),
     "cross k128 s2": dict(tile_k=128, stages=2, cross_tile=True),
-    # 256-row tiles: an expert of <= 256 routes is one row tile, its weights streamed once per
-    # output block (128-row tiles share them only through L2, which drifting CTAs miss)
+    # 256-row tiles (an expert of <= 256 routes in one row tile; n32 WGMMAs): measured slower
     "m256 s3": dict(tile_m=256, tile_n_gate_up=32, tile_n_down=64, stages=3, cross_tile=False),
 }
 
@@ -306,16 +319,10 @@ def bench_prefill_pipeline(args, ceiling, rows):
                 row.update(b2b_ms=ms, ratio=flops / ms / 1e9 / ceiling)
                 split = ""
                 if args.profile:
-                    pdir = args.profile / f"pipeline-{shape}-{dtype}-{name.replace(' ', '_')}"
+                    pdir = args.profile / f"pipeline-{shape}-{dtype}-T{T}-{name.replace(' ', '_')}"
                     with jax.profiler.trace(str(pdir), create_perfetto_trace=True):
                         jax.block_until_ready(fn(*route, *banks, slots))
-                    k1_us, k2_us = prefill_kernel_us(pdir)
-                    if k1_us and k2_us:
-                        row.update(gate_up_ms=k1_us / 1e3, down_ms=k2_us / 1e3,
-                                   gate_up_ratio=flops * 2 / 3 / k1_us / 1e6 / ceiling,
-                                   down_ratio=flops / 3 / k2_us / 1e6 / ceiling)
-                        split = (f"  gate+up {k1_us / 1e3:.3f} ms = {row['gate_up_ratio']:.2f}, down "
-                                 f"{k2_us / 1e3:.3f} ms = {row['down_ratio']:.2f}")
+                    split = kernel_split(row, prefill_kernel_us(pdir), flops, ceiling)
                 rows.append(row)
                 print(f"  {shape} {dtype} {name:>14}: b2b {ms:7.3f} ms {row['ratio']:5.2f}" + split,
                       flush=True)
@@ -463,12 +470,8 @@ def main():
                                kernel_ratio=flops / kern_us / 1e6 / ceiling)
                     split = (f"  kernels alone {kern_us / 1e3:.3f} ms = {row['kernel_ratio']:.2f}, all GPU work "
                              f"{all_us / 1e3:.3f} ms")
-                    if k1_us and k2_us:  # gate+up does 2/3 of the FLOPs, down 1/3
-                        row.update(gate_up_ms=k1_us / 1e3, down_ms=k2_us / 1e3,
-                                   gate_up_ratio=flops * 2 / 3 / k1_us / 1e6 / ceiling,
-                                   down_ratio=flops / 3 / k2_us / 1e6 / ceiling)
-                        split += (f" (gate+up {k1_us / 1e3:.3f} ms = {row['gate_up_ratio']:.2f}, down "
-                                  f"{k2_us / 1e3:.3f} ms = {row['down_ratio']:.2f})")
+                    if k1_us and k2_us:
+                        split += " (" + kernel_split(row, (k1_us, k2_us), flops, ceiling).strip() + ")"
                 rows.append(row)
                 print(f"{H:>5} {I:>5} {T:>6} {dtype:>5} {ms:>8.3f} {row['tflops']:>8.1f} "
                       f"{row['ratio']:>6.2f} {row['gbps']:>7.0f} {b2b:>8.3f} {row['b2b_ratio']:>6.2f}"
