@@ -96,9 +96,12 @@ def table(prof: dict) -> str:
         out.append(f"expert window on huge pages: {huge:.0%} (transparent_hugepage: "
                    f"{prof.get('transparent_hugepage') or 'unknown'})")
         if huge < 0.5:
+            why = ("as root, `echo madvise > /sys/kernel/mm/transparent_hugepage/enabled` before loading"
+                   if prof.get("transparent_hugepage") == "never" else
+                   "THP is on, so free 2 MiB pages were short (fragmented memory; see "
+                   "/sys/kernel/mm/transparent_hugepage/defrag)")
             out.append("  the pool asks for huge pages with madvise; on 4 KiB pages every page of a streamed "
-                       "expert costs a TLB walk and stops the hardware prefetcher: as root, "
-                       "`echo madvise > /sys/kernel/mm/transparent_hugepage/enabled` before loading")
+                       f"expert costs a TLB walk and stops the hardware prefetcher: {why}")
     return "\n".join(out)
 
 

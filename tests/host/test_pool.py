@@ -98,5 +98,7 @@ def test_calibration_table_reports_the_page_backing():
     assert "B_H: CPU expert kernel (alone)" in text and "0.80" in text
     assert "expert window on huge pages: 25% (transparent_hugepage: never)" in text
     assert "echo madvise > /sys/kernel/mm/transparent_hugepage/enabled" in text  # the remedy, below 50%
+    short = calibrate.table({**prof, "pool_huge_page_fraction": 0.1, "transparent_hugepage": "madvise"})
+    assert "free 2 MiB pages were short" in short and "echo madvise" not in short  # THP on, pages short
     full = calibrate.table({**prof, "pool_huge_page_fraction": 1.0, "transparent_hugepage": "madvise"})
     assert "expert window on huge pages: 100%" in full and "echo madvise" not in full
