@@ -55,6 +55,66 @@ BENCH(srlw_thr, EIGHT(SRLW_T))
 BENCH(dp_lat, EIGHT(DP_L))
 BENCH(fma_lat, EIGHT(FMA_L))
 
+// The int4 1-token loop's instruction mix for one 64-weight span of one row (kernels_avx512.cc, pair64
+// path), registers only: widen 32 bytes, two VPERMW lookups (one after a shift), the two-group scale
+// vector from its dword (broadcast, shift, masked and), two chained VDPBF16PS, one FMA into the row's
+// accumulator. Four rows per iteration, as the micro-tile runs them; returns ns per row and span.
+#define SPAN_ROW(acc, v, t)                                                             \
+  "vpmovzxbw %%ymm12, %%" v "\n\t"                                                       \
+  "vpermw %%zmm13, %%" v ", %%zmm14\n\t"                                                 \
+  "vpsrlw $4, %%" v ", %%" v "\n\t"                                                       \
+  "vpermw %%zmm13, %%" v ", %%" v "\n\t"                                                  \
+  "vpbroadcastd %%r8d, %%" t "\n\t"                                                       \
+  "vpslld $16, %%" t ", %%zmm15\n\t"                                                     \
+  "vpandd %%zmm11, %%" t ", %%zmm15%{%%k1%}\n\t"                                          \
+  "vpxord %%zmm10, %%zmm10, %%zmm10\n\t"                                                 \
+  "vdpbf16ps %%zmm8, %%zmm14, %%zmm10\n\t"                                               \
+  "vdpbf16ps %%zmm9, %%" v ", %%zmm10\n\t"                                                 \
+  "vfmadd231ps %%zmm15, %%zmm10, %%" acc "\n\t"
+
+static double int4_span_mix(void) {
+  double t0 = now();
+  for (long i = 0; i < N_ITERS / 4; ++i)
+    __asm__ volatile(SPAN_ROW("zmm0", "zmm4", "zmm16") SPAN_ROW("zmm1", "zmm5", "zmm17")
+                     SPAN_ROW("zmm2", "zmm6", "zmm18") SPAN_ROW("zmm3", "zmm7", "zmm19")
+                     ::: "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm10",
+                     "xmm14", "xmm15", "xmm16", "xmm17", "xmm18", "xmm19", "r8", "k1");
+  return (now() - t0) / (4.0 * (N_ITERS / 4)) * 1e9;
+}
+
+// Candidate: the same span with f32 FMAs instead of VDPBF16PS: the 32 bytes widen to dwords in two
+// halves; VPERMPS picks q - 8 from a 16-entry f32 table (its index is the dword's low 4 bits: the low
+// nibble as it is, the high one after a shift); each group's table is pre-scaled once (one VMULPS per
+// group, its scale broadcast by one VPERMPS from the row's 16 widened scales), so the picked weights
+// carry the scale; four FMAs with the activations (even / odd columns).
+#define SPAN_ROW_F32(acc, v, t)                                                         \
+  "vpermps %%zmm20, %%zmm21, %%zmm12\n\t"                                                 \
+  "vmulps %%zmm13, %%zmm12, %%" t "\n\t"                                                  \
+  "vpmovzxbd %%xmm11, %%" v "\n\t"                                                        \
+  "vpermps %%" t ", %%" v ", %%zmm14\n\t"                                                  \
+  "vfmadd231ps %%zmm8, %%zmm14, %%" acc "\n\t"                                             \
+  "vpsrld $4, %%" v ", %%" v "\n\t"                                                        \
+  "vpermps %%" t ", %%" v ", %%zmm14\n\t"                                                  \
+  "vfmadd231ps %%zmm9, %%zmm14, %%" acc "\n\t"                                             \
+  "vpermps %%zmm20, %%zmm22, %%zmm12\n\t"                                                 \
+  "vmulps %%zmm13, %%zmm12, %%" t "\n\t"                                                  \
+  "vpmovzxbd %%xmm10, %%" v "\n\t"                                                        \
+  "vpermps %%" t ", %%" v ", %%zmm14\n\t"                                                  \
+  "vfmadd231ps %%zmm8, %%zmm14, %%" acc "\n\t"                                             \
+  "vpsrld $4, %%" v ", %%" v "\n\t"                                                        \
+  "vpermps %%" t ", %%" v ", %%zmm14\n\t"                                                  \
+  "vfmadd231ps %%zmm9, %%zmm14, %%" acc "\n\t"
+
+static double int4_span_f32(void) {
+  double t0 = now();
+  for (long i = 0; i < N_ITERS / 4; ++i)
+    __asm__ volatile(SPAN_ROW_F32("zmm0", "zmm4", "zmm16") SPAN_ROW_F32("zmm1", "zmm5", "zmm17")
+                     SPAN_ROW_F32("zmm2", "zmm6", "zmm18") SPAN_ROW_F32("zmm3", "zmm7", "zmm19")
+                     ::: "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm12",
+                     "xmm14", "xmm16", "xmm17", "xmm18", "xmm19");
+  return (now() - t0) / (4.0 * (N_ITERS / 4)) * 1e9;
+}
+
 static double add_lat(void) {
   double t0 = now();
   for (long i = 0; i < N_ITERS; ++i) __asm__ volatile(EIGHT(ADD_L) ::: "rax");
@@ -74,9 +134,16 @@ int main(void) {
       {"vpmovzxbw ymm->zmm throughput", zxbw_thr}, {"vpternlogd throughput", tern_thr},
       {"vpsrlw throughput", srlw_thr},
   };
-  for (unsigned i = 0; i < sizeof(tests) / sizeof(tests[0]); ++i) {
+  const int n_tests = sizeof(tests) / sizeof(tests[0]);
+  for (int i = 0; i < n_tests; ++i) {
     const double ns = tests[i].fn();
     printf("%-30s %9.3f %14.2f\n", tests[i].name, ns, ns / ns_cycle);
   }
+  const double mix = int4_span_mix();
+  printf("%-30s %9.3f %14.2f   (per row and 64-weight span; the kernel's figure: ns per 64 weights)\n",
+         "int4 1-token span mix", mix, mix / ns_cycle);
+  const double f32 = int4_span_f32();
+  printf("%-30s %9.3f %14.2f   (candidate: f32 FMAs, VPERMPS from a pre-scaled table)\n",
+         "int4 1-token span, f32 form", f32, f32 / ns_cycle);
   return 0;
 }
