@@ -294,10 +294,10 @@ def main(argv=None) -> int:
     pool = measure.make_pool(shape, "bf16", L * E * shape.expert_bytes("bf16"))
     assert pool.n_experts == L * E
     pool.pin()
-    backing = pool.page_backing()
+    backing, thp = pool.page_backing(), measure.thp_setting()
     print(f"pool {pool.total_bytes / 2**30:.1f} GiB generated and pinned in {time.perf_counter() - t0:.0f}s; "
-          f"on huge pages {backing['huge'] / max(backing['resident'], 1):.0%} (transparent_hugepage: "
-          f"{measure.thp_setting()})", flush=True)
+          f"on huge pages {backing['huge'] / max(backing['resident'], 1):.0%} (transparent_hugepage: {thp})",
+          flush=True)
     b_dram = measure.stream_read_gbps(4 << 30)
     prof = calibrate.load_profile()
     if prof is None:
@@ -316,7 +316,7 @@ def main(argv=None) -> int:
     results = {"sync": args.sync, "stable_io": args.stable_io, **plan_kw,
                "xla_update_mode": ftjax.XLA_UPDATE_MODE,
                "b_dram_gbps": b_dram, "bandwidth": band.to_dict(), "expert_bytes": expert_bytes,
-               "pool_backing": backing, "transparent_hugepage": measure.thp_setting(), "rows": []}
+               "pool_backing": backing, "transparent_hugepage": thp, "rows": []}
     print(f"B_DRAM {b_dram:.1f} GB/s | in use: B_P {band.b_pcie_gbps:.1f} GB/s, B_H {band.b_host_gbps:.1f} GB/s "
           f"({'concurrent' if band.concurrent else 'standalone'}, {band.source}), q* fraction {band.fill_fraction:.3f}")
 
