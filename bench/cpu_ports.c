@@ -2,14 +2,22 @@
 // one core: how many cycles a VDPBF16PS, an FMA, a VPERMW... costs here, so a loop's bound can be
 // counted instead of guessed (bench/RESULTS.md, session 16: the dev box VM exposes no PMU).
 //
-//   gcc -O2 -march=native -o /tmp/cpu_ports bench/cpu_ports.c && taskset -c 1 /tmp/cpu_ports
+//   gcc -O2 -march=native -pthread -o /tmp/cpu_ports bench/cpu_ports.c && taskset -c 1 /tmp/cpu_ports
+//   /tmp/cpu_ports --threads    the same loops on 1, 2, 4, ... threads at once, each pinned to its own CPU,
+//                               and CPU 0 paired with every other CPU: does a CPU's compute rate hold when
+//                               the others run too (frequency licences, SMT siblings behind the VM's CPUs)?
 //
 // Every test is inline assembly (the compiler cannot fold or reorder it): "thr" runs 8 independent
 // chains (throughput), "lat" one dependent chain (latency). The core clock comes from a chain of
 // dependent 1-cycle integer adds timed the same way; AVX-512 code may run at a lower clock than that
 // scalar chain (frequency licences), so cycles are "scalar-clock cycles": an upper bound.
+#define _GNU_SOURCE
+#include <pthread.h>
+#include <sched.h>
 #include <stdint.h>
 #include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
 #include <time.h>
 
 static double now(void) {
@@ -117,7 +125,83 @@ static double add_lat(void) {
   return (now() - t0) / (8.0 * N_ITERS) * 1e9;
 }
 
-int main(void) {
+// --threads: one test run by n threads at once, each pinned to its own CPU (cpus[i]); the slowest
+// thread's ns per instruction (they start together behind a barrier).
+typedef struct {
+  double (*fn)(void);
+  int cpu;
+  pthread_barrier_t* bar;
+  double ns;
+} job_t;
+
+static void* run_job(void* p) {
+  job_t* j = (job_t*)p;
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  CPU_SET(j->cpu, &set);
+  pthread_setaffinity_np(pthread_self(), sizeof(set), &set);
+  __asm__ volatile("vpxord %%zmm8, %%zmm8, %%zmm8\n\tvpxord %%zmm9, %%zmm9, %%zmm9" ::: "xmm8", "xmm9");
+  pthread_barrier_wait(j->bar);
+  j->ns = j->fn();
+  return NULL;
+}
+
+static double run_on(double (*fn)(void), const int* cpus, int n, double* fastest) {
+  pthread_t th[1024];
+  job_t jobs[1024];
+  pthread_barrier_t bar;
+  pthread_barrier_init(&bar, NULL, (unsigned)n);
+  for (int i = 0; i < n; ++i) {
+    jobs[i] = (job_t){fn, cpus[i], &bar, 0.0};
+    pthread_create(&th[i], NULL, run_job, &jobs[i]);
+  }
+  double worst = 0.0, best = 1e30;
+  for (int i = 0; i < n; ++i) {
+    pthread_join(th[i], NULL);
+    worst = jobs[i].ns > worst ? jobs[i].ns : worst;
+    best = jobs[i].ns < best ? jobs[i].ns : best;
+  }
+  pthread_barrier_destroy(&bar);
+  if (fastest) *fastest = best;
+  return worst;
+}
+
+static int threads_main(void) {
+  cpu_set_t allowed;
+  sched_getaffinity(0, sizeof(allowed), &allowed);
+  int cpus[1024], n_cpus = 0;
+  for (int c = 0; c < CPU_SETSIZE && n_cpus < 1024; ++c)
+    if (CPU_ISSET(c, &allowed)) cpus[n_cpus++] = c;
+  struct { const char* name; double (*fn)(void); } tests[] = {
+      {"vdpbf16ps throughput", dp_thr}, {"int4 1-token span mix", int4_span_mix}};
+  printf("%d CPUs allowed; ns per instruction (span: per row and 64-weight span), slowest / fastest thread\n", n_cpus);
+  for (int t = 0; t < 2; ++t) {
+    const double one = run_on(tests[t].fn, cpus, 1, NULL);
+    printf("%-24s threads %3d: %7.3f ns (x1.00)\n", tests[t].name, 1, one);
+    for (int n = 2; n <= n_cpus; n = (n * 2 > n_cpus && n != n_cpus) ? n_cpus : n * 2) {
+      double best;
+      const double worst = run_on(tests[t].fn, cpus, n, &best);
+      printf("%-24s threads %3d: %7.3f / %7.3f ns (x%.2f of one thread)\n", tests[t].name, n, worst, best, worst / one);
+    }
+  }
+  // pairs: the first CPU with each other one; a pair of SMT siblings halves both threads' rate
+  printf("pairs (vdpbf16ps throughput, CPU %d with CPU j), slowest thread's ns / one thread's:\n", cpus[0]);
+  const double one = run_on(dp_thr, cpus, 1, NULL);
+  for (int j = 1; j < n_cpus; ++j) {
+    const int pair[2] = {cpus[0], cpus[j]};
+    const double w = run_on(dp_thr, pair, 2, NULL);
+    printf("  %d+%d: x%.2f%s", cpus[0], cpus[j], w / one, j % 8 == 0 ? "\n" : "");
+  }
+  printf("\n");
+  return 0;
+}
+
+int main(int argc, char** argv) {
+  if (argc > 1 && strcmp(argv[1], "--threads") == 0) return threads_main();
+  if (argc > 1) {
+    fprintf(stderr, "usage: %s [--threads]\n", argv[0]);
+    return 2;
+  }
   __asm__ volatile("vpxord %%zmm8, %%zmm8, %%zmm8\n\tvpxord %%zmm9, %%zmm9, %%zmm9" ::: "xmm8", "xmm9");
   add_lat();  // warm up the clock
   const double ns_cycle = add_lat();

@@ -7,6 +7,8 @@
 # prefill-ncu (Nsight Compute counters of the prefill kernels: DRAM bytes against the weights' own; the
 # DeepSeek-like shape ran past 400 s under ncu), prefill-b2b (calls back to back under the profiler), thp,
 # cpu-ports (bench/cpu_ports.c on one host core).
+# Session 17 steps: cpu-threads (topology; bench/cpu_ports.c --threads; host_runtime.py --threads 1 2 4 8 15: the
+# CPU calls' rate per thread as threads are added, ~3 min).
 # Session 13 steps: tests-plan (the fused plan's GPU tests + the CUDA offload tests, ~2.5 min), decode-plan-b1 /
 # -b4 (lru-split with the fused plan vs the jnp plan, lru-fill; ~4.5 min).
 # Session 12 steps: prefill-split (the prefill kernels' own times, routed vs one expert, ~1.5 min),
@@ -87,7 +89,14 @@ for s in "${steps[@]}"; do
          --dtypes bf16 --tokens ${PIPE_TOKENS:-8192} --iters 5 --profile /tmp/ppipe --out "$OUT/prefill_pipelines.json" ;;
     thp) run thp 120 python3 bench/thp_check.py --gib 4 ;;  # the host's THP mode, the pool's huge-page share (~30 s)
     cpu-ports)  # AVX-512 instruction costs on one host core and the int4 loop's mix (~20 s)
-       gcc -O2 -march=native -o /tmp/cpu_ports bench/cpu_ports.c && run cpu_ports 60 taskset -c 1 /tmp/cpu_ports ;;
+       gcc -O2 -march=native -pthread -o /tmp/cpu_ports bench/cpu_ports.c && run cpu_ports 60 taskset -c 1 /tmp/cpu_ports ;;
+    cpu-threads)  # does a core's rate hold as threads are added? topology, register-only loops on 1..16
+       # threads and CPU pairs, then the int4 / bf16 calls at 1 2 4 8 15 threads (~3 min)
+       { lscpu; echo "thread siblings:"; cat /sys/devices/system/cpu/cpu*/topology/thread_siblings_list | sort | uniq -c; } \
+         > "$OUT/cpu_topology.log" 2>&1; grep -i "model name\|thread(s)\|core(s)\|socket\|numa\|mhz" "$OUT/cpu_topology.log"
+       gcc -O2 -march=native -pthread -o /tmp/cpu_ports bench/cpu_ports.c && run cpu_ports_threads 90 /tmp/cpu_ports --threads
+       run cpu_threads 300 python3 bench/host_runtime.py --no-gpu --tiers amx --calls 10 --threads ${THREADS:-1 2 4 8 15} \
+         --out "$OUT/cpu_threads.json" ;;
     prefill-b2b)  # prefill, 8K tokens, both shapes, bf16: 4 calls back to back under the profiler, idle between them (~2 min)
        run prefill_b2b 200 python3 bench/kernels.py --only prefill --shapes 2048x512 4096x2048 --dtypes bf16 \
          --tokens 8192 --iters 3 --profile /tmp/pb2b --profile-b2b 4 --out "$OUT/prefill_b2b.json"

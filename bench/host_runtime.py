@@ -168,6 +168,9 @@ def main(argv=None) -> int:
     ap.add_argument("--short-rows", type=int, nargs="+", default=None,
                     help="short-row limits (bytes) to time: rows up to it prefetch a micro-tile ahead (0 = never; "
                          "default: the built-in one)")
+    ap.add_argument("--threads", type=int, nargs="+", default=None,
+                    help="time the CPU table at these thread counts (caller + workers; STREAM with the same "
+                         "threads), e.g. 1 2 4 8 15: does the per-thread rate hold as threads are added?")
     ap.add_argument("--per-core", action="store_true",
                     help="also time one thread on one cache-resident expert (compute rate per core)")
     ap.add_argument("--no-gpu", action="store_true")
@@ -184,18 +187,28 @@ def main(argv=None) -> int:
     res = {"cpu": _host.cpu_brand(), "workers": _host.worker_info(), "window_gib": args.window_gib,
            "routing": "synthetic: fresh expert window per call (no reuse), DRAM-bound"}
     prefetch = args.prefetch if args.prefetch else [_host.prefetch_bytes()]
-    res["kernel"] = [] if args.no_cpu else cpu_part(args.window_gib, args.calls, tiers, prefetch, tuple(args.formats),
-                                                    args.short_rows)
+    info = res["workers"]
+    res["kernel"] = []
+    for n in ([] if args.no_cpu else args.threads or [info["n_threads"]]):
+        if args.threads:
+            if not 1 <= n <= info["physical_cores"]:
+                ap.error(f"--threads {n}: between 1 and the {info['physical_cores']} physical cores")
+            _host.configure_workers(n - 1, info["spin_us"], info["pin"])
+        try:
+            rows = cpu_part(args.window_gib, args.calls, tiers, prefetch, tuple(args.formats), args.short_rows)
+        finally:
+            if args.threads:
+                _host.configure_workers(info["n_workers"], info["spin_us"], info["pin"])
+        res["kernel"] += [dict(r, threads=n) for r in rows]
     if res["kernel"]:
-        print(f"CPU: {res['cpu']}, {res['workers']['n_threads']} threads; STREAM read "
-              f"{res['kernel'][0]['stream_gbps']:.1f} GB/s ({args.window_gib} GiB, same threads)")
-        print(f"{'shape':22} {'fmt':5} {'tier':11} {'pf B':>5} {'short':>5} {'tok':>3} {'k':>2} {'ms':>7} {'GB/s':>7} "
-              f"{'/STREAM':>8}")
+        print(f"CPU: {res['cpu']}, {info['n_threads']} threads; STREAM read with the same threads "
+              f"({args.window_gib} GiB); per thread = GB/s / threads")
+        print(f"{'shape':22} {'fmt':5} {'tier':11} {'pf B':>5} {'short':>5} {'thr':>3} {'tok':>3} {'k':>2} {'ms':>7} "
+              f"{'GB/s':>7} {'/thread':>7} {'STREAM':>7} {'/STREAM':>8}")
     for r in res["kernel"]:
-        print(f"{r['shape']:22} {r['format']:5} {r['tier']:11} {r['prefetch']:5d} {r['short_rows']:5d} {r['tokens']:>3} "
-              f"{r['top_k']:>2} "
-              f"{r['ms']:7.3f} "
-              f"{r['gbps']:7.1f} {r['ratio']:8.2f}")
+        print(f"{r['shape']:22} {r['format']:5} {r['tier']:11} {r['prefetch']:5d} {r['short_rows']:5d} {r['threads']:3d} "
+              f"{r['tokens']:>3} {r['top_k']:>2} {r['ms']:7.3f} {r['gbps']:7.1f} {r['gbps'] / r['threads']:7.2f} "
+              f"{r['stream_gbps']:7.1f} {r['ratio']:8.2f}")
     if res["kernel"]:
         print("\nWhere the calls go (us, the kernel's clock, medians): setup, then per round its wall time / the caller's"
               "\nwait for other threads; 'outside' = the timed call minus the kernel's total (binding, y allocation)")
@@ -208,7 +221,8 @@ def main(argv=None) -> int:
                   f"{p['setup_us']:6.1f} {rounds} {r['ms'] * 1e3 - p['total_us']:7.1f}")
     if args.per_core:
         res["per_core"] = core_part(args.calls)
-        share = res["kernel"][0]["stream_gbps"] / res["workers"]["n_threads"] if res["kernel"] else float("nan")
+        full = [r for r in res["kernel"] if r["threads"] == info["n_threads"]]
+        share = full[0]["stream_gbps"] / info["n_threads"] if full else float("nan")
         print(f"\nOne thread, one cache-resident expert, bf16 activations (a core's share of STREAM: {share:.1f} GB/s)")
         print(f"{'shape':22} {'fmt':5} {'tok':>3} {'us':>8} {'GB/s':>7} {'ns/(weight*token)':>18}")
         for r in res["per_core"]:
