@@ -32,30 +32,24 @@ SHAPES = {"qwen3.6 (H2048 I512)": measure.ExpertShape(2048, 512), "large (H4096 
 
 
 def cpu_part(window_gib: float, calls: int, tiers: list[str], prefetch: list[int],
-             formats: tuple[str, ...] = ("bf16", "int4"), short_rows: list[int] | None = None,
-             scale_prefetch: list[int] | None = None) -> list[dict]:
+             formats: tuple[str, ...] = ("bf16", "int4"), short_rows: list[int] | None = None) -> list[dict]:
     window = int(window_gib * 2**30)
-    default_pf, default_short, default_spf = _host.prefetch_bytes(), _host.short_row_bytes(), _host.scale_prefetch()
+    default_pf, default_short = _host.prefetch_bytes(), _host.short_row_bytes()
     short_rows = short_rows or [default_short]
-    scale_prefetch = scale_prefetch or [int(default_spf)]
     stream = measure.stream_read_gbps(window)
     rows = []
     for name, shape in SHAPES.items():
         for fmt in formats:
             pool = measure.make_pool(shape, fmt, window)
-            spf_values = scale_prefetch if fmt == "int4" else [int(default_spf)]
-            for tier, pf, short, spf in [(t, p, s, q) for t in tiers for p in prefetch for s in short_rows
-                                         for q in spf_values]:
+            for tier, pf, short in [(t, p, s) for t in tiers for p in prefetch for s in short_rows]:
                 _host.set_tier(tier)
                 _host.set_prefetch_bytes(pf)
                 _host.set_short_row_bytes(short)
-                _host.set_scale_prefetch(bool(spf))
                 # (tokens, routes per token): decode calls of 1 and 8 tokens x top-8, and the 1-2 expert
                 # calls a CPU branch gets per layer when most misses are filled
                 for tokens, k in ((1, shape.top_k), (8, shape.top_k), (1, 1), (1, 2)):
                     r = measure.cpu_kernel_gbps(pool, dataclasses.replace(shape, top_k=k), tokens, calls=calls)
                     rows.append({"shape": name, "format": fmt, "tier": tier, "prefetch": pf, "short_rows": short,
-                                 "scale_prefetch": spf,
                                  "tokens": tokens,
                                  "top_k": k, **r, "stream_gbps": stream, "ratio": r["gbps"] / stream})
             pool.close()
@@ -63,7 +57,6 @@ def cpu_part(window_gib: float, calls: int, tiers: list[str], prefetch: list[int
     _host.set_tier("auto")
     _host.set_prefetch_bytes(default_pf)
     _host.set_short_row_bytes(default_short)
-    _host.set_scale_prefetch(default_spf)
     return rows
 
 
@@ -175,8 +168,6 @@ def main(argv=None) -> int:
     ap.add_argument("--short-rows", type=int, nargs="+", default=None,
                     help="short-row limits (bytes) to time: rows up to it prefetch a micro-tile ahead (0 = never; "
                          "default: the built-in one)")
-    ap.add_argument("--scale-prefetch", type=int, nargs="+", choices=(0, 1), default=None,
-                    help="int4 scales prefetched a tile ahead: 0, 1 or both (default: the built-in setting)")
     ap.add_argument("--threads", type=int, nargs="+", default=None,
                     help="time the CPU table at these thread counts (caller + workers; STREAM with the same "
                          "threads), e.g. 1 2 4 8 15: does the per-thread rate hold as threads are added?")
@@ -204,8 +195,7 @@ def main(argv=None) -> int:
                 ap.error(f"--threads {n}: between 1 and the {info['physical_cores']} physical cores")
             _host.configure_workers(n - 1, info["spin_us"], info["pin"])
         try:
-            rows = cpu_part(args.window_gib, args.calls, tiers, prefetch, tuple(args.formats), args.short_rows,
-                            args.scale_prefetch)
+            rows = cpu_part(args.window_gib, args.calls, tiers, prefetch, tuple(args.formats), args.short_rows)
         finally:
             if args.threads:
                 _host.configure_workers(info["n_workers"], info["spin_us"], info["pin"])
@@ -213,10 +203,10 @@ def main(argv=None) -> int:
     if res["kernel"]:
         print(f"CPU: {res['cpu']}, {info['n_threads']} threads; STREAM read with the same threads "
               f"({args.window_gib} GiB); per thread = GB/s / threads")
-        print(f"{'shape':22} {'fmt':5} {'tier':11} {'pf B':>5} {'short':>5} {'spf':>3} {'thr':>3} {'tok':>3} {'k':>2} {'ms':>7} "
+        print(f"{'shape':22} {'fmt':5} {'tier':11} {'pf B':>5} {'short':>5} {'thr':>3} {'tok':>3} {'k':>2} {'ms':>7} "
               f"{'GB/s':>7} {'/thread':>7} {'STREAM':>7} {'/STREAM':>8}")
     for r in res["kernel"]:
-        print(f"{r['shape']:22} {r['format']:5} {r['tier']:11} {r['prefetch']:5d} {r['short_rows']:5d} {r['scale_prefetch']:3d} {r['threads']:3d} "
+        print(f"{r['shape']:22} {r['format']:5} {r['tier']:11} {r['prefetch']:5d} {r['short_rows']:5d} {r['threads']:3d} "
               f"{r['tokens']:>3} {r['top_k']:>2} {r['ms']:7.3f} {r['gbps']:7.1f} {r['gbps'] / r['threads']:7.2f} "
               f"{r['stream_gbps']:7.1f} {r['ratio']:8.2f}")
     if res["kernel"]:

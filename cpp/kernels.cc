@@ -46,7 +46,6 @@ Tier best_tier() { return available_tiers().back(); }
 std::atomic<int> g_tier{-1};
 std::atomic<int64_t> g_prefetch{kDefaultPrefetchBytes};
 std::atomic<int64_t> g_short_rows{kShortRowBytes};
-std::atomic<bool> g_scale_prefetch{true};
 }  // namespace
 
 #ifndef FTJAX_HAVE_AMX
@@ -105,9 +104,6 @@ void set_prefetch_bytes(int64_t bytes) {
 }
 
 int64_t short_row_bytes() { return g_short_rows.load(std::memory_order_relaxed); }
-
-bool scale_prefetch() { return g_scale_prefetch.load(std::memory_order_relaxed); }
-void set_scale_prefetch(bool on) { g_scale_prefetch.store(on, std::memory_order_relaxed); }
 
 void set_short_row_bytes(int64_t bytes) {
   if (bytes < 0 || bytes > (int64_t{1} << 20))

@@ -117,10 +117,6 @@ void set_prefetch_bytes(int64_t bytes);  // 0 .. 1 MiB
 constexpr int64_t kShortRowBytes = 2048;
 int64_t short_row_bytes();
 void set_short_row_bytes(int64_t bytes);  // 0 .. 1 MiB
-// int4 rows' scales (a stream of their own, K / 16 bytes a row) prefetched a tile ahead with the
-// nibbles, inside the call's rows. On by default; the benchmark compares (--scale-prefetch).
-bool scale_prefetch();
-void set_scale_prefetch(bool on);
 // The prefetch distance of a tile of `rows` rows of `row_bytes` (row stride) each, whose call goes on
 // past the next tile (`next_in_call`; past the call's rows, another thread may be reading them: in
 // 8-token calls that prefetch cost 0.05 of STREAM).

@@ -182,20 +182,13 @@ inline __attribute__((always_inline)) void int4_expand(const uint8_t* rows, int6
 // 64-byte line, so scaling it takes 16 / RP vector loads and FMAs (RP = 2 at 5-8 tokens, 4 at 3-4:
 // fewer than one per row); acc[v] holds rows RP v .. RP v + RP - 1, 16 / RP lanes each. A group's
 // row scales are one fp32 vector (transposed per block), spread over the lanes by VPERMPS.
-// pf: the weight rows' prefetch distance (a whole block ahead for short rows, prefetch_distance);
-// next_in_call: the next block of 16 rows is the call's too, so its scales are prefetched now.
 template <int RP>
-void int4_block(const MatrixRef& w, int64_t r, const uint32_t* b, int n, int nb, float* out, int64_t pf,
-                bool next_in_call) {
+void int4_block(const MatrixRef& w, int64_t r, const uint32_t* b, int n, int nb, float* out, int64_t pf) {
   constexpr int NV = 16 / RP;  // accumulator vectors (RP rows each)
   constexpr int L = 16 / RP;   // lanes per row: the C tile's row stride in fp32
   const int64_t G = w.cols / 32, rb = w.ld / 2, sc_stride = w.ld / 32;
   const uint8_t* rows = w.data + r * rb;
   const uint16_t* sc = w.scales + r * sc_stride;
-  if (pf > 0 && next_in_call && scale_prefetch()) {
-    const char* next = reinterpret_cast<const char*>(sc + 16 * sc_stride);
-    for (int64_t off = 0; off < 16 * sc_stride * 2; off += 64) _mm_prefetch(next + off, _MM_HINT_T0);
-  }
   alignas(64) uint16_t abuf[2][4][16][32];
   // A C tile of nb columns stores only those (at a row stride of L lanes); the other lanes of cbuf
   // keep what was there, which only ever feeds lanes of acc that are not read. Zeroed once per
@@ -300,14 +293,12 @@ void dot_rows_amx(const MatrixRef& w, int64_t r0, int64_t r1, const ActRef& a, f
   count_amx_route(route);
   if (route == AmxRoute::kAvx512) return dot_rows_avx512bf16(w, r0, r1, a, out);
   if (route == AmxRoute::kInt4) {
+    const int64_t pf = prefetch_bytes();
     for (int j0 = 0; j0 < a.n; j0 += 16) {
       const int nb = std::min(16, a.n - j0);
       configure(nb, true);
       const auto block = nb <= 4 ? int4_block<4> : nb <= 8 ? int4_block<2> : int4_block<1>;
-      for (int64_t r = r0; r < r_amx; r += 16) {
-        const bool next = r + 32 <= r_amx;  // short rows prefetch the next block's nibbles, inside the call
-        block(w, r, a.vnni + j0, a.n, nb, out + (r - r0) * a.n + j0, prefetch_distance(16, w.ld / 2, next), next);
-      }
+      for (int64_t r = r0; r < r_amx; r += 16) block(w, r, a.vnni + j0, a.n, nb, out + (r - r0) * a.n + j0, pf);
     }
     if (r_amx < r1) dot_rows_avx512bf16(w, r_amx, r1, a, out + (r_amx - r0) * a.n);
     return;

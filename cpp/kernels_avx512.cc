@@ -53,11 +53,6 @@ void tile(const MatrixRef& w, int64_t r, int64_t r_end, const ActRef& a, int j0,
   for (int j = 0; j < N; ++j) x[j] = a.f32 + (j0 + j) * a.stride;
   int64_t k = 0;  // first column left for the scalar tail
   const int64_t pf = prefetch_distance(R, row_bytes_of(w), r + 2 * R <= r_end);
-  if (w.format == WeightFormat::kInt4 && pf > 0 && r + 2 * R <= r_end && scale_prefetch()) {
-    // the next tile's scales (R rows of K / 32 bf16, contiguous): their own stream, apart from the nibbles
-    const char* next = reinterpret_cast<const char*>(w.scales + (r + R) * (w.ld / 32));
-    for (int64_t off = 0; off < R * (w.ld / 16); off += 64) _mm_prefetch(next + off, _MM_HINT_T0);
-  }
   if (w.format == WeightFormat::kInt4 && a.bf16_pair64 != nullptr && K % 64 == 0) {
     // Two groups (64 weights, 32 bytes) at a time: the bytes widen to 32 words; VPERMW of the words
     // (index: low 5 bits = low nibble + a repeated table) gives the even elements, of the words >> 4

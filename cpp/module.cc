@@ -196,8 +196,6 @@ NB_MODULE(_host, m) {
   m.def("set_prefetch_bytes", &set_prefetch_bytes, "bytes"_a, "Set the prefetch distance (0 = off).");
   m.def("short_row_bytes", &short_row_bytes, "Rows up to this many bytes prefetch a micro-tile ahead (0 = never).");
   m.def("set_short_row_bytes", &set_short_row_bytes, "bytes"_a, "Set the short-row limit (0 = off).");
-  m.def("scale_prefetch", &scale_prefetch, "Whether int4 rows' scales are prefetched a tile ahead.");
-  m.def("set_scale_prefetch", &set_scale_prefetch, "on"_a, "Prefetch int4 rows' scales a tile ahead (or not).");
   m.def("configure_workers", [](int n_workers, int spin_us, bool pin) {
     if (spin_us < 0) throw std::invalid_argument("spin_us must be >= 0, got " + std::to_string(spin_us));
     configure_global_workers(WorkerConfig{n_workers, spin_us, pin});
