@@ -46,7 +46,6 @@ Tier best_tier() { return available_tiers().back(); }
 std::atomic<int> g_tier{-1};
 std::atomic<int64_t> g_prefetch{kDefaultPrefetchBytes};
 std::atomic<int64_t> g_short_rows{kShortRowBytes};
-std::atomic<bool> g_int4_f32{true};
 }  // namespace
 
 #ifndef FTJAX_HAVE_AMX
@@ -106,9 +105,6 @@ void set_prefetch_bytes(int64_t bytes) {
 
 int64_t short_row_bytes() { return g_short_rows.load(std::memory_order_relaxed); }
 
-bool int4_f32_table() { return g_int4_f32.load(std::memory_order_relaxed); }
-void set_int4_f32_table(bool on) { g_int4_f32.store(on, std::memory_order_relaxed); }
-
 void set_short_row_bytes(int64_t bytes) {
   if (bytes < 0 || bytes > (int64_t{1} << 20))
     throw std::invalid_argument("short-row limit must be in [0, 1 MiB] bytes, got " + std::to_string(bytes));
@@ -134,8 +130,7 @@ AmxRoute amx_route(WeightFormat format, int n_tokens, bool bf16_act, bool vnni_g
   // Fewer tokens than kAmxMinTokens: the AVX-512 loops are faster (they do not pay for the unused
   // tile columns; dev-box Xeon, one core: bf16 27 vs 20 GB/s at 1 token, int4 12.6 vs 8.3).
   if (n_tokens < kAmxMinTokens || !bf16_act || rows < 16) return AmxRoute::kAvx512;
-  if (format == WeightFormat::kInt4)  // the f32 table form runs on the AVX-512 loops
-    return vnni_given && !int4_f32_table() ? AmxRoute::kInt4 : AmxRoute::kAvx512;
+  if (format == WeightFormat::kInt4) return vnni_given ? AmxRoute::kInt4 : AmxRoute::kAvx512;
   if (format == WeightFormat::kBF16 && K >= 32) return AmxRoute::kBf16;
   return AmxRoute::kAvx512;
 }

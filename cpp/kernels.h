@@ -95,13 +95,6 @@ alignas(64) inline constexpr uint16_t kInt4Bf16[32] = {
     0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0, 0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0xC040,
     0xC000, 0xBF80, 0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0};
 
-// q - 8 for a nibble q, as f32 (the AVX-512 tier's f32 int4 form scales it per row and group).
-alignas(64) inline constexpr float kInt4F32[16] = {-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7};
-// Whether int4 weights take the AVX-512 tier's f32 form (table pre-scaled per group, f32 FMAs) instead
-// of its VDPBF16PS forms, and the AMX tier's int4 groups go to it instead of the AMX int4 tiles.
-bool int4_f32_table();
-void set_int4_f32_table(bool on);
-
 // out[(r - r0) * a.n + j] = sum_k W[r, k] * a_j[k], for r in [r0, r1).
 using DotRowsFn = void (*)(const MatrixRef& w, int64_t r0, int64_t r1, const ActRef& a, float* out);
 

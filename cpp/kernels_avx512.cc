@@ -53,42 +53,7 @@ void tile(const MatrixRef& w, int64_t r, int64_t r_end, const ActRef& a, int j0,
   for (int j = 0; j < N; ++j) x[j] = a.f32 + (j0 + j) * a.stride;
   int64_t k = 0;  // first column left for the scalar tail
   const int64_t pf = prefetch_distance(R, row_bytes_of(w), r + 2 * R <= r_end);
-  if (w.format == WeightFormat::kInt4 && int4_f32_table()) {
-    // f32 form: a group's 16 bytes widen to 16 dwords; VPERMPS (which reads an index's low 4 bits)
-    // picks the even columns' weights (low nibbles) and, after a shift, the odd ones (high nibbles)
-    // from the table of q - 8 pre-multiplied by the row's group scale (exact in f32), so a weight costs
-    // no conversion; the activations' even and odd columns are picked once per group for all R rows.
-    // Two FMAs per row and token with 16 products each: on the H200 host's cores VDPBF16PS costs ~4
-    // FMAs (bench/cpu_ports.c), so this form gains most where several tokens share the dequantised
-    // weights (session 17).
-    const __m512 table = _mm512_load_ps(kInt4F32);
-    alignas(64) int32_t ie[16], io[16];
-    for (int m = 0; m < 16; ++m) io[m] = (ie[m] = 2 * m) + 1;  // even / odd columns of the pair (xa, xb)
-    const __m512i even_idx = _mm512_load_si512(ie), odd_idx = _mm512_load_si512(io);
-    const uint8_t* row[R];
-    const uint16_t* sc[R];
-    int4_rows<R>(w, r, row, sc);
-    for (int64_t g = 0; g < K / 32; ++g) {
-      if (pf > 0 && (g & 3) == 0) prefetch_rows<R>(row, 16 * g, pf);  // a line holds 4 groups
-      __m512 xe[N], xo[N];
-#pragma GCC unroll 16
-      for (int j = 0; j < N; ++j) {
-        const __m512 xa = _mm512_loadu_ps(x[j] + 32 * g), xb = _mm512_loadu_ps(x[j] + 32 * g + 16);
-        xe[j] = _mm512_permutex2var_ps(xa, even_idx, xb);
-        xo[j] = _mm512_permutex2var_ps(xa, odd_idx, xb);
-      }
-#pragma GCC unroll 16
-      for (int i = 0; i < R; ++i) {
-        const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row[i] + 16 * g)));
-        const __m512 ts = _mm512_mul_ps(table, _mm512_castsi512_ps(_mm512_slli_epi32(
-                                                   _mm512_set1_epi32(sc[i][g]), 16)));
-        const __m512 we = _mm512_permutexvar_ps(v, ts), wo = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), ts);
-#pragma GCC unroll 16
-        for (int j = 0; j < N; ++j) acc[i][j] = _mm512_fmadd_ps(wo, xo[j], _mm512_fmadd_ps(we, xe[j], acc[i][j]));
-      }
-    }
-    k = K;
-  } else if (w.format == WeightFormat::kInt4 && a.bf16_pair64 != nullptr && K % 64 == 0) {
+  if (w.format == WeightFormat::kInt4 && a.bf16_pair64 != nullptr && K % 64 == 0) {
     // Two groups (64 weights, 32 bytes) at a time: the bytes widen to 32 words; VPERMW of the words
     // (index: low 5 bits = low nibble + a repeated table) gives the even elements, of the words >> 4
     // the odd ones, each multiplied with the activations in pair64 order. Lanes 0-7 of the product

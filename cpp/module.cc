@@ -196,9 +196,6 @@ NB_MODULE(_host, m) {
   m.def("set_prefetch_bytes", &set_prefetch_bytes, "bytes"_a, "Set the prefetch distance (0 = off).");
   m.def("short_row_bytes", &short_row_bytes, "Rows up to this many bytes prefetch a micro-tile ahead (0 = never).");
   m.def("set_short_row_bytes", &set_short_row_bytes, "bytes"_a, "Set the short-row limit (0 = off).");
-  m.def("int4_f32_table", &int4_f32_table, "Whether int4 weights take the AVX-512 tier's f32 table form.");
-  m.def("set_int4_f32_table", &set_int4_f32_table, "on"_a,
-        "int4 weights in the AVX-512 tier's f32 table form (and the AMX tier's int4 groups with them), or not.");
   m.def("configure_workers", [](int n_workers, int spin_us, bool pin) {
     if (spin_us < 0) throw std::invalid_argument("spin_us must be >= 0, got " + std::to_string(spin_us));
     configure_global_workers(WorkerConfig{n_workers, spin_us, pin});

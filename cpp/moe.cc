@@ -133,13 +133,11 @@ void run_experts(WorkerPool& workers, const ExpertCall& c, Tier tier) {
   // Layouts of the activations a group's kernels read (kernels.h): bf16 bits in bf16 mode (f32
   // always, for the tiers and tails that multiply in f32); for int4 weights on the AVX-512 loops the
   // pair64 order; for groups the AMX tier takes (kAmxMinTokens+ tokens) the B-tile layout.
-  // int4 weights in the f32 table form (int4_f32_table) read the f32 copies only, on every tier.
   const bool int4_x = pool.gate_up().format == WeightFormat::kInt4, int4_act = pool.down().format == WeightFormat::kInt4;
-  const bool int4_f32 = (int4_x || int4_act) && int4_f32_table();
   const auto amx_group = [&](int64_t g) {
-    return c.x_bf16 && tier == Tier::kAmx && !int4_f32 && start[g + 1] - start[g] >= kAmxMinTokens;
+    return c.x_bf16 && tier == Tier::kAmx && start[g + 1] - start[g] >= kAmxMinTokens;
   };
-  const bool pair = c.x_bf16 && tier >= Tier::kAvx512Bf16 && !int4_f32;  // only those tiers read the pair64 order
+  const bool pair = c.x_bf16 && tier >= Tier::kAvx512Bf16;  // only those tiers read the pair64 order
   const bool pair_x = pair && int4_x && H % 64 == 0, pair_act = pair && int4_act && I % 64 == 0;
   bool any_amx = false;
   for (int64_t g = 0; g < groups && !any_amx; ++g) any_amx = amx_group(g);

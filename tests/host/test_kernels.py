@@ -19,16 +19,6 @@ def _restore_tier():
     set_tier("auto")
 
 
-@pytest.fixture(autouse=True, params=["int4-f32", "int4-bf16"])
-def int4_form(request):
-    """Every test with both int4 forms of the AVX-512 tier: the f32 table (default; the AMX tier's int4
-    groups go to it too) and the VDPBF16PS forms with the AMX int4 tiles."""
-    default = _host.int4_f32_table()
-    _host.set_int4_f32_table(request.param == "int4-f32")
-    yield request.param
-    _host.set_int4_f32_table(default)
-
-
 def make_pool(rng, fmt, n, hidden, inter):
     banks = {"gate_up": rng.standard_normal((n, 2 * inter, hidden)).astype(np.float32) * 0.2,
              "down": rng.standard_normal((n, hidden, inter)).astype(np.float32) * 0.2}
@@ -321,10 +311,9 @@ def test_gpu_spin_only_for_a_pool_the_user_left_alone(monkeypatch):
 @pytest.mark.skipif("amx" not in TIERS, reason="needs the AMX tier")
 @pytest.mark.parametrize("fmt", ["bf16", "int4"])
 @pytest.mark.parametrize("workers", [0, 15])
-def test_amx_tier_takes_its_calls(fmt, workers, int4_form):
+def test_amx_tier_takes_its_calls(fmt, workers):
     """Which loops the AMX tier runs (its per-route call counters): an expert of 8 tokens goes to the
-    tile path of its format (int4 in the f32 table form: the AVX-512 loops), 1-2 tokens per expert to the
-    AVX-512 loops, with 1 thread and with 16
+    tile path of its format, 1-2 tokens per expert to the AVX-512 loops, with 1 thread and with 16
     (work items never shrink below the 16-row tile then; they once did on the 16-core GPU host, and
     a dispatch slip once sent every int4 call of 3+ tokens to AVX-512, all results still right)."""
     info = _host.worker_info()
@@ -334,8 +323,7 @@ def test_amx_tier_takes_its_calls(fmt, workers, int4_form):
         pool, ref = make_pool(rng, fmt, 2, 256, 128)
         x = rng.standard_normal((8, 256)).astype(BF16)
         set_tier("amx")
-        tiles = "avx512" if fmt == "int4" and int4_form == "int4-f32" else fmt  # (the f32 form has no tiles)
-        for tok, eid, path in [(np.arange(8), np.zeros(8), tiles), (np.array([0, 1, 2]), np.array([0, 1, 1]), "avx512")]:
+        for tok, eid, path in [(np.arange(8), np.zeros(8), fmt), (np.array([0, 1, 2]), np.array([0, 1, 1]), "avx512")]:
             tok, eid = tok.astype(np.int32), eid.astype(np.int32)
             w = rng.random(tok.size).astype(np.float32)
             before = _host.amx_route_counts()
