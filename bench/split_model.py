@@ -70,13 +70,18 @@ def call_costs(m: int, p) -> dict:
     out = {"fill": (m * e / bp + p.t_fill if m else 0.0, m * e, 0.0, m),
            "cpu": (p.t_cpu + m * e / bh if m else 0.0, 0.0, 0.0, 0)}
     if m == 0:
-        out["whole"] = out["unit"] = (0.0, 0.0, 0.0, 0)
+        out["whole"] = out["unit"] = out["matrix"] = (0.0, 0.0, 0.0, 0)
         return out
     if defer:
         out["whole"] = (p.t_cpu + m * e / bh, 0.0, n * e, n)
     else:
         cpu = p.t_cpu + (m - n) * e / bh if m > n else 0.0
         out["whole"] = (max(n * e / bp + p.t_fill, cpu), n * e, 0.0, n)
+    # matrix split: every miss cached; its down rows (1/3 of the bytes) filled now while the CPU computes its
+    # gate/up rows (2/3) and hands back h = silu(gate x) * up x; the GPU's down product after the collect
+    g = p.down_share
+    out["matrix"] = (max(m * g * e / bp + p.t_fill, p.t_cpu + m * (1 - g) * e / bh) + p.t_down,
+                     m * g * e, m * (1 - g) * e, m)
     q = unit_share(m, n, f, p.unit_steps)  # the plan's rule (bandwidths only, no fixed costs)
     gpu = n * q * e / bp + p.t_fill if q > 0 else 0.0
     left = m - n * q
@@ -90,8 +95,8 @@ def simulate(trace: RoutingTrace, num_slots: int, p, warmup: int) -> dict:
     steps, L, B, k = trace.ids.shape
     E = trace.num_experts
     caches = {"whole": collections.OrderedDict(), "fill": collections.OrderedDict(),
-              "cpu": collections.OrderedDict()}
-    acc = {pol: dict(t=0.0, m=0, sync=0.0, bg=0.0) for pol in ("whole", "unit", "fill", "cpu")}
+              "cpu": collections.OrderedDict(), "matrix": collections.OrderedDict()}
+    acc = {pol: dict(t=0.0, m=0, sync=0.0, bg=0.0) for pol in ("whole", "unit", "fill", "cpu", "matrix")}
     calls = 0
     for s in range(steps):
         for layer in range(L):
@@ -142,6 +147,10 @@ def main(argv=None) -> int:
     ap.add_argument("--plan-us", type=float, default=19.0, help="the plan's bookkeeping per layer call")
     ap.add_argument("--t-cpu", type=float, default=20.0, help="CPU-branch round trip beyond compute, us")
     ap.add_argument("--t-fill", type=float, default=6.0, help="a fill launch, us")
+    ap.add_argument("--t-down", type=float, default=5.0,
+                    help="matrix split: the GPU's down product of the CPU's h after the collect, us")
+    ap.add_argument("--down-share", type=float, default=1 / 3, help="matrix split: the down matrix's share of "
+                    "an expert's bytes (SwiGLU: 1/3)")
     ap.add_argument("--unit-steps", type=int, default=64,
                     help="split granularity: I / 8 (OffloadExperts' unit_granule for bf16 pools), I = 512")
     ap.add_argument("--check", action="store_true", help="print session 10's measured figures beside the model")
@@ -168,15 +177,17 @@ def main(argv=None) -> int:
           f"{res['whole']['misses_per_call']:.2f} misses per layer call under the split's cache)")
     print(f"{'policy':<22} {'miss us/call':>12} {'misses/call':>11} {'step ms':>8} {'tok/s':>7} {'/roof':>6} "
           f"{'PCIe/step':>9}")
-    names = {"whole": "whole split (today)", "unit": "unit split (proposal)", "fill": "lru-fill", "cpu": "cpu"}
+    names = {"whole": "whole split (today)", "unit": "unit split (proposal)", "fill": "lru-fill", "cpu": "cpu",
+             "matrix": "matrix split (proposal)"}
     rows = {}
-    for pol in ("whole", "unit", "fill", "cpu"):
+    for pol in ("whole", "unit", "matrix", "fill", "cpu"):
         r = res[pol]
         step_ms = args.t_gpu_ms + L * (r["us_per_call"] + args.plan_us) / 1e3
         pcie = r["pcie_bytes_per_step"] / (args.b_p * 1e6) / step_ms  # PCIe busy share of the step
         rows[pol] = dict(r, step_ms=step_ms, tok_s=B * 1e3 / step_ms, roof=roof_ms / step_ms, pcie_share=pcie)
         print(f"{names[pol]:<22} {r['us_per_call']:12.1f} {r['misses_per_call']:11.2f} {step_ms:8.2f} "
               f"{B * 1e3 / step_ms:7.1f} {roof_ms / step_ms:6.2f} {pcie:9.2f}")
+    print(f"matrix / whole split: {rows['whole']['step_ms'] / rows['matrix']['step_ms']:.3f}x tok/s")
     print(f"unit / whole split: {rows['whole']['step_ms'] / rows['unit']['step_ms']:.3f}x tok/s "
           f"(PCIe/step: the share of the modelled step the fills, synchronous and background, keep PCIe busy)")
     if args.check:
