@@ -16,6 +16,10 @@ Per layer call (critical path of the misses only; the hits' GPU work runs beside
     cpu-only               t_cpu + m * e / B_H
     whole split (today)    max(n (e / B_P) + t_fill, t_cpu + (m - n) e / B_H), or, deferred, t_cpu + m e / B_H
     unit split (proposal)  max(n q e / B_P + t_fill, t_cpu + (m - n q) e / B_H), q from `plan.split_units`
+    matrix split (proposal) max(m g e / B_P + t_fill, t_cpu + m (1 - g) e / B_H) + t_down
+                           (every miss cached: its down rows, share g = 1/3 of the bytes, filled now while the
+                           CPU computes its gate/up rows and hands back h; the GPU's down product of h after
+                           the collect, t_down; the gate/up rows fill in the background)
 
 with ``e`` the expert's bytes, ``t_fill`` a fill launch and ``t_cpu`` the CPU branch's round trip beyond
 its compute. Which experts the cache holds comes from an LRU simulation per policy (whole and unit split
