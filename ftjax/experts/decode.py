@@ -114,10 +114,12 @@ class OffloadExperts:
     is completed in the background. On the CUDA platform the call's fill copies units [0, u) of its
     experts (`cuda.expert_fill_units`: gate rows, up rows, down columns; bf16/f32 pools), the CPU branch
     gets each route's unit start, and the step's background fill copies the split slots' units [u, I). On
-    the CPU platform the fill is whole and at once. Not built: int4 pools on CUDA (the partial copy of
-    the packed layout) and the Pallas GEMV's unit mask (the jnp kernel only). On the H200 (batch 1, 37%,
-    trace routing) it ran 1.02x lru-split with background fills (bench/RESULTS.md, session 12; the model
-    bench/split_model.py had said 1.09x): opt-in.
+    the CPU platform the fill is whole and at once. Both kernels: the Pallas decode GEMV takes each
+    route's units (`decode_experts(units=)`), and a call of many routes under it runs the GEMV too (the
+    prefill kernel computes whole experts only). Not built: int4 pools on CUDA (the partial copy of the
+    packed layout). On the H200 (batch 1, 37%, trace routing, jnp kernel) it ran 1.01-1.02x lru-split with
+    background fills at 40 layers (bench/RESULTS.md, sessions 12 and 15; the model bench/split_model.py
+    had said 1.09x): opt-in.
     Call `drain` before dropping a state on the GPU (a background fill may still be writing its banks).
     """
 
@@ -159,9 +161,6 @@ class OffloadExperts:
             if not self.background_fills:
                 raise ValueError("unit_split completes the split slots in the background: it needs defer_fills "
                                  "and a policy that splits misses (lru-split)")
-            if self.kernel != "jnp":
-                raise NotImplementedError("unit_split runs with the jnp kernel only: the Pallas GEMV's unit mask "
-                                          "is not built yet")
             if self.platform == "cuda" and self.pool.format == "int4":
                 raise NotImplementedError("unit_split on CUDA copies bf16/f32 pools only (the partial fill of the "
                                           "packed int4 layout is not built)")
@@ -387,8 +386,8 @@ class OffloadExperts:
         gu, dn = state["gate_up"], state["down"]
         limit = E if self.gather_max_routes is None else self.gather_max_routes
         if self.kernel == "pallas":
-            if T * k <= limit:
-                out = decode_routes(x, route_slot, gu, dn).astype(x.dtype)
+            if T * k <= limit or route_units is not None:  # (the prefill kernel computes whole experts only)
+                out = decode_routes(x, route_slot, gu, dn, route_units).astype(x.dtype)
                 return combine_routes(out.reshape(T, k, -1), expert_ids, gate_weights, token_valid)
             route_valid = (route_slot >= 0).reshape(T, k) & token_valid[:, None]
             slot_e = jnp.maximum(state["slot_of"][layer * E:(layer + 1) * E], 0)

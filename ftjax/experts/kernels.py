@@ -61,9 +61,10 @@ def prefill_tiles(hidden: int, inter: int, *, interpret: bool) -> dict:
     return dict(tile_m=128, tile_n_gate_up=tile_gu, tile_n_down=tile_dn, tile_k=tile_k)
 
 
-def decode_routes(x, route_slot, gate_up, down):
+def decode_routes(x, route_slot, gate_up, down, units=None):
     """Per-route SwiGLU outputs ``[R, H]`` (route ``t*k + j`` on row ``t*k + j``) of the routes with
-    ``route_slot >= 0``, zeros elsewhere, through the decode grouped GEMV. ``x [T, H]``."""
+    ``route_slot >= 0``, zeros elsewhere, through the decode grouped GEMV. ``x [T, H]``; ``units [R]``
+    (optional, the unit split): a route computes only its expert's units ``[0, units[r])``."""
     from ftjax.pallas.decode_gemv import decode_experts
 
     num_routes = route_slot.shape[0]
@@ -72,7 +73,7 @@ def decode_routes(x, route_slot, gate_up, down):
     order = jnp.argsort(~on, stable=True).astype(jnp.int32)  # valid routes first, in route order
     n_valid = on.sum().astype(jnp.int32)
     y = decode_experts(x.astype(jnp.bfloat16), jnp.maximum(route_slot[order], 0), order // k, n_valid,
-                       gate_up, down, interpret=interpret_mode())
+                       gate_up, down, None if units is None else units[order], interpret=interpret_mode())
     return jnp.zeros_like(y).at[order].set(y)
 
 

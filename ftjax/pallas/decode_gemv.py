@@ -61,7 +61,10 @@ SMs. Besides the weights each block reads its x operand (16 H bytes) and, for in
 tiny, a window is shared by the 8 neighbouring chunks launched together). int4 dequantization
 is plain CUDA-core work (mask, convert, subtract) by one warpgroup and may bound it before HBM.
 
-Blocks of invalid routes issue no copy (``pl.when``) and their partials are masked out. The
+Blocks of invalid routes issue no copy (``pl.when``) and their partials are masked out; so do the
+blocks past a route's intermediate units when ``units`` is given (the offload unit split: a slot
+whose units ``[u, I)`` are still being filled), and the units past ``u`` inside a block are zeroed
+in the activation operand. The
 kernel is launched with at least one valid route (``max(n_valid, 1)``, slot ids clamped into the
 cache), so no launch is all-empty (Mosaic GPU hung once on one) and no ``lax.cond`` is needed
 (XLA:GPU runs a conditional outside a command buffer by copying its predicate to the host and
@@ -92,8 +95,9 @@ _SUB_K4 = 256  # int4 gate columns per dequantized sub-step (8 scale groups)
 # ---------------------------------------------------------------------------------------------
 # references
 
-def reference_decode_experts(x, slots, tokens, n_valid, gate_up, down):
-    """Plain jnp reference: per-route SwiGLU expert outputs [R, H] fp32, zeros for r >= n_valid."""
+def reference_decode_experts(x, slots, tokens, n_valid, gate_up, down, units=None):
+    """Plain jnp reference: per-route SwiGLU expert outputs [R, H] fp32, zeros for r >= n_valid.
+    ``units [R]`` (optional): route r sums only the intermediate units ``[0, units[r])``."""
     inter = down.shape[-1]
     xf = x.astype(jnp.float32)[tokens]  # [R, H]
     w_gu = gate_up[slots].astype(jnp.float32)  # [R, 2I, H]
@@ -101,18 +105,20 @@ def reference_decode_experts(x, slots, tokens, n_valid, gate_up, down):
     hi = lax.Precision.HIGHEST
     gu = jnp.einsum("rih,rh->ri", w_gu, xf, precision=hi)
     act = jax.nn.silu(gu[:, :inter]) * gu[:, inter:]
+    if units is not None:
+        act = jnp.where(jnp.arange(inter)[None, :] < units[:, None], act, 0.0)
     y = jnp.einsum("rhi,ri->rh", w_d, act, precision=hi)
     valid = jnp.arange(slots.shape[0]) < n_valid
     return jnp.where(valid[:, None], y, 0.0)
 
 
 def reference_decode_experts_int4(x, slots, tokens, n_valid, gate_up_packed, gate_up_scales,
-                                  down_packed, down_scales):
+                                  down_packed, down_scales, units=None):
     """jnp reference for int4 banks: dequantizes the routed slots, then the bf16 reference math."""
     gate_up = dequantize_int4(gate_up_packed[slots], gate_up_scales[slots])
     down = dequantize_int4(down_packed[slots], down_scales[slots])
     r = jnp.arange(slots.shape[0], dtype=jnp.int32)
-    return reference_decode_experts(x, r, tokens, n_valid, gate_up, down)
+    return reference_decode_experts(x, r, tokens, n_valid, gate_up, down, units)
 
 
 def decode_bytes_read(n_valid, hidden, inter, *, int4=False):
@@ -298,7 +304,7 @@ def _release():
     _plgpu().commit_smem()
 
 
-def _body(plan, n_ref, slots_ref, tokens_ref, x_ref, *refs, **scratch):
+def _body(plan, with_units, n_ref, slots_ref, tokens_ref, units_ref, x_ref, *refs, **scratch):
     from jax.experimental import pallas as pl
 
     plgpu = _plgpu()
@@ -313,7 +319,12 @@ def _body(plan, n_ref, slots_ref, tokens_ref, x_ref, *refs, **scratch):
     c = lax.axis_index("c")
     r = lax.axis_index("r")
 
-    @pl.when(r < n_ref[0])
+    live = r < n_ref[0]
+    if with_units:  # a block past the route's units issues nothing (block (0, 0) always runs: no empty launch)
+        unit_end = units_ref[r]
+        live = live & ((c * bi < unit_end) | ((r == 0) & (c == 0)))
+
+    @pl.when(live)
     def _():
         slot = slots_ref[r]
         tok = tokens_ref[r]
@@ -405,13 +416,18 @@ def _body(plan, n_ref, slots_ref, tokens_ref, x_ref, *refs, **scratch):
             a = jax.nn.silu(g) * u * (1 / 16 if plan.int4 and start else 1.0)
             act = lax.broadcast_in_dim(a, (64, size), [1])
             n = plgpu.broadcasted_iota(jnp.int32, (64, size), 0, layout=wgmma_layout)
+            i = plgpu.broadcasted_iota(jnp.int32, (64, size), 1, layout=wgmma_layout)
             if plan.int4:
                 # int4 act rows are [even i | odd i]; both halves span the same groups.
-                i = plgpu.broadcasted_iota(jnp.int32, (64, size), 1, layout=wgmma_layout)
                 column = lax.rem((c * size + i) // (GROUP // 2), _NX)
+                unit = 2 * (c * size + i) + (1 if start else 0)  # the intermediate unit of column i
             else:
                 column = jnp.zeros_like(n)
-            dst[...] = jnp.where(n == column, act, 0.0).astype(jnp.bfloat16)
+                unit = c * bi + i
+            keep = n == column
+            if with_units:  # units past the route's end are stale rows of the slot: zero, not multiplied
+                keep = keep & (unit < unit_end)
+            dst[...] = jnp.where(keep, act, 0.0).astype(jnp.bfloat16)
         plgpu.commit_smem()
 
         # down phase: partial y over this block's bi columns of down.
@@ -463,12 +479,12 @@ def _x_operand(x, int4):
     return jnp.where(mask[None, None], half[:, :, None, :], 0).astype(jnp.bfloat16)
 
 
-def _launch(plan, x, slots, tokens, n_valid, banks, interpret):
+def _launch(plan, x, slots, tokens, n_valid, banks, interpret, units=None):
     plgpu = _plgpu()
     num_routes = slots.shape[0]
     n_valid = jnp.asarray(n_valid, jnp.int32).reshape(1)
     kernel = plgpu.kernel(
-        functools.partial(_body, plan),
+        functools.partial(_body, plan, units is not None),
         out_type=jax.ShapeDtypeStruct((num_routes, plan.n_chunks, plan.hidden), jnp.float32),
         scratch_types=_scratch(plan, interpret),
         grid=(plan.n_chunks, num_routes),
@@ -480,7 +496,16 @@ def _launch(plan, x, slots, tokens, n_valid, banks, interpret):
     slots = jnp.clip(slots.astype(jnp.int32), 0, num_slots - 1)  # entries past n_valid may be -1
     tokens = jnp.clip(tokens.astype(jnp.int32), 0, x.shape[0] - 1)
     n_launch = jnp.maximum(n_valid, 1)
-    y = kernel(n_launch, slots, tokens, _x_operand(x, plan.int4), *banks).sum(axis=1)
+    if units is None:
+        part = kernel(n_launch, slots, tokens, jnp.zeros((num_routes,), jnp.int32), _x_operand(x, plan.int4), *banks)
+        y = part.sum(axis=1)
+    else:  # the partials of the blocks past a route's units were never written
+        if units.shape != (num_routes,):
+            raise ValueError(f"units must have one entry per route ({num_routes}), got shape {units.shape}")
+        units = jnp.clip(units.astype(jnp.int32), 0, plan.inter)
+        part = kernel(n_launch, slots, tokens, units, _x_operand(x, plan.int4), *banks)
+        live = jnp.arange(plan.n_chunks)[None, :] * plan.block_i < units[:, None]
+        y = jnp.where(live[:, :, None], part, 0.0).sum(axis=1)
     valid = jnp.arange(num_routes) < n_valid[0]
     return jnp.where(valid[:, None], y, 0.0)
 
@@ -495,9 +520,13 @@ _TUNABLES = ("block_i", "block_k", "block_h", "num_stages", "interpret")
 
 
 @functools.partial(jax.jit, static_argnames=_TUNABLES)
-def decode_experts(x, slots, tokens, n_valid, gate_up, down, *, block_i=None, block_k=None,
+def decode_experts(x, slots, tokens, n_valid, gate_up, down, units=None, *, block_i=None, block_k=None,
                    block_h=None, num_stages=3, interpret=False):
     """Mosaic GPU decode grouped GEMV; same contract as `reference_decode_experts`.
+
+    ``units [R]`` i32 (optional, the offload unit split's routes): route r sums only the intermediate
+    units ``[0, units[r])`` of its slot (the rest may be stale rows: zeroed, never multiplied); its
+    blocks past them read nothing.
 
     x [T, H] (cast to bf16); slots, tokens [R] i32; n_valid i32 scalar (device); gate_up
     [S, 2I, H], down [S, H, I] bf16. Returns [R, H] fp32. Tunables (None = chosen from the
@@ -514,17 +543,18 @@ def decode_experts(x, slots, tokens, n_valid, gate_up, down, *, block_i=None, bl
     _check_dtypes(gate_up=(gate_up, jnp.bfloat16), down=(down, jnp.bfloat16))
     plan = _plan(slots.shape[0], hidden, inter, int4=False, block_i=block_i, block_k=block_k,
                  block_h=block_h, num_stages=num_stages)
-    return _launch(plan, x, slots, tokens, n_valid, (gate_up, down), interpret)
+    return _launch(plan, x, slots, tokens, n_valid, (gate_up, down), interpret, units)
 
 
 @functools.partial(jax.jit, static_argnames=_TUNABLES)
 def decode_experts_int4(x, slots, tokens, n_valid, gate_up_packed, gate_up_scales, down_packed,
-                        down_scales, *, block_i=None, block_k=None, block_h=None, num_stages=3,
+                        down_scales, units=None, *, block_i=None, block_k=None, block_h=None, num_stages=3,
                         interpret=False):
     """`decode_experts` over int4 banks (layout of `ftjax.host.quant`), dequantized in the kernel.
 
     gate_up_packed uint8 [S, 2I, H/2], gate_up_scales bf16 [S, 2I, H/32], down_packed uint8
-    [S, H, I/2], down_scales bf16 [S, H, I/32]. Same contract as `reference_decode_experts_int4`.
+    [S, H, I/2], down_scales bf16 [S, H, I/32], ``units`` as in `decode_experts`. Same contract as
+    `reference_decode_experts_int4`.
     """
     hidden = x.shape[1]
     num_slots, two_inter = gate_up_packed.shape[:2]
@@ -547,4 +577,4 @@ def decode_experts_int4(x, slots, tokens, n_valid, gate_up_packed, gate_up_scale
     # Free views: gate/up row 2m + p -> [m, p], so a TMA box can take the even or odd rows.
     banks = (gate_up_packed.reshape(num_slots, inter, 2, hidden // 2),
              gate_up_scales.reshape(num_slots, inter, 2, hidden // GROUP), down_packed, down_scales)
-    return _launch(plan, x, slots, tokens, n_valid, banks, interpret)
+    return _launch(plan, x, slots, tokens, n_valid, banks, interpret, units)

@@ -153,8 +153,6 @@ def test_unit_split_is_checked(model):
         OffloadExperts(pool, L, E, 4, "lru-split", defer_fills=False, unit_split=True)
     with pytest.raises(ValueError, match="needs defer_fills"):
         OffloadExperts(pool, L, E, 4, "lru-fill", defer_fills=True, unit_split=True)
-    with pytest.raises(NotImplementedError, match="jnp kernel only"):
-        OffloadExperts(pool, L, E, 4, "lru-split", defer_fills=True, unit_split=True, kernel="pallas")
 
 
 def decode_hlo(cfg, params, backend, expert_state, batch: int) -> str:

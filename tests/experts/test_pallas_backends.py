@@ -87,6 +87,17 @@ def test_offload_pallas_equals_resident(mgpu_interpret):
     _close(_run(backend, state), _reference())
 
 
+def test_offload_pallas_unit_split_equals_resident(mgpu_interpret):
+    """The unit split through the Pallas decode GEMV: a split call's routes compute units [0, u) from the
+    slot (the GEMV's per-route units), the CPU [u, I): the resident logits (prefill calls, many routes,
+    take the GEMV too)."""
+    _, _, banks = _model()
+    backend = OffloadExperts(HostPool.from_banks(banks), L, E, round(0.37 * L * E), "lru-split", defer_fills=True,
+                             unit_split=True, kernel="pallas")
+    state = backend.init_state(fill_fraction=0.4)
+    _close(_run(backend, state), _reference())
+
+
 def test_kernel_choice_errors():
     with pytest.raises(ValueError, match="bf16"):
         check_kernel("pallas", 64, 32, jnp.float32)

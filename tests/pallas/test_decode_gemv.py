@@ -173,6 +173,42 @@ def test_decode_experts_int4_matches_reference(case, mgpu_interpret):
     _check(out, reference_decode_experts_int4(x, slots, tokens, nv, *banks), n_valid)
 
 
+@pytest.mark.parametrize("int4", [False, True], ids=["bf16", "int4"])
+def test_decode_experts_units_match_reference(int4, mgpu_interpret):
+    """Per-route units (the offload unit split): route r sums units [0, u_r) of its slot only: u = 0
+    (route 0, whose block (0, 0) still runs), block-aligned, inside a block (int4: an odd u, which tells
+    the chunk's even and odd halves apart), all units, and an invalid route; the rows past u of one route's
+    own slot hold NaN (stale rows must be zeroed, never multiplied)."""
+    if int4:
+        T, H, I, R, n_valid, units = 2, 512, 256, 6, 5, [0, 32, 49, 256, 200, 64]
+    else:
+        T, H, I, R, n_valid, units = 3, 128, 96, 6, 5, [0, 8, 40, 96, 64, 17]
+    x, _, tokens, gate_up, down = _inputs(5, T=T, H=H, I=I, S=R, R=R)
+    slots = jnp.arange(R, dtype=jnp.int32)  # one slot per route
+    units = jnp.asarray(units, jnp.int32)
+    nv = jnp.int32(n_valid)
+    if int4:
+        banks = _quantize(gate_up, down)
+        out = decode_experts_int4(x, slots, tokens, nv, *banks, units, interpret=True, block_k=256, block_h=256)
+        ref = reference_decode_experts_int4(x, slots, tokens, nv, *banks, units)
+        whole = reference_decode_experts_int4(x, slots, tokens, nv, *banks)
+    else:
+        u = int(units[2])
+        stale = jnp.arange(2 * I)
+        stale = ((stale % I) >= u)[:, None]  # gate rows and up rows past u
+        gate_up = gate_up.at[2].set(jnp.where(stale, jnp.nan, gate_up[2]).astype(jnp.bfloat16))
+        out = decode_experts(x, slots, tokens, nv, gate_up, down, units, interpret=True, block_i=32, block_k=64,
+                             block_h=64)
+        ref = reference_decode_experts(x, slots, tokens, nv, gate_up, down, units)
+        whole = None
+    _check(out, ref, n_valid)
+    assert not np.any(np.asarray(out)[0])  # u = 0
+    if whole is not None:  # the masks change the partially kept routes
+        assert not np.allclose(np.asarray(ref)[1:3], np.asarray(whole)[1:3])
+        np.testing.assert_allclose(np.asarray(out)[3], np.asarray(whole)[3], rtol=0,
+                                   atol=1e-2 * np.abs(np.asarray(whole)[3]).max())
+
+
 def test_device_count_one_compile(mgpu_interpret):
     """n_valid is a traced device scalar: one compiled function serves every count."""
     x, slots, tokens, gate_up, down = _inputs(2, T=4, H=64, I=32, S=4, R=5, dup=True)
@@ -253,11 +289,14 @@ def test_invalid_sizes_raise(fn, args, kw, match):
 @pytest.mark.parametrize("int4", [False, True], ids=["bf16", "int4"])
 @pytest.mark.parametrize("H, I, R", [(2048, 512, 8), (2048, 512, 64), (4096, 2048, 8)],
                          ids=["qwen-R8", "qwen-R64", "h4096-R8"])
-def test_lowers_for_cuda(int4, H, I, R, mgpu):
+@pytest.mark.parametrize("units", [False, True], ids=["whole", "units"])
+def test_lowers_for_cuda(int4, H, I, R, units, mgpu):
     from jax import export
 
     fn, args = (decode_experts_int4, _int4_args(8, H, I, 2000, R)) if int4 else \
         (decode_experts, _bf16_args(8, H, I, 2000, R))
+    if units:
+        args = args + _sds(((R,), jnp.int32))
     exported = export.export(fn, platforms=["cuda"])(*args)
     assert "mosaic_gpu" in exported.mlir_module()
 
@@ -285,3 +324,12 @@ def test_compiled_matches_reference(int4, H, I, T, R, n_valid):
     zero = decode_experts_int4(x, slots, tokens, jnp.int32(0), *banks) if int4 else \
         decode_experts(x, slots, tokens, jnp.int32(0), gate_up, down)
     assert not np.any(np.asarray(zero))
+    # per-route units (the unit split): 0, a block boundary, inside a block (int4: group-aligned), all
+    units = jnp.asarray(np.resize([0, 64, 96 if int4 else 72, I], R), jnp.int32)
+    if int4:
+        out = decode_experts_int4(x, slots, tokens, nv, *banks, units)
+        ref = reference_decode_experts_int4(x, slots, tokens, nv, *banks, units)
+    else:
+        out = decode_experts(x, slots, tokens, nv, gate_up, down, units)
+        ref = reference_decode_experts(x, slots, tokens, nv, gate_up, down, units)
+    _check(out, ref, n_valid)
