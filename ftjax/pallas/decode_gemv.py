@@ -304,13 +304,14 @@ def _release():
     _plgpu().commit_smem()
 
 
-def _body(plan, with_units, n_ref, slots_ref, tokens_ref, units_ref, x_ref, *refs, **scratch):
+def _body(plan, with_units, n_ref, slots_ref, tokens_ref, *refs, **scratch):
     from jax.experimental import pallas as pl
 
     plgpu = _plgpu()
     wgmma_layout = plgpu.Layout.WGMMA
     bi, bk, bh, ns = plan.block_i, plan.block_k, plan.block_h, plan.num_stages
     inter = plan.inter
+    units_ref, x_ref, *refs = refs if with_units else (None, *refs)
     if plan.int4:
         gw_ref, gs_ref, dw_ref, ds_ref, o_ref = refs
     else:
@@ -416,16 +417,16 @@ def _body(plan, with_units, n_ref, slots_ref, tokens_ref, units_ref, x_ref, *ref
             a = jax.nn.silu(g) * u * (1 / 16 if plan.int4 and start else 1.0)
             act = lax.broadcast_in_dim(a, (64, size), [1])
             n = plgpu.broadcasted_iota(jnp.int32, (64, size), 0, layout=wgmma_layout)
-            i = plgpu.broadcasted_iota(jnp.int32, (64, size), 1, layout=wgmma_layout)
+            if plan.int4 or with_units:
+                i = plgpu.broadcasted_iota(jnp.int32, (64, size), 1, layout=wgmma_layout)
             if plan.int4:
                 # int4 act rows are [even i | odd i]; both halves span the same groups.
                 column = lax.rem((c * size + i) // (GROUP // 2), _NX)
-                unit = 2 * (c * size + i) + (1 if start else 0)  # the intermediate unit of column i
             else:
                 column = jnp.zeros_like(n)
-                unit = c * bi + i
             keep = n == column
             if with_units:  # units past the route's end are stale rows of the slot: zero, not multiplied
+                unit = 2 * (c * size + i) + (1 if start else 0) if plan.int4 else c * bi + i  # column i's unit
                 keep = keep & (unit < unit_end)
             dst[...] = jnp.where(keep, act, 0.0).astype(jnp.bfloat16)
         plgpu.commit_smem()
@@ -497,8 +498,7 @@ def _launch(plan, x, slots, tokens, n_valid, banks, interpret, units=None):
     tokens = jnp.clip(tokens.astype(jnp.int32), 0, x.shape[0] - 1)
     n_launch = jnp.maximum(n_valid, 1)
     if units is None:
-        part = kernel(n_launch, slots, tokens, jnp.zeros((num_routes,), jnp.int32), _x_operand(x, plan.int4), *banks)
-        y = part.sum(axis=1)
+        y = kernel(n_launch, slots, tokens, _x_operand(x, plan.int4), *banks).sum(axis=1)
     else:  # the partials of the blocks past a route's units were never written
         if units.shape != (num_routes,):
             raise ValueError(f"units must have one entry per route ({num_routes}), got shape {units.shape}")
