@@ -273,7 +273,11 @@ def main(argv=None) -> int:
                          "with them")
     ap.add_argument("--unit-split", action="store_true",
                     help="also a 'split units' row: lru-split with background fills and the fills of a call split "
-                         "by intermediate units (OffloadExperts unit_split; bf16/f32 pools, jnp kernel)")
+                         "by intermediate units (OffloadExperts unit_split; bf16/f32 pools)")
+    ap.add_argument("--kernel-ablation", choices=("pallas",),
+                    help="also a 'split pallas' row: lru-split with the Pallas decode GEMV as its GPU expert kernel "
+                         "(OffloadExperts kernel='pallas'; the other rows and T_gpu use jnp), and with --unit-split a "
+                         "'split units pallas' row")
     ap.add_argument("--tokenizer", default=str(TOKENIZER), help="the real Qwen3 tokenizer (routing text)")
     ap.add_argument("--worker-variants", nargs="*", default=[], metavar="N:SPIN_US",
                     help="also run lru-split with the CPU worker pool reconfigured (N workers, -1 = default; "
@@ -396,6 +400,12 @@ def main(argv=None) -> int:
                         variant("split bg-fills", "with background fills", defer_fills=True)
                     if args.unit_split:  # background fills + the fills split by units
                         variant("split units", "fills split by units", defer_fills=True, unit_split=True)
+                    if args.kernel_ablation:  # the same policy, the GPU's expert GEMV by the Pallas kernel
+                        variant(f"split {args.kernel_ablation}", f"{args.kernel_ablation} kernel",
+                                defer_fills=args.defer == "on", kernel=args.kernel_ablation)
+                        if args.unit_split:
+                            variant(f"split units {args.kernel_ablation}", f"units, {args.kernel_ablation} kernel",
+                                    defer_fills=True, unit_split=True, kernel=args.kernel_ablation)
                     if args.plan_ablation:  # the same policy, the plan by another impl
                         variant(f"split plan {args.plan_ablation}", f"plan impl {args.plan_ablation}",
                                 defer_fills=args.defer == "on", plan_impl=args.plan_ablation)

@@ -8,7 +8,9 @@
 # DeepSeek-like shape ran past 400 s under ncu), prefill-b2b (calls back to back under the profiler), thp,
 # cpu-ports (bench/cpu_ports.c on one host core).
 # Session 17 steps: cpu-threads (topology; bench/cpu_ports.c --threads; host_runtime.py --threads 1 2 4 8 15: the
-# CPU calls' rate per thread as threads are added, ~3 min), decode-ablations (every policy, b1 and b4, 37%).
+# CPU calls' rate per thread as threads are added, ~3 min), decode-ablations (every policy, b1 and b4, 37%),
+# tests-units-pallas (the GEMV's per-route units on the GPU), decode-pallas-b1 (lru-split with the Pallas GEMV,
+# with and without the unit split).
 # Session 13 steps: tests-plan (the fused plan's GPU tests + the CUDA offload tests, ~2.5 min), decode-plan-b1 /
 # -b4 (lru-split with the fused plan vs the jnp plan, lru-fill; ~4.5 min).
 # Session 12 steps: prefill-split (the prefill kernels' own times, routed vs one expert, ~1.5 min),
@@ -144,6 +146,14 @@ for s in "${steps[@]}"; do
     decode) run decode 480 python3 bench/decode.py --layers 40 --batches 1 4 --routing trace \
               --fractions 0.37 0.11 --policies lru-split lru-fill --no-sweep --steps 24 --warmup 24 \
               --out "$OUT/decode.json" ;;
+    tests-units-pallas)  # the decode GEMV with per-route units compiled on the H200, and the CUDA unit split (~1.5 min)
+       run gpu_tests_units 200 python3 -m pytest -q -m gpu tests/pallas/test_decode_gemv.py \
+         tests/experts/test_offload_cuda.py -k "compiled or unit" ;;
+    decode-pallas-b1)  # 40 layers, b1, 37%: lru-split with the jnp GEMV vs the Pallas GEMV, with and without the
+       # unit split, lru-fill (~5 min)
+       run decode_pallas_b1 420 python3 bench/decode.py --layers 40 --batches 1 --routing trace --fractions 0.37 \
+         --policies lru-split lru-fill --unit-split --kernel-ablation pallas --no-sweep --no-online --steps 24 \
+         --warmup 24 --out "$OUT/decode_pallas_b1.json" ;;
     decode-ablations)  # 40 layers, trace, 37%: every policy in one process (lru-split, all-fill, all-CPU, static),
        # batch 1 and 4 (~8-9 min)
        run decode_ablations 575 python3 bench/decode.py --layers 40 --batches ${ABL_BATCHES:-1 4} --routing trace \
