@@ -330,7 +330,7 @@ class OffloadExperts:
                 state = record_background(state, plan, layer, self.unit_split)
         if self.num_slots:
             y = self._gpu_part(state, layer, x, expert_ids, gate_weights, token_valid, plan.route_slot,
-                               plan.route_units if self.unit_split else None)
+                               plan.route_units if self.unit_split and decode else None)  # (prefill: whole)
         else:
             y = jnp.zeros_like(x)
 
