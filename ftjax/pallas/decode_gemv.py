@@ -481,8 +481,10 @@ def _x_operand(x, int4):
 
 
 def _launch(plan, x, slots, tokens, n_valid, banks, interpret, units=None):
-    plgpu = _plgpu()
     num_routes = slots.shape[0]
+    if units is not None and units.shape != (num_routes,):
+        raise ValueError(f"units must have one entry per route ({num_routes}), got shape {units.shape}")
+    plgpu = _plgpu()
     n_valid = jnp.asarray(n_valid, jnp.int32).reshape(1)
     kernel = plgpu.kernel(
         functools.partial(_body, plan, units is not None),
@@ -500,8 +502,6 @@ def _launch(plan, x, slots, tokens, n_valid, banks, interpret, units=None):
     if units is None:
         y = kernel(n_launch, slots, tokens, _x_operand(x, plan.int4), *banks).sum(axis=1)
     else:  # the partials of the blocks past a route's units were never written
-        if units.shape != (num_routes,):
-            raise ValueError(f"units must have one entry per route ({num_routes}), got shape {units.shape}")
         units = jnp.clip(units.astype(jnp.int32), 0, plan.inter)
         part = kernel(n_launch, slots, tokens, units, _x_operand(x, plan.int4), *banks)
         live = jnp.arange(plan.n_chunks)[None, :] * plan.block_i < units[:, None]

@@ -282,6 +282,12 @@ def test_invalid_sizes_raise(fn, args, kw, match):
         jax.eval_shape(functools.partial(fn, **kw), *args)
 
 
+def test_units_need_one_entry_per_route():
+    args = _bf16_args(1, 64, 32, 2, 3) + _sds(((2,), jnp.int32))
+    with pytest.raises(ValueError, match=r"one entry per route \(3\)"):
+        jax.eval_shape(decode_experts, *args)
+
+
 # --------------------------------------------------------------------------------------------
 # lowering for CUDA (sm_90) on any machine: catches Mosaic GPU layout inference, TMA and SMEM
 # budget failures without a GPU.
