@@ -148,7 +148,7 @@ for s in "${steps[@]}"; do
               --out "$OUT/decode.json" ;;
     tests-units-pallas)  # the decode GEMV with per-route units compiled on the H200, and the CUDA unit split (~1.5 min)
        run gpu_tests_units 200 python3 -m pytest -q -m gpu tests/pallas/test_decode_gemv.py \
-         tests/experts/test_offload_cuda.py -k "compiled or unit" ;;
+         tests/experts/test_offload_cuda.py tests/experts/test_pallas_cuda.py -k "compiled or unit or pallas" ;;
     decode-pallas-b1)  # 40 layers, b1, 37%: lru-split with the jnp GEMV vs the Pallas GEMV, with and without the
        # unit split, lru-fill (~5 min)
        run decode_pallas_b1 420 python3 bench/decode.py --layers 40 --batches 1 --routing trace --fractions 0.37 \
