@@ -115,8 +115,8 @@ class OffloadExperts:
     experts (`cuda.expert_fill_units`: gate rows, up rows, down columns; bf16/f32 pools), the CPU branch
     gets each route's unit start, and the step's background fill copies the split slots' units [u, I). On
     the CPU platform the fill is whole and at once. Both kernels: the Pallas decode GEMV takes each
-    route's units (`decode_experts(units=)`), and a call of many routes under it runs the GEMV too (the
-    prefill kernel computes whole experts only). Not built: int4 pools on CUDA (the partial copy of the
+    route's units (`decode_experts(units=)`), and a decode call of more routes than the GEMV's limit runs
+    the GEMV too (the prefill kernel computes whole experts only; prefill calls are never split). Not built: int4 pools on CUDA (the partial copy of the
     packed layout). On the H200 (batch 1, 37%, trace routing, jnp kernel) it ran 1.01-1.02x lru-split with
     background fills at 40 layers (bench/RESULTS.md, sessions 12 and 15; the model bench/split_model.py
     had said 1.09x): opt-in.

@@ -89,8 +89,8 @@ def test_offload_pallas_equals_resident(mgpu_interpret):
 
 def test_offload_pallas_unit_split_equals_resident(mgpu_interpret):
     """The unit split through the Pallas decode GEMV: a split call's routes compute units [0, u) from the
-    slot (the GEMV's per-route units), the CPU [u, I): the resident logits (prefill calls, many routes,
-    take the GEMV too)."""
+    slot (the GEMV's per-route units), the CPU [u, I): the resident logits (prefill calls are never split:
+    they keep the prefill kernel)."""
     _, _, banks = _model()
     backend = OffloadExperts(HostPool.from_banks(banks), L, E, round(0.37 * L * E), "lru-split", defer_fills=True,
                              unit_split=True, kernel="pallas")
