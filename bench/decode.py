@@ -394,6 +394,7 @@ def main(argv=None) -> int:
                         run.sync, run.fixed_inputs = args.sync, args.fixed_inputs
                         rows[name] = run.timed(args.warmup, args.steps)
                         progress(f"{routing} b{B} lru-split, {what} {frac:.0%}", rows[name])
+                        profile(run, args.profile, f"{routing}-b{B}-{name.replace(' ', '-')}-{round(100 * frac)}")
                         run.backend.drain()
 
                     if args.defer == "both":  # the same policy with background fills
