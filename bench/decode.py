@@ -264,10 +264,6 @@ def main(argv=None) -> int:
     ap.add_argument("--plan-ablation", choices=PLAN_IMPLS,
                     help="also a 'split plan IMPL' row: lru-split with the plan by this impl (e.g. scatter, the jnp "
                          "plan, against the fused default)")
-    ap.add_argument("--submit-ablation", action="store_true",
-                    help="also 'split submit-kernel' rows (and 'split units submit-kernel' with --unit-split): the CPU "
-                         "branch submitted by its own kernel after the plan (OffloadExperts plan_submit=False), "
-                         "against the default, the plan kernel publishing it mid-plan")
     ap.add_argument("--victims-by", choices=tuple(VICTIM_METHODS),
                     help="how the plan ranks the LRU victims (plan_layer's victims_by; same slots); default: the "
                          "backend's choice for the platform and cache size (default_victims_by: rank on the GPU)")
@@ -411,12 +407,6 @@ def main(argv=None) -> int:
                         if args.unit_split:
                             variant(f"split units {args.kernel_ablation}", f"units, {args.kernel_ablation} kernel",
                                     defer_fills=True, unit_split=True, kernel=args.kernel_ablation)
-                    if args.submit_ablation:  # the CPU branch submitted after the plan, by its own kernel
-                        variant("split submit-kernel", "submit kernel after the plan",
-                                defer_fills=args.defer == "on", plan_submit=False)
-                        if args.unit_split:
-                            variant("split units submit-kernel", "units, submit kernel after the plan",
-                                    defer_fills=True, unit_split=True, plan_submit=False)
                     if args.plan_ablation:  # the same policy, the plan by another impl
                         variant(f"split plan {args.plan_ablation}", f"plan impl {args.plan_ablation}",
                                 defer_fills=args.defer == "on", plan_impl=args.plan_ablation)

@@ -11,8 +11,7 @@
 # CPU calls' rate per thread as threads are added, ~3 min), decode-ablations (every policy, b1 and b4, 37%),
 # tests-units-pallas (the GEMV's per-route units on the GPU), decode-pallas-b1 (lru-split with the Pallas GEMV,
 # with and without the unit split).
-# Session 18 steps: decode-timeline (b1 / 37% profiled, each run's layer call phase by phase: bench/layer_timeline.py),
-# tests-plan-submit, decode-submit-b1 (the plan kernel submitting the CPU branch vs a submit kernel after it).
+# Session 18 steps: decode-timeline (b1 / 37% profiled, each run's layer call phase by phase: bench/layer_timeline.py).
 # Session 13 steps: tests-plan (the fused plan's GPU tests + the CUDA offload tests, ~2.5 min), decode-plan-b1 /
 # -b4 (lru-split with the fused plan vs the jnp plan, lru-fill; ~4.5 min).
 # Session 12 steps: prefill-split (the prefill kernels' own times, routed vs one expert, ~1.5 min),
@@ -163,16 +162,6 @@ for s in "${steps[@]}"; do
          --warmup 24 --profile /tmp/tl_prof --out "$OUT/decode_timeline.json"
        run decode_timeline 60 python3 bench/layer_timeline.py /tmp/tl_prof
        run decode_timeline 60 python3 bench/trace_summary.py /tmp/tl_prof --top 16 ;;
-    tests-plan-submit)  # the fused plan on the GPU (lockstep with the jnp plan) and the CUDA offload paths, the plan
-       # kernel now publishing the CPU branch (~3 min)
-       run gpu_tests_plan_submit 300 python3 -m pytest -q -m gpu tests/experts/test_plan_fused.py \
-         tests/experts/test_offload_cuda.py tests/experts/test_pallas_cuda.py tests/host/test_cuda.py ;;
-    decode-submit-b1)  # 40 layers, b1, 37%: lru-split and the unit split, the plan publishing the CPU branch vs a
-       # submit kernel after the plan; lru-fill (~5 min)
-       run decode_submit_b1 420 python3 bench/decode.py --layers 40 --batches 1 --routing trace --fractions 0.37 \
-         --policies lru-split lru-fill --unit-split --submit-ablation --no-sweep --no-online --steps 24 \
-         --warmup 24 --profile /tmp/sub_prof --out "$OUT/decode_submit_b1.json"
-       run decode_submit_b1 60 python3 bench/layer_timeline.py /tmp/sub_prof ;;
     decode-ablations)  # 40 layers, trace, 37%: every policy in one process (lru-split, all-fill, all-CPU, static),
        # batch 1 and 4 (~8-9 min)
        run decode_ablations 575 python3 bench/decode.py --layers 40 --batches ${ABL_BATCHES:-1 4} --routing trace \

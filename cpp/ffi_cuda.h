@@ -41,19 +41,6 @@ void launch_fill_units(cudaStream_t stream, const ExpertPool& pool, const int32_
 // CPU-branch channels: staging in mapped pinned memory, served by one coordinator thread.
 void create_channel(int64_t channel, uint64_t pool_id, int64_t max_tokens, int64_t max_tasks);
 void destroy_channel(int64_t channel);  // after the GPU is idle: frees its staging
-struct HandshakeCtrl;
-// A channel's staging as the GPU sees it (mapped pointers), for a kernel that stages and publishes
-// itself (the plan kernel, plan_cuda.cu); false: no such channel.
-struct ChannelStaging {
-  HandshakeCtrl* ctrl;
-  uint8_t* x;
-  int32_t* token;
-  int32_t* flat;
-  float* weight;
-  int32_t* units;
-  int64_t max_tokens, max_tasks, hidden;
-};
-bool channel_staging(int64_t channel, ChannelStaging* out);
 int64_t live_channels();
 std::string channel_error(int64_t channel);  // last CPU-side error message ("" if none)
 uint64_t channel_jobs(int64_t channel);      // jobs the coordinator completed on this channel

@@ -179,6 +179,7 @@ Coordinator& coordinator() {
 constexpr int64_t kFusedMaxBytes = 128 << 10;  // larger calls (prefill chunks) take the memcpy path
 constexpr int kFusedThreads = 512;
 constexpr int kCollectThreads = 256;  // fused collect: up to 16 blocks, one float4 per thread each
+constexpr uint32_t kSkipped = 0;      // submit token of an empty task list
 
 // Poll done_seq until it reaches the token's sequence number (the CPU's status) or timeout_ns passes
 // (kTimeout): the watchdog that turns a stuck CPU branch into a status, never a hang.
@@ -202,7 +203,20 @@ __global__ void wait_kernel(const HandshakeCtrl* ctrl, const int32_t* token, uin
 
 __device__ void publish(HandshakeCtrl* ctrl, const int32_t* n_valid, int32_t n_tokens, int32_t x_bf16,
                         int32_t capacity, int32_t* token) {
-  handshake_publish(ctrl, *n_valid, n_tokens, x_bf16, capacity, token);
+  if (*n_valid <= 0) {  // nothing for the CPU: no request, collect returns zeros at once
+    *token = kSkipped;
+    return;
+  }
+  uint32_t seq = ctrl->submit_seq + 1;
+  if (seq == kSkipped) seq = 1;
+  ctrl->n_valid = *n_valid;
+  ctrl->n_tokens = n_tokens;
+  ctrl->x_bf16 = x_bf16;
+  ctrl->task_capacity = capacity;
+  __threadfence_system();  // the request fields (and the staged data) precede the seq
+  ctrl->submit_seq = seq;
+  __threadfence_system();
+  *token = static_cast<int32_t>(seq);
 }
 
 __global__ void ring_kernel(HandshakeCtrl* ctrl, const int32_t* n_valid, int32_t n_tokens, int32_t x_bf16,
@@ -416,21 +430,6 @@ void create_channel(int64_t channel, uint64_t pool_id, int64_t max_tokens, int64
   ch->stage = static_cast<uint8_t*>(p);
   cuda_check(cudaHostGetDevicePointer(reinterpret_cast<void**>(&ch->stage_dev), p, 0), "cudaHostGetDevicePointer");
   coordinator().add(std::move(ch));
-}
-
-bool channel_staging(int64_t channel, ChannelStaging* out) {
-  Channel* ch = coordinator().get(channel);
-  if (!ch) return false;
-  *out = ChannelStaging{ch->ctrl_dev,
-                        ch->stage_dev + ch->x_off,
-                        reinterpret_cast<int32_t*>(ch->stage_dev + ch->tok_off),
-                        reinterpret_cast<int32_t*>(ch->stage_dev + ch->eid_off),
-                        reinterpret_cast<float*>(ch->stage_dev + ch->w_off),
-                        reinterpret_cast<int32_t*>(ch->stage_dev + ch->u_off),
-                        ch->max_tokens,
-                        ch->max_tasks,
-                        ch->hidden};
-  return true;
 }
 
 void destroy_channel(int64_t channel) {

@@ -4,11 +4,7 @@
 // (`each`, `sum`, `min_u64`, `compact`, `sync`): the CPU handler runs it with one thread (plan_cpu.cc),
 // the CUDA handler with one thread block (plan_cuda.cu), so a decode layer's plan is one kernel instead
 // of XLA's chain of ~20 small ones; a test handler runs it on n host threads in the block's form (`add_i32`
-// is the team's atomic add; `publish(n)`, after the CPU branch's task list is complete, hands it to the CPU
-// where the call stages it: the CUDA block's system fence and handshake publication, a no-op elsewhere).
-// The CPU branch's task list is decided before the LRU victims (it depends only on which misses are filled,
-// not where), so a CUDA call that stages it starts the CPU branch mid-plan. The includer defines
-// FTJAX_PLAN_FN (`__device__` or empty).
+// is the team's atomic add). The includer defines FTJAX_PLAN_FN (`__device__` or empty).
 #pragma once
 #include <cstdint>
 
@@ -54,12 +50,6 @@ struct PlanArgs {
   int32_t* task_token;
   int32_t* task_flat;
   float* task_weight;
-  // optional (CUDA, the plan publishing the CPU branch): the handshake staging's task arrays (mapped host
-  // memory); the first n_cpu_routes entries are written (token, flat id, gate weight, unit start)
-  int32_t* stage_token;
-  int32_t* stage_flat;
-  float* stage_weight;
-  int32_t* stage_units;
   // optional: the decode step's background rows [L, bg_cols] / [L], row `layer` written (ftjax/experts/
   // plan.py record_background): the fills, their count if deferred, and (bg_from) the first unit
   int32_t* bg_ids;
@@ -75,7 +65,7 @@ struct PlanArgs {
   int32_t all_units;                   // plan.py ALL_UNITS
 };
 
-// Scratch of one call (shared memory on the GPU): E + 5 x min(T*k, E) + 3 x F + 1 int32, then optionally
+// Scratch of one call (shared memory on the GPU): E + 4 x min(T*k, E) + 3 x F int32, then optionally
 // copies of the router ids (R = T*k more) and of last_use (S more). The GPU copies the ids where they
 // fit (the routes' phase then reads shared memory only: their slots come from the per-expert arrays,
 // not from slot_of again) and last_use where it fits and the call can fill (F > 0: the evictable count
@@ -86,8 +76,6 @@ struct PlanScratch {
   int32_t* slot_u;     // [U] slot before the call
   int32_t* rec_u;      // [U] recency before the call
   int32_t* slot_new;   // [U] slot after the call's fills
-  int32_t* filled;     // [U] 1: a miss this call fills (its slot after the call is >= 0)
-  int32_t* n_bad;      // [1] valid routes whose router id is outside [0, E)
   int32_t* fill_list;  // [F] flat ids to fill, in fill order
   int32_t* fill_u;     // [F] their index in uniq
   int32_t* victims;    // [F]
@@ -99,7 +87,7 @@ struct PlanScratch {
 inline int64_t plan_scratch_ints(int64_t routes, int64_t n_experts, int64_t fill_capacity, int64_t slots,
                                  bool ids_copy, bool lu_copy) {
   const int64_t U = routes < n_experts ? routes : n_experts;
-  return n_experts + 5 * U + 3 * fill_capacity + 1 + (ids_copy ? routes : 0) + (lu_copy ? slots : 0);
+  return n_experts + 4 * U + 3 * fill_capacity + (ids_copy ? routes : 0) + (lu_copy ? slots : 0);
 }
 
 FTJAX_PLAN_FN inline PlanScratch plan_scratch(int32_t* base, int64_t routes, int64_t n_experts, int64_t F,
@@ -111,13 +99,11 @@ FTJAX_PLAN_FN inline PlanScratch plan_scratch(int32_t* base, int64_t routes, int
   s.slot_u = s.uniq + U;
   s.rec_u = s.slot_u + U;
   s.slot_new = s.rec_u + U;
-  s.filled = s.slot_new + U;
-  s.fill_list = s.filled + U;
+  s.fill_list = s.slot_new + U;
   s.fill_u = s.fill_list + F;
   s.victims = s.fill_u + F;
-  s.n_bad = s.victims + F;
-  s.ids_copy = ids_copy ? s.n_bad + 1 : nullptr;
-  s.lu = lu_copy ? s.n_bad + 1 + (ids_copy ? routes : 0) : last_use;
+  s.ids_copy = ids_copy ? s.victims + F : nullptr;
+  s.lu = lu_copy ? s.victims + F + (ids_copy ? routes : 0) : last_use;
   s.lu_copy = lu_copy;
   return s;
 }
@@ -193,7 +179,6 @@ FTJAX_PLAN_FN void plan_core(const Team& t, const PlanArgs& a, const PlanScratch
   // One pass over the inputs: the router ids (kept), the layer's routed experts, the histogram, and
   // last_use (into the copy, rebased).
   t.each(E, [&](int64_t e) { s.pos[e] = 0; });
-  t.each(1, [&](int64_t) { *s.n_bad = 0; });
   t.sync();
   t.each(R, [&](int64_t r) {
     const int32_t id = a.ids[r];
@@ -201,10 +186,7 @@ FTJAX_PLAN_FN void plan_core(const Team& t, const PlanArgs& a, const PlanScratch
     const bool v = route_valid(r);
     if (v && id >= 0 && id < E) s.pos[id] = 1;
     const int64_t f = base + id;
-    if (v && (id < 0 || id >= E)) {
-      a.cpu_units[r] = a.slot_of[clamp_flat(f)];  // its slot before the call
-      t.add_i32(s.n_bad, 1);
-    }
+    if (v && (id < 0 || id >= E)) a.cpu_units[r] = a.slot_of[clamp_flat(f)];  // its slot before the call
     if (v && f >= 0 && f < N) t.add_i32(&a.hist[f], 1);
   });
   // (eight entries per thread and pass, their loads issued together: a plain strided loop waits for each
@@ -233,7 +215,6 @@ FTJAX_PLAN_FN void plan_core(const Team& t, const PlanArgs& a, const PlanScratch
     if (valid) s.pos[s.uniq[i]] = static_cast<int32_t>(i) + 1;
     s.slot_u[i] = slot;
     s.slot_new[i] = slot;
-    s.filled[i] = 0;
     s.rec_u[i] = a.recency[uf];
     if (a.update && slot >= 0) lu[slot] = step;
   });
@@ -253,97 +234,6 @@ FTJAX_PLAN_FN void plan_core(const Team& t, const PlanArgs& a, const PlanScratch
     } else if (defer) {
       deferred = plan_defer_fills(m, n_fill, ff);
     }
-    // The misses to fill: most recently routed first, ties to the lower id (plan.rank_misses).
-    t.each(U, [&](int64_t i) {
-      if (!(s.uniq[i] < E && s.slot_u[i] < 0)) return;
-      int32_t rank = 0;
-      for (int64_t j = 0; j < U; ++j) {
-        if (!(s.uniq[j] < E && s.slot_u[j] < 0)) continue;
-        rank += s.rec_u[j] > s.rec_u[i] || (s.rec_u[j] == s.rec_u[i] && s.uniq[j] < s.uniq[i]);
-      }
-      if (rank < n_fill) {
-        s.fill_list[rank] = static_cast<int32_t>(base + s.uniq[i]);
-        s.fill_u[rank] = static_cast<int32_t>(i);
-        s.filled[i] = 1;
-      }
-    });
-  }
-  t.sync();
-
-  // Routes: slot after the updates; the unit split's units; a deferred call's misses to the CPU. A
-  // routed expert's slots come from the per-expert arrays; a router id outside [0, E) reads slot_of at
-  // the clamped flat id, before and after the updates (the jnp plan's gather), like the reference.
-  // `exact` false (before the fills' updates): the slot's sign only, right for routed experts (hit or
-  // filled), not for an id outside [0, E).
-  const bool split_call = defer && split && F > 0;
-  struct RouteOut {
-    int32_t slot, units;
-  };
-  auto route = [&](int64_t r, bool exact) {
-    const int32_t id = s.ids_copy ? s.ids_copy[r] : a.ids[r];
-    int32_t before, slot;
-    if (!route_valid(r)) {
-      before = -1;
-      slot = -1;
-    } else if (id >= 0 && id < E) {  // a valid route's expert is in uniq
-      const int32_t u = s.pos[id] - 1;
-      before = s.slot_u[u];
-      slot = exact ? s.slot_new[u] : (before >= 0 || s.filled[u] ? 0 : -1);
-    } else {
-      before = a.cpu_units[r];
-      slot = a.slot_of[clamp_flat(base + id)];
-    }
-    RouteOut o{slot, num_units};
-    const bool missed = before < 0;
-    if (split_call) {
-      if (deferred && missed && slot >= 0) o.units = units;
-    } else if (defer && deferred && missed) {
-      o.slot = -1;
-    }
-    return o;
-  };
-  // The CPU branch's routes first (route order), then the rest; each entry's unit start and task. Early (no
-  // id outside [0, E)): from the routes' signs, before the victims, then published; else after the
-  // route_slot pass, from its results.
-  auto cpu_lists = [&](bool from_signs) {
-    auto route_now = [&](int64_t r) {
-      return from_signs ? route(r, false) : RouteOut{a.route_slot[r], a.route_units[r]};
-    };
-    auto on_cpu = [&](int64_t r) {
-      const RouteOut o = route_now(r);
-      return route_valid(r) && (o.slot < 0 || o.units < num_units);
-    };
-    auto emit = [&](int64_t j, int64_t r, bool stage) {
-      const RouteOut o = route_now(r);
-      const int32_t cu = o.slot >= 0 ? o.units : 0;
-      a.cpu_routes[j] = static_cast<int32_t>(r);
-      a.cpu_units[j] = cu;
-      if (a.task_token || (stage && a.stage_token)) {
-        const int32_t token = static_cast<int32_t>(r / a.top_k);
-        const int32_t flat = static_cast<int32_t>(base) + (s.ids_copy ? s.ids_copy[r] : a.ids[r]);
-        const float w = a.gate_weights[r];
-        if (a.task_token) {
-          a.task_token[j] = token;
-          a.task_flat[j] = flat;
-          a.task_weight[j] = w;
-        }
-        if (stage && a.stage_token) {
-          a.stage_token[j] = token;
-          a.stage_flat[j] = flat;
-          a.stage_weight[j] = w;
-          a.stage_units[j] = cu;
-        }
-      }
-    };
-    const int64_t n = t.compact(R, on_cpu, [&](int64_t q, int64_t r) { emit(q, r, true); });
-    t.compact(R, [&](int64_t r) { return !on_cpu(r); }, [&](int64_t q, int64_t r) { emit(n + q, r, false); });
-    t.publish(n);
-    return n;
-  };
-  const bool early = *s.n_bad == 0;
-  int64_t n_cpu = early ? cpu_lists(true) : 0;
-
-  if (F > 0) {
     // Victims: the n_fill least recently used slots, in LRU order (one reduction each).
     uint64_t prev = 0;
     for (int32_t j = 0; j < n_fill; ++j) {
@@ -355,6 +245,19 @@ FTJAX_PLAN_FN void plan_core(const Team& t, const PlanArgs& a, const PlanScratch
       t.each(1, [&](int64_t) { s.victims[j] = static_cast<int32_t>(key & 0xffffffffu); });
       prev = key;
     }
+    // The misses to fill: most recently routed first, ties to the lower id (plan.rank_misses).
+    t.each(U, [&](int64_t i) {
+      if (!(s.uniq[i] < E && s.slot_u[i] < 0)) return;
+      int32_t rank = 0;
+      for (int64_t j = 0; j < U; ++j) {
+        if (!(s.uniq[j] < E && s.slot_u[j] < 0)) continue;
+        rank += s.rec_u[j] > s.rec_u[i] || (s.rec_u[j] == s.rec_u[i] && s.uniq[j] < s.uniq[i]);
+      }
+      if (rank < n_fill) {
+        s.fill_list[rank] = static_cast<int32_t>(base + s.uniq[i]);
+        s.fill_u[rank] = static_cast<int32_t>(i);
+      }
+    });
     t.sync();
     const int32_t stamp = (defer && deferred) ? step + a.defer_horizon : step;
     t.each(F, [&](int64_t j) {
@@ -381,15 +284,51 @@ FTJAX_PLAN_FN void plan_core(const Team& t, const PlanArgs& a, const PlanScratch
     t.sync();
   }
 
+  // Routes: slot after the updates; the unit split's units; a deferred call's misses to the CPU. A
+  // routed expert's slots come from the per-expert arrays; a router id outside [0, E) reads slot_of at
+  // the clamped flat id, before and after the updates (the jnp plan's gather), like the reference.
+  const bool split_call = defer && split && F > 0;
+  auto slots_of = [&](int64_t r, int32_t* before, int32_t* after) {
+    const int32_t id = s.ids_copy ? s.ids_copy[r] : a.ids[r];
+    if (!route_valid(r)) {
+      *before = -1;
+      *after = -1;
+    } else if (id >= 0 && id < E) {  // a valid route's expert is in uniq
+      *before = s.slot_u[s.pos[id] - 1];
+      *after = s.slot_new[s.pos[id] - 1];
+    } else {
+      *before = a.cpu_units[r];
+      *after = a.slot_of[clamp_flat(base + id)];
+    }
+  };
   t.each(R, [&](int64_t r) {
-    const RouteOut o = route(r, true);
-    a.route_slot[r] = o.slot;
-    a.route_units[r] = o.units;
+    int32_t before, slot;
+    slots_of(r, &before, &slot);
+    int32_t ru = num_units;
+    const bool missed = before < 0;
+    if (split_call) {
+      if (deferred && missed && slot >= 0) ru = units;
+    } else if (defer && deferred && missed) {
+      slot = -1;
+    }
+    a.route_slot[r] = slot;
+    a.route_units[r] = ru;
   });
-  if (!early) {
-    t.sync();
-    n_cpu = cpu_lists(false);
-  }
+  t.sync();
+  auto on_cpu = [&](int64_t r) { return route_valid(r) && (a.route_slot[r] < 0 || a.route_units[r] < num_units); };
+  const int64_t n_cpu = t.compact(R, on_cpu, [&](int64_t q, int64_t r) { a.cpu_routes[q] = static_cast<int32_t>(r); });
+  t.compact(R, [&](int64_t r) { return !on_cpu(r); },
+            [&](int64_t q, int64_t r) { a.cpu_routes[n_cpu + q] = static_cast<int32_t>(r); });
+  t.sync();
+  t.each(R, [&](int64_t j) {
+    const int32_t r = a.cpu_routes[j];
+    a.cpu_units[j] = a.route_slot[r] >= 0 ? a.route_units[r] : 0;
+    if (a.task_token) {
+      a.task_token[j] = static_cast<int32_t>(r / a.top_k);
+      a.task_flat[j] = static_cast<int32_t>(base) + (s.ids_copy ? s.ids_copy[r] : a.ids[r]);
+      a.task_weight[j] = a.gate_weights[r];
+    }
+  });
   // Recency of the routed experts; last_use back from the copy; counters; the clock.
   t.each(U, [&](int64_t i) {
     if (s.uniq[i] < E) a.recency[base + s.uniq[i]] = step;

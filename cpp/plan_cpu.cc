@@ -22,7 +22,6 @@ namespace {
 struct SerialTeam {
   void sync() const {}
   void add_i32(int32_t* p, int32_t v) const { *p += v; }
-  void publish(int64_t) const {}  // (the CPU platform's branch runs synchronously: nothing to hand over)
   template <class F>
   void each(int64_t n, F f) const {
     for (int64_t i = 0; i < n; ++i) f(i);
@@ -73,7 +72,6 @@ struct ThreadTeam {
     }
   }
   void add_i32(int32_t* p, int32_t v) const { __atomic_fetch_add(p, v, __ATOMIC_RELAXED); }
-  void publish(int64_t) const {}
   template <class F>
   void each(int64_t n, F f) const {
     for (int64_t i = tid; i < n; i += st->n) f(i);
@@ -126,12 +124,8 @@ struct ThreadTeam {
 };
 
 ffi::Error PlanCpuImpl(ffi::RemainingArgs args, ffi::RemainingRets rets, FTJAX_PLAN_ATTR_PARAMS) {
-  if (channel >= 0)
-    return ffi::Error::InvalidArgument("plan_layer: publishing the CPU branch (channel) is for the CUDA platform; "
-                                       "on the CPU the branch runs synchronously (cpu_experts)");
   PlanArgs a;
-  plan_ffi::SubmitIo sub;
-  ffi::Error err = plan_ffi::bind(args, rets, FTJAX_PLAN_ATTR_VALUES, &a, &sub);
+  ffi::Error err = plan_ffi::bind(args, rets, FTJAX_PLAN_ATTR_VALUES, &a);
   if (err.failure()) return err;
   const int64_t R = a.tokens * a.top_k;
   // One thread gains nothing from the copies the GPU makes, but CI then runs the code paths the GPU runs:

@@ -17,13 +17,11 @@ namespace ffi = xla::ffi;
 // Operands: ids [T, k], token_valid [T] (i32), fill_fraction [] (f32), gate_weights [T, k] (f32; with
 // tasks only), then the state (aliased to results 0..11): slot_of, owner_of, last_use, step, recency, six
 // [L] counters, hist; then (with background only) bg_ids, bg_slots [L, C], bg_n, bg_from [L] (aliased
-// to results 12..15); then (publishing, `channel` >= 0: CUDA only, with tasks) x [T, H] f32/bf16, the
-// activations the CPU branch reads.
+// to results 12..15).
 constexpr int kStateCount = 12, kBgCount = 4, kPlanOuts = 13, kTaskOuts = 3;
 // Results: the state, [the background rows,] then route_slot, cpu_routes, route_units, cpu_units [R],
 // fill_ids, fill_slots [F], n_cpu_routes, n_fill, hits, misses, cpu_experts, deferred, fill_units [],
-// [then task_token, task_flat (i32), task_weight (f32) [R]], [then (publishing) the submit token [1] i32:
-// what `cpu_experts_collect` takes].
+// [then task_token, task_flat (i32), task_weight (f32) [R]].
 
 inline std::string tag(const char* what) { return std::string("plan_layer: ") + what; }
 
@@ -71,24 +69,14 @@ struct PlanAttrs {
   int64_t layer, n_experts, fill_capacity, rule, update, defer_horizon, split_inter, split_granule, rebase_at,
       rebase_by, all_units, with_tasks, with_background, bg_units;
   int64_t team_threads;  // CPU handler only (tests): run plan_core on this many threads, the GPU block's form
-  int64_t channel;       // >= 0 (CUDA): the call stages its CPU tasks and x into this channel and publishes
-};
-
-// The publishing call's extra operand and result (bind() fills it when `channel` >= 0).
-struct SubmitIo {
-  const void* x = nullptr;
-  int64_t x_bytes = 0, x_tokens = 0, x_hidden = 0;
-  bool x_bf16 = false;
-  int32_t* token = nullptr;
 };
 
 // Fills `a` (pointers of XLA's buffers: device pointers for the CUDA handler) and checks every shape.
 inline ffi::Error bind(const ffi::RemainingArgs& args, const ffi::RemainingRets& rets, const PlanAttrs& at,
-                       PlanArgs* a, SubmitIo* sub) {
-  const bool tasks = at.with_tasks != 0, bg = at.with_background != 0, publish = at.channel >= 0;
-  if (publish && !tasks) return ffi::Error::InvalidArgument(tag("publishing the CPU branch needs the gate weights"));
-  const int n_args = 3 + tasks + kStateCount + (bg ? kBgCount : 0) + publish;
-  const int n_rets = kStateCount + (bg ? kBgCount : 0) + kPlanOuts + (tasks ? kTaskOuts : 0) + publish;
+                       PlanArgs* a) {
+  const bool tasks = at.with_tasks != 0, bg = at.with_background != 0;
+  const int n_args = 3 + tasks + kStateCount + (bg ? kBgCount : 0);
+  const int n_rets = kStateCount + (bg ? kBgCount : 0) + kPlanOuts + (tasks ? kTaskOuts : 0);
   if (static_cast<int>(args.size()) != n_args || static_cast<int>(rets.size()) != n_rets)
     return ffi::Error::InvalidArgument(tag("expected ") + std::to_string(n_args) + " operands and " +
                                        std::to_string(n_rets) + " results");
@@ -158,23 +146,6 @@ inline ffi::Error bind(const ffi::RemainingArgs& args, const ffi::RemainingRets&
     FTJAX_PLAN_TRY(ret_of<ffi::S32>(rets, ret, R, &a->task_token));
     FTJAX_PLAN_TRY(ret_of<ffi::S32>(rets, ret + 1, R, &a->task_flat));
     FTJAX_PLAN_TRY(ret_of<ffi::F32>(rets, ret + 2, R, &a->task_weight));
-    ret += kTaskOuts;
-  }
-  a->stage_token = a->stage_flat = a->stage_units = nullptr;  // (the CUDA handler points them at the staging)
-  a->stage_weight = nullptr;
-  if (publish) {
-    auto x = args.get<ffi::AnyBuffer>(n_args - 1);
-    if (!x.has_value()) return ffi::Error::InvalidArgument(tag("x must be an array"));
-    const auto xd = x->dimensions();
-    const bool bf16 = x->element_type() == ffi::DataType::BF16;
-    if (xd.size() != 2 || xd[0] != T || (!bf16 && x->element_type() != ffi::DataType::F32))
-      return ffi::Error::InvalidArgument(tag("x must be f32/bf16 [T, H] with T = ") + std::to_string(T));
-    sub->x = x->untyped_data();
-    sub->x_bytes = static_cast<int64_t>(x->size_bytes());
-    sub->x_tokens = xd[0];
-    sub->x_hidden = xd[1];
-    sub->x_bf16 = bf16;
-    FTJAX_PLAN_TRY(ret_of<ffi::S32>(rets, ret, 1, &sub->token));
   }
   a->tokens = T;
   a->top_k = k;
@@ -204,15 +175,14 @@ inline ffi::Error bind(const ffi::RemainingArgs& args, const ffi::RemainingRets&
       .Attr<int64_t>("defer_horizon").Attr<int64_t>("split_inter").Attr<int64_t>("split_granule")      \
       .Attr<int64_t>("rebase_at").Attr<int64_t>("rebase_by").Attr<int64_t>("all_units")                \
       .Attr<int64_t>("with_tasks").Attr<int64_t>("with_background").Attr<int64_t>("bg_units")          \
-      .Attr<int64_t>("team_threads").Attr<int64_t>("channel")
+      .Attr<int64_t>("team_threads")
 #define FTJAX_PLAN_ATTR_PARAMS                                                                          \
   int64_t layer, int64_t n_experts, int64_t fill_capacity, int64_t rule, int64_t update, int64_t defer_horizon, \
       int64_t split_inter, int64_t split_granule, int64_t rebase_at, int64_t rebase_by, int64_t all_units,      \
-      int64_t with_tasks, int64_t with_background, int64_t bg_units, int64_t team_threads, int64_t channel
+      int64_t with_tasks, int64_t with_background, int64_t bg_units, int64_t team_threads
 #define FTJAX_PLAN_ATTR_VALUES                                                                          \
   plan_ffi::PlanAttrs { layer, n_experts, fill_capacity, rule, update, defer_horizon, split_inter, split_granule, \
-                        rebase_at, rebase_by, all_units, with_tasks, with_background, bg_units, team_threads, \
-                        channel }
+                        rebase_at, rebase_by, all_units, with_tasks, with_background, bg_units, team_threads }
 
 }  // namespace plan_ffi
 }  // namespace ftjax

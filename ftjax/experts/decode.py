@@ -32,7 +32,7 @@ from ftjax.experts.interface import combine_routes, expert_mlp
 from ftjax.experts.kernels import check_kernel, decode_routes, prefill_layer
 from ftjax.experts.plan import (BACKGROUND_KEYS, PLAN_IMPLS, VICTIM_METHODS, cpu_tasks, plan_layer,
                                 record_background)
-from ftjax.experts.plan_fused import PUBLISH_MAX_BYTES, plan_layer_fused
+from ftjax.experts.plan_fused import plan_layer_fused
 from ftjax.experts.policies import Policy, get_policy, min_slots
 from ftjax.experts.resident import _ragged_routes
 from ftjax.host import quant, tune_workers_for_gpu
@@ -97,10 +97,6 @@ class OffloadExperts:
     one-task round trip, against 22.6 and 63.9 us for the memcpy-node path). ``plan_impl``: how the plan
     is computed (``plan.plan_layer``'s ``impl``; same results): "fused" (default: one native call,
     ``ftjax.experts.plan_fused``; one kernel on the GPU), or the jnp plan "scatter", "mixed", "dense".
-    ``plan_submit`` (CUDA, fused plan and handshake; default on): the plan kernel also submits the CPU
-    branch (``plan_layer_fused(publish=)``: x staged as the plan starts, the tasks published once decided,
-    before the LRU victims), where x is f32/bf16 of at most 128 KiB; off, or for larger calls, a separate
-    submit kernel runs after the plan.
     ``victims_by``: how the plan ranks the LRU victims (``plan.plan_layer``: "topk", "rank"; same slots);
     None picks `default_victims_by` for the platform and cache size. ``defer_fills``: decode calls of
     ``lru-split`` may defer their fills (``plan.defer_fills``: at the H200's bandwidths a call with one
@@ -139,7 +135,6 @@ class OffloadExperts:
     kernel: str = "jnp"
     fused_handshake: bool = True
     plan_impl: str = "fused"
-    plan_submit: bool = True
     victims_by: str | None = None
     defer_fills: bool | None = None
     unit_split: bool = False
@@ -301,19 +296,12 @@ class OffloadExperts:
                          defer_horizon=self.num_layers if self.background_fills and decode else 0,
                          unit_split=(self.pool.inter, unit_granule(self.pool)) if self.unit_split else None)
         recorded = False  # this call's background row written by the plan itself
-        if self.cpu_branch and self.platform == "cuda" and T > self.max_tokens:
-            raise ValueError(f"{T} tokens in one call, the CPU-branch staging holds {self.max_tokens}")
-        token = None  # the CPU branch's submit token (CUDA)
         if self.plan_impl == "fused" and (self.cpu_branch or bg_decode):
-            # the CPU branch's task arrays and the background row in the plan's own call (no XLA glue), and
-            # where it can, the CPU branch's submit too
-            publish = (x, self.channel_base + layer) if self._plan_publishes(x) else None
-            out = plan_layer_fused(
+            # the CPU branch's task arrays and the background row in the plan's own call (no XLA glue)
+            plan, state, tasks, bg = plan_layer_fused(
                 state, layer, expert_ids, token_valid, **plan_args,
                 gate_weights=gate_weights if self.cpu_branch else None,
-                background={key: state[key] for key in BACKGROUND_KEYS} if bg_decode else None, publish=publish)
-            plan, state, tasks, bg = out[:4]
-            token = out[4] if publish is not None else None
+                background={key: state[key] for key in BACKGROUND_KEYS} if bg_decode else None)
             if bg is not None:
                 state, recorded = dict(state, **bg), True
         else:
@@ -321,12 +309,14 @@ class OffloadExperts:
                                      victims_by=self.victims_by, **plan_args)
             tasks = cpu_tasks(plan, layer, expert_ids, gate_weights, E) if self.cpu_branch else None
         cpu_args = (x, *tasks, plan.n_cpu_routes) if tasks is not None else None
-        y_cpu = jnp.zeros(x.shape, jnp.float32)
-        if not self.cpu_branch or token is not None:
-            pass  # every expert is in the cache (nothing can miss), or the plan submitted the CPU branch
+        token, y_cpu = None, jnp.zeros(x.shape, jnp.float32)
+        if not self.cpu_branch:
+            pass  # every expert is in the cache: nothing can miss
         elif self.platform == "cuda":
             from ftjax.host import cuda
 
+            if T > self.max_tokens:
+                raise ValueError(f"{T} tokens in one call, the CPU-branch staging holds {self.max_tokens}")
             token = cuda.cpu_experts_submit(*cpu_args, channel=self.channel_base + layer,
                                             unit_start=plan.cpu_units if self.unit_split else None,
                                             fused=self.fused_handshake)
@@ -345,8 +335,6 @@ class OffloadExperts:
             y = jnp.zeros_like(x)
 
         if token is not None:
-            from ftjax.host import cuda
-
             y_cpu, _status, y = cuda.cpu_experts_collect(token, T, x.shape[1], self.channel_base + layer, after=y,
                                                          fused=self.fused_handshake)
         y = (y.astype(jnp.float32) + y_cpu).astype(x.dtype)
@@ -357,12 +345,6 @@ class OffloadExperts:
                                           blocks=BACKGROUND_FILL_BLOCKS)
             state = dict(state, gate_up=gu, down=dn)
         return jnp.where(token_valid[:, None], y, jnp.zeros_like(y)), state
-
-    def _plan_publishes(self, x) -> bool:
-        """The fused plan submits this call's CPU branch itself (``plan_submit``; CUDA, fused handshake,
-        x f32/bf16 of at most PUBLISH_MAX_BYTES)."""
-        return (self.plan_submit and self.cpu_branch and self.platform == "cuda" and self.fused_handshake
-                and x.dtype in (jnp.float32, jnp.bfloat16) and x.size * x.dtype.itemsize <= PUBLISH_MAX_BYTES)
 
     def _fill(self, state, plan, submit_token=None, deferred=None):
         """The plan's fills on the GPU's stream now, except (CUDA decode with background fills, ``deferred``

@@ -17,13 +17,12 @@ from ftjax.host.ffi import register_targets
 
 RULE_CODES = {"balance": 0, "all": 1, "none": 2}  # cpp/plan_core.h PlanRule
 MAX_EXPERTS = 6400  # 8 E int32 of scratch at most within cpp/plan_cuda.cu kPlanMaxSmem (200 KiB)
-PUBLISH_MAX_BYTES = 128 << 10  # the x a publishing plan stages (cpp/plan_cuda.cu kPublishMaxBytes)
 
 
 def plan_layer_fused(cache: dict, layer: int, expert_ids: jax.Array, token_valid: jax.Array, *, num_experts: int,
                      rule: str, fill_cap: int | None, update: bool, defer_horizon: int,
                      unit_split: tuple[int, int] | None, gate_weights: jax.Array | None = None,
-                     background: dict | None = None, team_threads: int = 1, publish: tuple | None = None):
+                     background: dict | None = None, team_threads: int = 1):
     """``plan.plan_layer``'s result through the ``ftjax_plan_layer`` FFI target (arguments checked there).
 
     Returns ``(plan, cache)``, or ``(plan, cache, tasks, background)`` when ``gate_weights`` ([T, k]) or
@@ -31,13 +30,7 @@ def plan_layer_fused(cache: dict, layer: int, expert_ids: jax.Array, token_valid
     ``plan.record_background`` would (``tasks`` None without gate weights; ``background``, the arrays
     ``bg_ids``/``bg_slots`` [L, C >= F], ``bg_n``/``bg_from`` [L] updated in place at row ``layer``, None
     without it; ``bg_from`` is written only under the unit split). ``team_threads`` > 1 (tests, CPU backend):
-    the CPU handler runs the plan on that many threads in the GPU thread block's form.
-
-    ``publish`` ``(x, channel)`` (CUDA only; needs ``gate_weights``): the same call also submits the CPU
-    branch on that handshake channel (`ftjax.host.cuda.create_channel`): it stages x [T, H] (f32/bf16, at
-    most 128 KiB) and the CPU tasks and publishes them as soon as they are decided, before the LRU victims,
-    instead of a separate `cuda.cpu_experts_submit` after the plan. The submit token for
-    `cuda.cpu_experts_collect` is then appended to the result: ``(plan, cache, tasks, background, token)``."""
+    the CPU handler runs the plan on that many threads in the GPU thread block's form."""
     from ftjax.experts.plan import ALL_UNITS, BACKGROUND_KEYS, REBASE_AT, REBASE_BY, LayerPlan, fill_capacity
 
     register_targets()
@@ -61,15 +54,6 @@ def plan_layer_fused(cache: dict, layer: int, expert_ids: jax.Array, token_valid
     with_tasks = gate_weights is not None
     if with_tasks and gate_weights.shape != expert_ids.shape:
         raise ValueError(f"gate weights {gate_weights.shape} must match the expert ids {expert_ids.shape}")
-    if publish is not None:
-        x_pub, channel = publish
-        if not with_tasks:
-            raise ValueError("publishing the CPU branch needs the gate weights (its tasks)")
-        if x_pub.ndim != 2 or x_pub.shape[0] != T or x_pub.dtype not in (jnp.float32, jnp.bfloat16):
-            raise ValueError(f"publish: x must be f32/bf16 [T={T}, H], got {x_pub.dtype}{list(x_pub.shape)}")
-        if x_pub.size * x_pub.dtype.itemsize > PUBLISH_MAX_BYTES:
-            raise ValueError(f"publish: x of {x_pub.size * x_pub.dtype.itemsize} B, the plan stages at most "
-                             f"{PUBLISH_MAX_BYTES}: submit separately (cuda.cpu_experts_submit)")
 
     def i32(*shape):
         return jax.ShapeDtypeStruct(shape, jnp.int32)
@@ -78,8 +62,6 @@ def plan_layer_fused(cache: dict, layer: int, expert_ids: jax.Array, token_valid
     results += [i32(R)] * 4 + [i32(F)] * 2 + [i32()] * 7
     if with_tasks:
         results += [i32(R), i32(R), jax.ShapeDtypeStruct((R,), jnp.float32)]
-    if publish is not None:
-        results.append(i32(1))
     first_state = 4 if with_tasks else 3
     call = jax.ffi.ffi_call("ftjax_plan_layer", results,
                             input_output_aliases={first_state + i: i for i in range(len(state) + len(bg))})
@@ -87,8 +69,7 @@ def plan_layer_fused(cache: dict, layer: int, expert_ids: jax.Array, token_valid
             jnp.asarray(cache["fill_fraction"], jnp.float32).reshape(())]
     if with_tasks:
         head.append(gate_weights.astype(jnp.float32))
-    tail = [publish[0]] if publish is not None else []
-    out = call(*head, *state, *bg, *tail,
+    out = call(*head, *state, *bg,
                layer=np.int64(layer), n_experts=np.int64(E), fill_capacity=np.int64(F),
                rule=np.int64(RULE_CODES[rule]), update=np.int64(bool(update)),
                defer_horizon=np.int64(defer_horizon if defer else 0),
@@ -96,8 +77,7 @@ def plan_layer_fused(cache: dict, layer: int, expert_ids: jax.Array, token_valid
                split_granule=np.int64(unit_split[1] if unit_split else 0),
                rebase_at=np.int64(REBASE_AT), rebase_by=np.int64(REBASE_BY), all_units=np.int64(ALL_UNITS),
                with_tasks=np.int64(with_tasks), with_background=np.int64(background is not None),
-               bg_units=np.int64(unit_split is not None), team_threads=np.int64(team_threads),
-               channel=np.int64(-1 if publish is None else int(publish[1])))
+               bg_units=np.int64(unit_split is not None), team_threads=np.int64(team_threads))
     n = len(state)
     slot_of, owner_of, last_use, step, recency = out[:5]
     new_stats = dict(zip(STAT_KEYS, out[5:5 + len(STAT_KEYS)]), hist=out[n - 1])
@@ -113,6 +93,4 @@ def plan_layer_fused(cache: dict, layer: int, expert_ids: jax.Array, token_valid
     if gate_weights is None and background is None:
         return plan, new
     tasks = tuple(out[p + 13:p + 16]) if with_tasks else None
-    if publish is not None:
-        return plan, new, tasks, new_bg, out[p + 16]
     return plan, new, tasks, new_bg

@@ -33,21 +33,14 @@ def setup():
     ("lru-fill", "37%", 1, "dense", "topk", True), ("lru-split", "37%", 1, "scatter", "rank", True),
     ("lru-split", "37%", 1, "scatter", "rank", False), ("lru-split", "min", 1, "scatter", "rank", True),
     ("lru-split", "layer", 1, "scatter", "topk", True),
-    ("static", "37%", 3, "mixed", "topk", True), ("cpu", None, 3, "mixed", "topk", True),
-    # the fused plan (the default), its kernel publishing the CPU branch, or (last) a submit kernel after it
-    ("lru-split", "37%", 1, "fused", None, True), ("lru-split", "min", 3, "fused", None, True),
-    ("lru-fill", "layer", 3, "fused", None, True), ("static", "37%", 3, "fused", None, True),
-    ("cpu", None, 3, "fused", None, True), ("lru-split", "37%", 3, "fused", None, False),
-    ("lru-split", "37%", 1, "fused-submit-kernel", None, True)])
+    ("static", "37%", 3, "mixed", "topk", True), ("cpu", None, 3, "mixed", "topk", True)])
 def test_cuda_offload_equals_resident(setup, policy, size, batch, plan_impl, victims_by, defer):
     """``defer``: lru-split decode calls may fill in the background (``defer_fills``; a forked fill on
-    the side stream, joined at the layer's next call). ``fused-submit-kernel``: the fused plan with
-    ``plan_submit=False`` (the CPU branch submitted by its own kernel after the plan)."""
+    the side stream, joined at the layer's next call)."""
     cfg, params, pool, ref = setup
     S = 0 if policy == "cpu" else SIZES[size]
-    submit_kernel = plan_impl == "fused-submit-kernel"
-    backend = OffloadExperts(pool, L, E, S, policy, platform="cuda", plan_impl="fused" if submit_kernel else plan_impl,
-                             victims_by=victims_by, defer_fills=defer, plan_submit=not submit_kernel)
+    backend = OffloadExperts(pool, L, E, S, policy, platform="cuda", plan_impl=plan_impl, victims_by=victims_by,
+                             defer_fills=defer)
     got, st = run(cfg, params, backend, backend.init_state(fill_fraction=0.4), batch, check=check_invariants,
                   freeze=backend.freeze_hot_set)
     want = ref[batch]

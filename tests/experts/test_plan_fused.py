@@ -78,14 +78,10 @@ def _steppers(rule, E, update, defer, unit_split, fill_cap, team_threads=1):
     return jax.jit(ref, donate_argnums=0), jax.jit(fused, donate_argnums=0)
 
 
-def _routing(rng, T, k, E, bad_ids=False):
+def _routing(rng, T, k, E):
     ids = np.stack([np.stack([rng.choice(E, k, replace=False) for _ in range(T)]) for _ in range(L)])
     if rng.random() < 0.3:  # a burst of repeats: many hits
         ids[:] = ids[0]
-    if bad_ids and rng.random() < 0.6:  # router ids outside [0, E) in some layers (the reference clamps)
-        for layer in range(L):
-            if rng.random() < 0.7:
-                ids[layer, rng.integers(T), rng.integers(k)] = rng.choice([-1, -E - 3, E, E + 5, 3 * E])
     gw = rng.random((L, T, k)).astype(np.float32)
     return jnp.asarray(ids, jnp.int32), jnp.asarray(rng.random(T) < 0.8), jnp.asarray(gw)
 
@@ -108,7 +104,7 @@ def _assert_same(ref, got, what):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y), f"{what}: state {jax.tree_util.keystr(path)}")
 
 
-def run_lockstep(case, device, steps=30, seed=0, clock=None, team_threads=1, bad_ids=False):
+def run_lockstep(case, device, steps=30, seed=0, clock=None, team_threads=1):
     """Both plans from the same state, ``steps`` decode steps of ``L`` layers; compare after each."""
     rule, S, T, k, E, update, defer, unit_split, fill_cap = case
     ref_step, fused_step = _steppers(rule, E, update, defer, unit_split, fill_cap, team_threads)
@@ -125,7 +121,7 @@ def run_lockstep(case, device, steps=30, seed=0, clock=None, team_threads=1, bad
             cache[key] = jnp.asarray(rng.integers(-5, 50, shape), jnp.int32)
         ref = jax.tree.map(jnp.copy, cache)
         for i in range(steps):
-            ids, valid, gw = _routing(rng, T, k, E, bad_ids)
+            ids, valid, gw = _routing(rng, T, k, E)
             out_ref = ref_step(ref, ids, valid, gw)
             out_fused = fused_step(cache, ids, valid, gw)
             _assert_same(out_ref, out_fused, f"step {i}")
@@ -155,34 +151,6 @@ def test_fused_plan_on_a_team_of_threads_equals_the_jnp_plan(case, threads, cpu)
     """The GPU kernel's parallel form (strided phases, barriers, per-thread partials, compactions chunk by
     chunk) on host threads: a missing barrier or a phase reading another thread's unfinished writes shows here."""
     run_lockstep(case, cpu, steps=12, team_threads=threads)
-
-
-@pytest.mark.parametrize("case", [CASES[i] for i in (0, 2, 8, 9, 10)], ids=[IDS[i] for i in (0, 2, 8, 9, 10)])
-def test_fused_plan_with_router_ids_outside_the_layer(case, cpu):
-    """Router ids outside [0, E) (no router makes them; the jnp plan's clamping and wrapping give them no
-    meaning to match): the fused plan lists the CPU routes after the fills for such a call instead of before
-    the victims. That path on a team of threads equals the one thread, and the maps stay consistent."""
-    rule, S, T, k, E, update, defer, unit_split, fill_cap = case
-    _, one = _steppers(rule, E, update, defer, unit_split, fill_cap, team_threads=1)
-    _, team = _steppers(rule, E, update, defer, unit_split, fill_cap, team_threads=5)
-    geom = CacheGeometry(num_layers=L, num_experts=E, num_slots=S, hidden=4, inter=unit_split[0] if unit_split else 2)
-    rng = np.random.default_rng(S + T)
-    with jax.default_device(cpu):
-        cache = init_cache_state(geom, jnp.float32, fill_fraction=0.37)
-        cache.pop("gate_up"), cache.pop("down")
-        C = fill_capacity(T * k, E, S, fill_cap, rule) + 2
-        for key, shape in zip(BACKGROUND_KEYS, [(L, C), (L, C), (L,), (L,)]):
-            cache[key] = jnp.zeros(shape, jnp.int32)
-        other = jax.tree.map(jnp.copy, cache)
-        bad_calls = 0
-        for i in range(16):
-            ids, valid, gw = _routing(rng, T, k, E, bad_ids=True)
-            bad_calls += int(np.any(((np.asarray(ids) < 0) | (np.asarray(ids) >= E)) & np.asarray(valid)[None, :, None]))
-            out_one, out_team = one(cache, ids, valid, gw), team(other, ids, valid, gw)
-            _assert_same(out_one, out_team, f"step {i}")
-            cache, other = out_one[1], out_team[1]
-            check_invariants(cache)
-    assert bad_calls > 0
 
 
 @pytest.mark.parametrize("defer", [False, True])
@@ -228,14 +196,6 @@ def test_fused_plan_checks_its_arguments(cpu):
         with pytest.raises(ValueError, match="team_threads"):
             plan_layer_fused(cache, 0, ids, valid, num_experts=4, rule="balance", fill_cap=None, update=True,
                              defer_horizon=0, unit_split=None, team_threads=0)
-        kw = dict(num_experts=4, rule="balance", fill_cap=None, update=True, defer_horizon=0, unit_split=None)
-        x, gw = jnp.ones((1, 4), jnp.float32), jnp.ones((1, 2), jnp.float32)
-        with pytest.raises(ValueError, match="gate weights"):
-            plan_layer_fused(cache, 0, ids, valid, publish=(x, 0), **kw)
-        with pytest.raises(ValueError, match="x must be"):
-            plan_layer_fused(cache, 0, ids, valid, gate_weights=gw, publish=(jnp.ones((2, 4)), 0), **kw)
-        with pytest.raises(Exception, match="CUDA platform"):  # the CPU branch runs synchronously there
-            jax.block_until_ready(plan_layer_fused(cache, 0, ids, valid, gate_weights=gw, publish=(x, 0), **kw))
 
 
 @pytest.fixture
