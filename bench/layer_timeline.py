@@ -3,20 +3,24 @@
     python bench/layer_timeline.py DIR [--example 20]
 
 For each ``perfetto_trace.json.gz`` under DIR (``bench/decode.py --profile DIR``): the GPU kernels of the
-main stream cut into layer calls at each ``plan_kernel`` (the fused plan opens every MoE layer call),
+step (every stream of XLA's command buffer: a CUDA graph runs independent nodes on several streams;
+the background fills' own stream left out) cut into layer calls at each ``plan_kernel`` (the fused plan
+opens every MoE layer call),
 then, as medians over the layer calls of the profiled steps (a step's last call, which runs the LM
 head and waits for the next step's dispatch, is left out: calls longer than 3x the median), the time
 from the plan's start to each phase:
 
-  plan     the plan kernel                    submit   the CPU branch's submit (staging + flag)
-  to_coll  submit end -> collect start: the GPU's own work of the layer (fills, GEMV, shared expert)
+  plan     the plan kernel
+  gap      plan end -> the submit kernel's start (0 where the plan kernel published the CPU branch)
+  submit   the CPU branch's submit kernel: staging + flag (0 where the plan published it)
+  to_coll  submit end (else plan end) -> collect start: the GPU's own work (fills, GEMV, shared expert)
   collect  the collect kernel: mostly the GPU waiting for the CPU branch's done flag
   rest     collect end -> next plan: combine, the next layer's attention and router
-  idle     time in the call with no kernel running on the main stream
+  idle     time in the call with no kernel running (on the step's streams)
 
-and one layer call's kernels (``--example``: its index among the calls) with offsets and durations,
-so the critical path can be read kernel by kernel. Other streams (background fills) are listed
-beside it with their overlap.
+and one layer call's kernels (``--example``: its index among the calls) with offsets, durations and
+streams, so the critical path can be read kernel by kernel; the background fills that overlap it are
+listed after it.
 """
 from __future__ import annotations
 
@@ -31,21 +35,21 @@ from trace_summary import gpu_kernels, load, short  # noqa: E402
 PHASES = ("call", "plan", "gap", "submit", "to_coll", "collect", "rest", "busy", "idle")
 
 
-def layer_calls(ks: list[dict]) -> tuple[list[list[dict]], tuple]:
-    """The main stream's kernels cut at each plan kernel; the main stream is the plan's."""
-    plans = [e for e in ks if "plan_kernel" in e["name"]]
-    if not plans:
-        return [], None
-    main = (plans[0]["pid"], plans[0]["tid"])
-    on_main = sorted((e for e in ks if (e["pid"], e["tid"]) == main), key=lambda e: e["ts"])
+BACKGROUND = ("bg_fill",)  # kernels of the background fills' side stream
+
+
+def layer_calls(ks: list[dict]) -> tuple[list[list[dict]], set]:
+    """The step's kernels (all streams but the background fills') cut at each plan kernel."""
+    side = {(e["pid"], e["tid"]) for e in ks if any(b in e["name"] for b in BACKGROUND)}
+    work = sorted((e for e in ks if (e["pid"], e["tid"]) not in side), key=lambda e: e["ts"])
     calls, cur = [], None
-    for e in on_main:
+    for e in work:
         if "plan_kernel" in e["name"]:
             cur = [e]
             calls.append(cur)
         elif cur is not None:
             cur.append(e)
-    return calls, main
+    return calls, side
 
 
 def phases(call: list[dict], end: float) -> dict[str, float]:
@@ -54,12 +58,21 @@ def phases(call: list[dict], end: float) -> dict[str, float]:
     plan_end = t0 + call[0]["dur"]
     sub = next((e for e in call if "submit" in e["name"]), None)
     col = next((e for e in call if "collect" in e["name"]), None)
-    busy = sum(e["dur"] for e in call)
+    iv = sorted((e["ts"], min(e["ts"] + e["dur"], end)) for e in call)  # busy: the union over streams
+    busy, cur_s, cur_e = 0.0, iv[0][0], iv[0][1]
+    for s, e in iv[1:]:
+        if s > cur_e:
+            busy += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    busy += cur_e - cur_s
     out = {"call": end - t0, "plan": call[0]["dur"], "busy": busy, "idle": (end - t0) - busy}
-    if sub is not None and col is not None:
-        out["gap"] = sub["ts"] - plan_end
-        out["submit"] = sub["dur"]
-        out["to_coll"] = col["ts"] - (sub["ts"] + sub["dur"])
+    if col is not None:  # (no submit kernel: the plan kernel published the CPU branch)
+        sub_end = sub["ts"] + sub["dur"] if sub is not None else plan_end
+        out["gap"] = sub["ts"] - plan_end if sub is not None else 0.0
+        out["submit"] = sub["dur"] if sub is not None else 0.0
+        out["to_coll"] = col["ts"] - sub_end
         out["collect"] = col["dur"]
         out["rest"] = end - (col["ts"] + col["dur"])
     return out
@@ -67,7 +80,7 @@ def phases(call: list[dict], end: float) -> dict[str, float]:
 
 def summarise(path: Path, example: int) -> None:
     ks = gpu_kernels(load(path))
-    calls, main = layer_calls(ks)
+    calls, side = layer_calls(ks)
     name = path.parent.parent.parent.parent.name if path.parents[3:] else str(path)
     if len(calls) < 2:
         print(f"\n== {name}: no plan kernels on the GPU (not an offloaded decode trace)")
@@ -77,23 +90,28 @@ def summarise(path: Path, example: int) -> None:
     keep = [r for r in rows if r["call"] <= 3 * med_call]
     print(f"\n== {name}: {len(calls)} layer calls, {len(keep)} kept (calls > 3x the median "
           f"{med_call:.1f} us left out)")
+    work = [e for c in calls for e in c]
+    span = max(e["ts"] + e["dur"] for e in work) - calls[0][0]["ts"]
+    if sum(r["call"] for r in rows) < 0.5 * span:
+        print(f"  (the layer calls cover {sum(r['call'] for r in rows) / span:.0%} of the span: the plan kernels "
+              "do not interleave with the rest in this trace's timestamps; the phases below are not the step's)")
     print("median us per layer call: " + "  ".join(
         f"{p} {statistics.median(r[p] for r in keep if p in r):.1f}" for p in PHASES
         if any(p in r for r in keep)))
     ex = min(max(example, 0), len(calls) - 2)
     call, end = calls[ex], calls[ex + 1][0]["ts"]
     t0 = call[0]["ts"]
-    print(f"layer call {ex} ({end - t0:.1f} us), main stream:")
-    print(f"  {'start':>8} {'dur':>7}  kernel")
+    print(f"layer call {ex} ({end - t0:.1f} us):")
+    print(f"  {'start':>8} {'dur':>7} {'stream':>7}  kernel")
     prev_end = t0
     for e in call:
         gap = e["ts"] - prev_end
         mark = f"  (idle {gap:.1f})" if gap > 1.0 else ""
-        print(f"  {e['ts'] - t0:8.1f} {e['dur']:7.1f}  {short(e['name'])}{mark}")
-        prev_end = e["ts"] + e["dur"]
-    others = [e for e in ks if (e["pid"], e["tid"]) != main and e["ts"] < end and e["ts"] + e["dur"] > t0]
+        print(f"  {e['ts'] - t0:8.1f} {e['dur']:7.1f} {e['tid']:>7}  {short(e['name'])}{mark}")
+        prev_end = max(prev_end, e["ts"] + e["dur"])
+    others = [e for e in ks if (e["pid"], e["tid"]) in side and e["ts"] < end and e["ts"] + e["dur"] > t0]
     for e in sorted(others, key=lambda e: e["ts"]):
-        print(f"  {e['ts'] - t0:8.1f} {e['dur']:7.1f}  [other stream {e['tid']}] {short(e['name'])}")
+        print(f"  {e['ts'] - t0:8.1f} {e['dur']:7.1f} {e['tid']:>7}  [background] {short(e['name'])}")
 
 
 def main(argv=None) -> int:

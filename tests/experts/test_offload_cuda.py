@@ -33,7 +33,11 @@ def setup():
     ("lru-fill", "37%", 1, "dense", "topk", True), ("lru-split", "37%", 1, "scatter", "rank", True),
     ("lru-split", "37%", 1, "scatter", "rank", False), ("lru-split", "min", 1, "scatter", "rank", True),
     ("lru-split", "layer", 1, "scatter", "topk", True),
-    ("static", "37%", 3, "mixed", "topk", True), ("cpu", None, 3, "mixed", "topk", True)])
+    ("static", "37%", 3, "mixed", "topk", True), ("cpu", None, 3, "mixed", "topk", True),
+    # the fused plan (the default: one kernel per layer call)
+    ("lru-split", "37%", 1, "fused", None, True), ("lru-split", "min", 3, "fused", None, True),
+    ("lru-fill", "layer", 3, "fused", None, True), ("static", "37%", 3, "fused", None, True),
+    ("cpu", None, 3, "fused", None, True), ("lru-split", "37%", 3, "fused", None, False)])
 def test_cuda_offload_equals_resident(setup, policy, size, batch, plan_impl, victims_by, defer):
     """``defer``: lru-split decode calls may fill in the background (``defer_fills``; a forked fill on
     the side stream, joined at the layer's next call)."""
