@@ -271,6 +271,9 @@ def main(argv=None) -> int:
                     help="lru-split's background fills (OffloadExperts defer_fills; on is the library default on "
                          "the GPU): on, off, or both: the lru-split row without them and a 'split bg-fills' row "
                          "with them")
+    ap.add_argument("--whole-split", action="store_true",
+                    help="also a 'split whole' row: lru-split with background fills of whole experts (OffloadExperts "
+                         "unit_split=False; the library default splits by units where it can)")
     ap.add_argument("--unit-split", action="store_true",
                     help="also a 'split units' row: lru-split with background fills and the fills of a call split "
                          "by intermediate units (OffloadExperts unit_split; bf16/f32 pools)")
@@ -362,7 +365,9 @@ def main(argv=None) -> int:
                     rows[pol] = run.timed(args.warmup, args.steps)
                     rows[pol]["victims_by"] = run.backend.victims_by
                     rows[pol]["background_fills"] = run.backend.background_fills
-                    progress(f"{routing} b{B} {pol} {frac:.0%}", rows[pol])
+                    rows[pol]["unit_split"] = run.backend.unit_split
+                    progress(f"{routing} b{B} {pol}{' (units: the default)' if run.backend.unit_split else ''} "
+                             f"{frac:.0%}", rows[pol])
                     if args.hlo_stats:
                         rows[pol]["hlo_ops"] = run.hlo_ops()
                         print(f"{pol}: compiled decode step, top-level ops {rows[pol]['hlo_ops']}", flush=True)
@@ -401,6 +406,8 @@ def main(argv=None) -> int:
                         variant("split bg-fills", "with background fills", defer_fills=True)
                     if args.unit_split:  # background fills + the fills split by units
                         variant("split units", "fills split by units", defer_fills=True, unit_split=True)
+                    if args.whole_split:  # background fills of whole experts, not split by units
+                        variant("split whole", "whole experts deferred", defer_fills=True, unit_split=False)
                     if args.kernel_ablation:  # the same policy, the GPU's expert GEMV by the Pallas kernel
                         variant(f"split {args.kernel_ablation}", f"{args.kernel_ablation} kernel",
                                 defer_fills=args.defer == "on", kernel=args.kernel_ablation)

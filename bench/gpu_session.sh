@@ -11,7 +11,8 @@
 # CPU calls' rate per thread as threads are added, ~3 min), decode-ablations (every policy, b1 and b4, 37%),
 # tests-units-pallas (the GEMV's per-route units on the GPU), decode-pallas-b1 (lru-split with the Pallas GEMV,
 # with and without the unit split).
-# Session 18 steps: decode-timeline (b1 / 37% profiled, each run's layer call phase by phase: bench/layer_timeline.py).
+# Session 18 steps: decode-timeline (b1 / 37% profiled, each run's layer call phase by phase: bench/layer_timeline.py),
+# decode-units-default-b4 (b4: the default lru-split, units where it can, vs whole experts deferred).
 # Session 13 steps: tests-plan (the fused plan's GPU tests + the CUDA offload tests, ~2.5 min), decode-plan-b1 /
 # -b4 (lru-split with the fused plan vs the jnp plan, lru-fill; ~4.5 min).
 # Session 12 steps: prefill-split (the prefill kernels' own times, routed vs one expert, ~1.5 min),
@@ -162,6 +163,11 @@ for s in "${steps[@]}"; do
          --warmup 24 --profile /tmp/tl_prof --out "$OUT/decode_timeline.json"
        run decode_timeline 60 python3 bench/layer_timeline.py /tmp/tl_prof
        run decode_timeline 60 python3 bench/trace_summary.py /tmp/tl_prof --top 16 ;;
+    decode-units-default-b4)  # 40 layers, b4, 37%: lru-split with the library default (units where it can) vs whole
+       # experts deferred vs units explicitly (~3.5 min)
+       run decode_units_default_b4 300 python3 bench/decode.py --layers 40 --batches 4 --routing trace --fractions 0.37 \
+         --policies lru-split --unit-split --whole-split --no-sweep --no-online --steps 16 --warmup 16 \
+         --out "$OUT/decode_units_default_b4.json" ;;
     decode-ablations)  # 40 layers, trace, 37%: every policy in one process (lru-split, all-fill, all-CPU, static),
        # batch 1 and 4 (~8-9 min)
        run decode_ablations 575 python3 bench/decode.py --layers 40 --batches ${ABL_BATCHES:-1 4} --routing trace \

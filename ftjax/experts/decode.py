@@ -116,10 +116,12 @@ class OffloadExperts:
     gets each route's unit start, and the step's background fill copies the split slots' units [u, I). On
     the CPU platform the fill is whole and at once. Both kernels: the Pallas decode GEMV takes each
     route's units (`decode_experts(units=)`), and a decode call of more routes than the GEMV's limit runs
-    the GEMV too (the prefill kernel computes whole experts only; prefill calls are never split). Not built: int4 pools on CUDA (the partial copy of the
-    packed layout). On the H200 (batch 1, 37%, trace routing, jnp kernel) it ran 1.01-1.02x lru-split with
-    background fills at 40 layers (bench/RESULTS.md, sessions 12 and 15; the model bench/split_model.py
-    had said 1.09x): opt-in.
+    the GEMV too (the prefill kernel computes whole experts only; prefill calls are never split). Not built:
+    int4 pools on CUDA (the partial copy of the packed layout). None (default): on where it runs and has
+    measured faster: the CUDA platform with background fills, the jnp kernel, a bf16/f32 pool whose I is a
+    multiple of the granule; off elsewhere. On the H200 (40 layers, 37%, trace routing) it ran 1.04, 1.07,
+    1.03 and 1.04x lru-split with whole deferred experts at batch 1 (bench/RESULTS.md session 18; 1.01-1.02x
+    in sessions 12 and 15), and with the Pallas GEMV 0.89-0.92x (hence off with ``kernel="pallas"``).
     Call `drain` before dropping a state on the GPU (a background fill may still be writing its banks).
     """
 
@@ -137,7 +139,7 @@ class OffloadExperts:
     plan_impl: str = "fused"
     victims_by: str | None = None
     defer_fills: bool | None = None
-    unit_split: bool = False
+    unit_split: bool | None = None
     channel_base: int = -1
     background_id: int = -1
 
@@ -157,6 +159,12 @@ class OffloadExperts:
         if not lo <= self.num_slots <= hi:
             raise ValueError(f"policy {self.policy.name!r} needs {lo} <= num_slots <= {hi}, got {self.num_slots}"
                              + (" (the expert pool does not fit the VRAM budget)" if self.policy.preload == "all" else ""))
+        if self.unit_split is None:
+            object.__setattr__(self, "unit_split", self.platform == "cuda" and self.background_fills
+                               and self.pool.format != "int4" and self.kernel == "jnp"
+                               and self.pool.inter % unit_granule(self.pool) == 0)
+        if self.unit_split not in (True, False):
+            raise ValueError(f"unit_split must be None, True or False, got {self.unit_split!r}")
         if self.unit_split:
             if not self.background_fills:
                 raise ValueError("unit_split completes the split slots in the background: it needs defer_fills "
