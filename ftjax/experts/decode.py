@@ -55,6 +55,15 @@ BACKGROUND_FILL_BLOCKS = 16
 RANK_MAX_SLOTS = 8192  # victims_by="rank" counts over S^2 slot pairs: measured at 3,788 slots only
 
 
+def default_unit_split(platform: str, background_fills: bool, pool: HostPool, kernel: str) -> bool:
+    """``OffloadExperts(unit_split=None)``: the unit split where it runs and measured faster than deferring
+    whole experts (H200, bench/RESULTS.md session 18: 1.03-1.07x at batch 1, 1.05x at batch 4): the CUDA
+    platform with background fills, the jnp GPU kernel (with the Pallas GEMV it ran 0.89-0.92x), a bf16/f32
+    pool (the partial fill of the int4 layout is not built) whose I is a multiple of the granule."""
+    return (platform == "cuda" and background_fills and kernel == "jnp" and pool.format != "int4"
+            and pool.inter % unit_granule(pool) == 0)
+
+
 def unit_granule(pool: HostPool) -> int:
     """unit_split: units per step of the split: an int4 group of the down matrix, else 8."""
     return quant.GROUP if pool.format == "int4" else 8
@@ -160,9 +169,8 @@ class OffloadExperts:
             raise ValueError(f"policy {self.policy.name!r} needs {lo} <= num_slots <= {hi}, got {self.num_slots}"
                              + (" (the expert pool does not fit the VRAM budget)" if self.policy.preload == "all" else ""))
         if self.unit_split is None:
-            object.__setattr__(self, "unit_split", self.platform == "cuda" and self.background_fills
-                               and self.pool.format != "int4" and self.kernel == "jnp"
-                               and self.pool.inter % unit_granule(self.pool) == 0)
+            object.__setattr__(self, "unit_split", default_unit_split(self.platform, self.background_fills,
+                                                                      self.pool, self.kernel))
         if self.unit_split not in (True, False):
             raise ValueError(f"unit_split must be None, True or False, got {self.unit_split!r}")
         if self.unit_split:

@@ -1,5 +1,6 @@
 """OffloadExperts equals ResidentExperts for every policy and cache size, batch 1 and 3 (CPU platform)."""
 import re
+import types
 
 import jax
 import jax.numpy as jnp
@@ -8,7 +9,7 @@ import pytest
 
 from ftjax.config import parse_hf_config
 from ftjax.experts.cache import check_invariants
-from ftjax.experts.decode import OffloadExperts
+from ftjax.experts.decode import OffloadExperts, default_unit_split
 from ftjax.experts.policies import POLICIES
 from ftjax.experts.resident import ResidentExperts
 from ftjax.host import HostPool
@@ -153,6 +154,22 @@ def test_unit_split_is_checked(model):
         OffloadExperts(pool, L, E, 4, "lru-split", defer_fills=False, unit_split=True)
     with pytest.raises(ValueError, match="needs defer_fills"):
         OffloadExperts(pool, L, E, 4, "lru-fill", defer_fills=True, unit_split=True)
+    with pytest.raises(ValueError, match="unit_split must be"):
+        OffloadExperts(pool, L, E, 4, "lru-split", defer_fills=True, unit_split="yes")
+
+
+def test_unit_split_default(model):
+    """None: on where it runs and measured faster (CUDA, background fills, the jnp kernel, bf16/f32 pools)."""
+    *_, pool = model
+    assert default_unit_split("cuda", True, pool, "jnp")
+    assert not default_unit_split("cuda", True, pool, "pallas")  # slower with the Pallas GEMV on the H200
+    assert not default_unit_split("cuda", False, pool, "jnp")    # nothing deferred: nothing to split
+    assert not default_unit_split("cpu", True, pool, "jnp")      # the CPU platform fills at once anyway
+    int4 = types.SimpleNamespace(format="int4", inter=pool.inter)
+    assert not default_unit_split("cuda", True, int4, "jnp")     # the partial int4 fill is not built
+    # the CPU platform: off unless asked for
+    assert not OffloadExperts(pool, L, E, 4, "lru-split", defer_fills=True).unit_split
+    assert OffloadExperts(pool, L, E, 4, "lru-split", defer_fills=True, unit_split=True).unit_split
 
 
 def decode_hlo(cfg, params, backend, expert_state, batch: int) -> str:
