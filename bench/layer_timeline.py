@@ -11,8 +11,8 @@ head and waits for the next step's dispatch, is left out: calls longer than 3x t
 from the plan's start to each phase:
 
   plan     the plan kernel
-  gap      plan end -> the submit kernel's start (0 where the plan kernel published the CPU branch)
-  submit   the CPU branch's submit kernel: staging + flag (0 where the plan published it)
+  gap      plan end -> the submit kernel's start (0 in a call without one)
+  submit   the CPU branch's submit kernel: staging + flag
   to_coll  submit end (else plan end) -> collect start: the GPU's own work (fills, GEMV, shared expert)
   collect  the collect kernel: mostly the GPU waiting for the CPU branch's done flag
   rest     collect end -> next plan: combine, the next layer's attention and router
@@ -30,7 +30,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from trace_summary import gpu_kernels, load, short  # noqa: E402
+from trace_summary import gpu_kernels, load, short, union_length  # noqa: E402
 
 PHASES = ("call", "plan", "gap", "submit", "to_coll", "collect", "rest", "busy", "idle")
 
@@ -58,17 +58,9 @@ def phases(call: list[dict], end: float) -> dict[str, float]:
     plan_end = t0 + call[0]["dur"]
     sub = next((e for e in call if "submit" in e["name"]), None)
     col = next((e for e in call if "collect" in e["name"]), None)
-    iv = sorted((e["ts"], min(e["ts"] + e["dur"], end)) for e in call)  # busy: the union over streams
-    busy, cur_s, cur_e = 0.0, iv[0][0], iv[0][1]
-    for s, e in iv[1:]:
-        if s > cur_e:
-            busy += cur_e - cur_s
-            cur_s, cur_e = s, e
-        else:
-            cur_e = max(cur_e, e)
-    busy += cur_e - cur_s
+    busy = union_length(sorted((e["ts"], min(e["ts"] + e["dur"], end)) for e in call))  # over the streams
     out = {"call": end - t0, "plan": call[0]["dur"], "busy": busy, "idle": (end - t0) - busy}
-    if col is not None:  # (no submit kernel: the plan kernel published the CPU branch)
+    if col is not None:  # (a call without a submit kernel: to_coll from the plan's end)
         sub_end = sub["ts"] + sub["dur"] if sub is not None else plan_end
         out["gap"] = sub["ts"] - plan_end if sub is not None else 0.0
         out["submit"] = sub["dur"] if sub is not None else 0.0

@@ -75,6 +75,18 @@ def hlo_entry_ops(hlo_text: str) -> dict[str, int]:
     return out
 
 
+def union_length(intervals: list[tuple[float, float]]) -> float:
+    """Total length of the union of (start, end) intervals sorted by start."""
+    busy, cur_s, cur_e = 0.0, intervals[0][0], intervals[0][1]
+    for s, e in intervals[1:]:
+        if s > cur_e:
+            busy += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    return busy + cur_e - cur_s
+
+
 def short(name: str) -> str:
     name = re.sub(r"\.\d+$", "", name)
     return name if len(name) < 70 else name[:67] + "..."
@@ -88,14 +100,7 @@ def summarise(path: Path, top: int, steps: int) -> None:
         return
     # Streams overlap: busy time is the union of intervals over all GPU threads.
     iv = sorted((e["ts"], e["ts"] + e["dur"]) for e in ks)
-    busy, cur_s, cur_e = 0.0, iv[0][0], iv[0][1]
-    for s, e in iv[1:]:
-        if s > cur_e:
-            busy += cur_e - cur_s
-            cur_s, cur_e = s, e
-        else:
-            cur_e = max(cur_e, e)
-    busy += cur_e - cur_s
+    busy = union_length(iv)
     span = iv[-1][1] - iv[0][0]
     total = sum(e["dur"] for e in ks)
     print(f"span {span / steps / 1e3:.2f} ms/step, busy (union) {busy / steps / 1e3:.2f} ms/step "

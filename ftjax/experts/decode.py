@@ -126,11 +126,8 @@ class OffloadExperts:
     the CPU platform the fill is whole and at once. Both kernels: the Pallas decode GEMV takes each
     route's units (`decode_experts(units=)`), and a decode call of more routes than the GEMV's limit runs
     the GEMV too (the prefill kernel computes whole experts only; prefill calls are never split). Not built:
-    int4 pools on CUDA (the partial copy of the packed layout). None (default): on where it runs and has
-    measured faster: the CUDA platform with background fills, the jnp kernel, a bf16/f32 pool whose I is a
-    multiple of the granule; off elsewhere. On the H200 (40 layers, 37%, trace routing) it ran 1.04, 1.07,
-    1.03 and 1.04x lru-split with whole deferred experts at batch 1 (bench/RESULTS.md session 18; 1.01-1.02x
-    in sessions 12 and 15), and with the Pallas GEMV 0.89-0.92x (hence off with ``kernel="pallas"``).
+    int4 pools on CUDA (the partial copy of the packed layout). None (default): `default_unit_split`, on
+    where it runs and measured faster than deferring whole experts, off elsewhere.
     Call `drain` before dropping a state on the GPU (a background fill may still be writing its banks).
     """
 
