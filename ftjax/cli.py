@@ -82,6 +82,9 @@ def add_expert_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-background-fills", dest="background_fills", action="store_false", default=None,
                    help="lru-split on the GPU: fill every miss of a decode call in that call (default: a call "
                    "the CPU serves faster computes its misses there and fills them beside the next step)")
+    g.add_argument("--no-unit-split", dest="unit_split", action="store_false", default=None,
+                   help="lru-split on the GPU with background fills: defer whole experts (default with the jnp "
+                   "kernel: a deferred call fills its experts' first units now and the CPU computes the rest)")
 
 
 def _sampling_params(args):
@@ -118,7 +121,7 @@ def _run_generation(model, args, prompt: str, echo_prompt: bool = False) -> None
         raise CLIError("the prompt is empty")
     gen = Generator(model, batch=1, max_len=args.max_len, policy=args.policy, vram_gib=args.vram_gib,
                     online_split=not args.fixed_split, expert_kernel=args.expert_kernel,
-                    background_fills=args.background_fills)
+                    background_fills=args.background_fills, unit_split=args.unit_split)
     text = _prompt_text(gen.tokenizer, args, prompt)
     ids = gen.encode_prompt(text)
     if len(ids) > gen.max_len:

@@ -44,7 +44,8 @@ def test_help_lists_every_command():
 
 @pytest.mark.parametrize("cmd, options", [
     ("convert", ["HF_DIR", "OUT_DIR", "--dtype", "--overwrite"]),
-    ("generate", ["--model", "--chat", "--max-tokens", "--temperature", "--top-k", "--top-p", "--seed", "--stream"]),
+    ("generate", ["--model", "--chat", "--max-tokens", "--temperature", "--top-k", "--top-p", "--seed", "--stream",
+                  "--policy", "--vram-gib", "--no-background-fills", "--no-unit-split"]),
     ("demo", ["--prompt", "--max-tokens", "--rebuild"]),
     ("info", ["--model"]),
 ])

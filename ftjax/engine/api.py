@@ -56,6 +56,8 @@ class EngineConfig:
     background_fills: under lru-split, a decode call the CPU serves faster than the split computes its
         misses on the CPU and fills them beside the next step (``OffloadExperts.defer_fills``); None =
         on the GPU, off on the CPU.
+    unit_split: with background fills, such a call fills its experts' first units now and the CPU computes
+        the rest (``OffloadExperts.unit_split``); None = on the GPU with the jnp kernel (bf16/f32 pools).
     """
 
     max_slots: int = 4
@@ -68,12 +70,13 @@ class EngineConfig:
     online_split: bool = True
     expert_kernel: str = "jnp"
     background_fills: bool | None = None
+    unit_split: bool | None = None
 
     def __post_init__(self):
         from ftjax.experts.runtime import OffloadConfig
 
         OffloadConfig(self.policy, self.vram_gib, kernel=self.expert_kernel,  # validates them
-                      background_fills=self.background_fills)
+                      background_fills=self.background_fills, unit_split=self.unit_split)
         _check_int("max_slots", self.max_slots, 1)
         if self.max_len is not None:
             _check_int("max_len", self.max_len, 2)

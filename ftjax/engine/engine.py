@@ -117,7 +117,8 @@ class Engine:
                                 self.config.dtype, OffloadConfig(self.config.policy, self.config.vram_gib,
                                                               online=self.config.online_split,
                                                               kernel=self.config.expert_kernel,
-                                                              background_fills=self.config.background_fills))
+                                                              background_fills=self.config.background_fills,
+                                                              unit_split=self.config.unit_split))
 
     def _attach(self, accelerator) -> None:
         if accelerator.max_slots != self.config.max_slots:

@@ -26,7 +26,9 @@ class OffloadConfig:
     (None: the whole pool); num_slots overrides the budget; fill_cap bounds fills per layer call;
     online: refine the miss split from measured step times; kernel: the device-side expert code,
     "jnp" or "pallas" (``ftjax.experts.kernels``); background_fills: lru-split decode calls may fill in
-    the background (``OffloadExperts.defer_fills``; None: on the GPU, not on the CPU)."""
+    the background (``OffloadExperts.defer_fills``; None: on the GPU, not on the CPU); unit_split: such a
+    call fills its experts' first units now and the CPU computes the rest (``OffloadExperts.unit_split``;
+    None: ``default_unit_split``, on the GPU with the jnp kernel and bf16/f32 pools)."""
 
     policy: str | None = None
     vram_gib: float | None = None
@@ -35,6 +37,7 @@ class OffloadConfig:
     online: bool = True
     kernel: str = "jnp"
     background_fills: bool | None = None
+    unit_split: bool | None = None
 
     def __post_init__(self):
         from ftjax.experts.kernels import check_kernel
@@ -42,6 +45,8 @@ class OffloadConfig:
         check_kernel(self.kernel)
         if self.background_fills not in (None, True, False):
             raise ValueError(f"background_fills must be None, True or False, got {self.background_fills!r}")
+        if self.unit_split not in (None, True, False):
+            raise ValueError(f"unit_split must be None, True or False, got {self.unit_split!r}")
         if self.policy is not None and self.policy not in POLICIES:
             raise ValueError(f"policy={self.policy!r} unknown; valid: {sorted(POLICIES)}")
         if self.vram_gib is not None and not self.vram_gib >= 0:
@@ -100,7 +105,8 @@ def build_backend(cfg, banks=None, config: OffloadConfig | None = None, *, pool=
         pool.pin_if_cuda()
     band = bw.load_bandwidth()
     backend = OffloadExperts(pool, L, E, S, policy, fill_cap=config.fill_cap, platform=platform,
-                             max_tokens=max_tokens, kernel=config.kernel, defer_fills=config.background_fills)
+                             max_tokens=max_tokens, kernel=config.kernel, defer_fills=config.background_fills,
+                             unit_split=config.unit_split)
     state = backend.init_state(fill_fraction=band.fill_fraction)
     info = {"policy": policy.name, "num_slots": S, "slot_bytes": slot_bytes, "platform": platform,
             "bandwidth": band, "cache_fraction": S / (L * E)}

@@ -38,7 +38,8 @@ def engine_config(args):
     return EngineConfig(max_slots=args.max_slots, max_len=args.max_len, prefill_chunk=args.prefill_chunk,
                         max_queue=args.max_queue, dtype=args.dtype, policy=args.policy,
                         vram_gib=args.vram_gib, online_split=not args.fixed_split,
-                        expert_kernel=args.expert_kernel, background_fills=args.background_fills)
+                        expert_kernel=args.expert_kernel, background_fills=args.background_fills,
+                        unit_split=args.unit_split)
 
 
 def model_dir(args) -> str:

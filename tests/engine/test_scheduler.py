@@ -266,7 +266,8 @@ def test_stats_contract(engine):
 
 
 @pytest.mark.parametrize("field, value", [("max_slots", 0), ("max_len", 1), ("prefill_chunk", 0),
-                                          ("max_queue", 0), ("dtype", "int8"), ("max_slots", 2.0)])
+                                          ("max_queue", 0), ("dtype", "int8"), ("max_slots", 2.0),
+                                          ("background_fills", "yes"), ("unit_split", "on")])
 def test_engine_config_validation(field, value):
     with pytest.raises(ValueError, match=field):
         EngineConfig(**{field: value})

@@ -27,8 +27,8 @@ def tiny(tmp_path_factory):
     return load_store(store), Tokenizer.from_dir(store)
 
 
-@pytest.mark.parametrize("background_fills", [None, True])
-def test_engine_lru_split_matches_resident(tiny, background_fills):
+@pytest.mark.parametrize("background_fills,unit_split", [(None, None), (True, None), (True, True)])
+def test_engine_lru_split_matches_resident(tiny, background_fills, unit_split):
     model, tok = tiny
     prompts = ["the lighthouse", "a keeper of"]
     sp = SamplingParams(temperature=0.0, max_tokens=6)
@@ -38,8 +38,10 @@ def test_engine_lru_split_matches_resident(tiny, background_fills):
     slot_gib = 3 * cfg.hidden_size * cfg.moe_intermediate_size * 4 / 2**30
     budget = slot_gib * max(2, int(0.37 * cfg.num_layers * cfg.num_experts))
     with Engine(model, tok, EngineConfig(max_slots=2, max_len=64, prefill_chunk=16, policy="lru-split",
-                                         vram_gib=budget, background_fills=background_fills)) as eng:
+                                         vram_gib=budget, background_fills=background_fills,
+                                         unit_split=unit_split)) as eng:
         assert eng.accelerator.backend.background_fills == bool(background_fills)  # None: the GPU only
+        assert eng.accelerator.backend.unit_split == bool(unit_split)  # None: the GPU only (jnp kernel)
         got = [r.token_ids for r in eng.generate(prompts, sp)]
         eng.accelerator.expert_stats.after_step(eng.accelerator.expert_state, force=True)
         stats = eng.stats()
