@@ -30,7 +30,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from trace_summary import gpu_kernels, load, short, union_length  # noqa: E402
+from trace_summary import gpu_kernels, load, short, trace_name, trace_paths, union_length  # noqa: E402
 
 PHASES = ("call", "plan", "gap", "submit", "to_coll", "collect", "rest", "busy", "idle")
 
@@ -73,7 +73,7 @@ def phases(call: list[dict], end: float) -> dict[str, float]:
 def summarise(path: Path, example: int) -> None:
     ks = gpu_kernels(load(path))
     calls, side = layer_calls(ks)
-    name = path.parent.parent.parent.parent.name if path.parents[3:] else str(path)
+    name = trace_name(path)
     if len(calls) < 2:
         print(f"\n== {name}: no plan kernels on the GPU (not an offloaded decode trace)")
         return
@@ -111,7 +111,7 @@ def main(argv=None) -> int:
     ap.add_argument("root")
     ap.add_argument("--example", type=int, default=20, help="index of the layer call to list kernel by kernel")
     args = ap.parse_args(argv)
-    paths = sorted(Path(args.root).rglob("perfetto_trace.json.gz"))
+    paths = trace_paths(args.root)
     if not paths:
         print(f"no perfetto_trace.json.gz under {args.root}", file=sys.stderr)
         return 1

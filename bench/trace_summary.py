@@ -75,6 +75,16 @@ def hlo_entry_ops(hlo_text: str) -> dict[str, int]:
     return out
 
 
+def trace_paths(root: str) -> list[Path]:
+    """The profiler's perfetto traces under ``root`` (``jax.profiler.trace(..., create_perfetto_trace=True)``)."""
+    return sorted(Path(root).rglob("perfetto_trace.json.gz"))
+
+
+def trace_name(path: Path) -> str:
+    """A trace's run name: the directory given to the profiler (ROOT/NAME/plugins/profile/TIME/...)."""
+    return path.parent.parent.parent.parent.name if path.parents[3:] else str(path)
+
+
 def union_length(intervals: list[tuple[float, float]]) -> float:
     """Total length of the union of (start, end) intervals sorted by start."""
     busy, cur_s, cur_e = 0.0, intervals[0][0], intervals[0][1]
@@ -95,7 +105,7 @@ def short(name: str) -> str:
 def summarise(path: Path, top: int, steps: int) -> None:
     events = load(path)
     ks = gpu_kernels(events)
-    print(f"\n== {path.parent.parent.parent.parent.name if path.parents[3:] else path}: {len(ks)} GPU events")
+    print(f"\n== {trace_name(path)}: {len(ks)} GPU events")
     if not ks:
         return
     # Streams overlap: busy time is the union of intervals over all GPU threads.
@@ -125,7 +135,7 @@ def main(argv=None) -> int:
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--steps", type=int, default=3)
     args = ap.parse_args(argv)
-    paths = sorted(Path(args.root).rglob("perfetto_trace.json.gz"))
+    paths = trace_paths(args.root)
     if not paths:
         print(f"no perfetto_trace.json.gz under {args.root}", file=sys.stderr)
         return 1
