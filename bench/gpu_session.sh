@@ -13,6 +13,7 @@
 # with and without the unit split).
 # Session 18 steps: decode-timeline (b1 / 37% profiled, each run's layer call phase by phase: bench/layer_timeline.py),
 # decode-units-default-b4 (b4: the default lru-split, units where it can, vs whole experts deferred).
+# Session 19 steps: fill-units (bench/fill_units.py: the in-step fills alone and beside a background fill).
 # Session 13 steps: tests-plan (the fused plan's GPU tests + the CUDA offload tests, ~2.5 min), decode-plan-b1 /
 # -b4 (lru-split with the fused plan vs the jnp plan, lru-fill; ~4.5 min).
 # Session 12 steps: prefill-split (the prefill kernels' own times, routed vs one expert, ~1.5 min),
@@ -163,6 +164,9 @@ for s in "${steps[@]}"; do
          --warmup 24 --profile /tmp/tl_prof --out "$OUT/decode_timeline.json"
        run decode_timeline 60 python3 bench/layer_timeline.py /tmp/tl_prof
        run decode_timeline 60 python3 bench/trace_summary.py /tmp/tl_prof --top 16 ;;
+    fill-units)  # the in-step fills (whole expert, the unit split's units [0, u)) alone and beside a background
+       # fill on the side stream (~1 min)
+       run fill_units 150 python3 bench/fill_units.py --out "$OUT/fill_units.json" ;;
     decode-units-default-b4)  # 40 layers, b4, 37%: lru-split with the library default (units where it can) vs whole
        # experts deferred vs units explicitly (~3.5 min)
        run decode_units_default_b4 300 python3 bench/decode.py --layers 40 --batches 4 --routing trace --fractions 0.37 \
