@@ -36,7 +36,7 @@ import ftjax
 from ftjax.config import parse_hf_config
 from ftjax.experts import bandwidth as bw
 from ftjax.experts.cache import STAT_KEYS
-from ftjax.experts.decode import OffloadExperts
+from ftjax.experts.decode import BACKGROUND_YIELD_MODES, OffloadExperts
 from ftjax.experts.plan import PLAN_IMPLS, VICTIM_METHODS
 from ftjax.experts.resident import ResidentExperts
 from ftjax.experts.traces import ReplayRouting, synthetic_trace
@@ -277,6 +277,9 @@ def main(argv=None) -> int:
     ap.add_argument("--unit-split", action="store_true",
                     help="also a 'split units' row: lru-split with background fills and the fills of a call split "
                          "by intermediate units (OffloadExperts unit_split; bf16/f32 pools)")
+    ap.add_argument("--yield-ablation", action="store_true",
+                    help="lru-split again (same executable) under every background yield mode (OffloadExperts."
+                         "background_yield: what the background fill pauses for), each timed after the default")
     ap.add_argument("--kernel-ablation", choices=("pallas",),
                     help="also a 'split pallas' row: lru-split with the Pallas decode GEMV as its GPU expert kernel "
                          "(OffloadExperts kernel='pallas'; the other rows and T_gpu use jnp), and with --unit-split a "
@@ -366,6 +369,7 @@ def main(argv=None) -> int:
                     rows[pol]["victims_by"] = run.backend.victims_by
                     rows[pol]["background_fills"] = run.backend.background_fills
                     rows[pol]["unit_split"] = run.backend.unit_split
+                    rows[pol]["background_yield"] = run.backend.background_yield
                     progress(f"{routing} b{B} {pol}{' (units: the default)' if run.backend.unit_split else ''} "
                              f"{frac:.0%}", rows[pol])
                     if args.hlo_stats:
@@ -381,6 +385,16 @@ def main(argv=None) -> int:
                             rows[f"split w{n}s{spin}"] = run.timed(args.warmup // 2, args.steps)
                         if args.worker_variants:
                             configure_workers(spin_us=GPU_SPIN_US)
+                        if args.yield_ablation and run.backend.background_fills:
+                            default_yield = run.backend.background_yield
+                            for mode in BACKGROUND_YIELD_MODES:  # same executable: the fork reads the mode
+                                run.backend.set_background_yield(mode)
+                                name = f"split yield {mode}"
+                                rows[name] = run.timed(args.warmup // 2, args.steps)
+                                progress(f"{routing} b{B} lru-split, background yield {mode} {frac:.0%}", rows[name])
+                                profile(run, args.profile, f"{routing}-b{B}-yield-{mode.replace('+', '-')}-"
+                                        f"{round(100 * frac)}")
+                            run.backend.set_background_yield(default_yield)
                     if pol == "lru-split" and not args.no_sweep:
                         sweep = {}
                         for f in SWEEP:

@@ -13,7 +13,8 @@
 # with and without the unit split).
 # Session 18 steps: decode-timeline (b1 / 37% profiled, each run's layer call phase by phase: bench/layer_timeline.py),
 # decode-units-default-b4 (b4: the default lru-split, units where it can, vs whole experts deferred).
-# Session 19 steps: fill-units (bench/fill_units.py: the in-step fills alone and beside a background fill).
+# Session 19 steps: fill-units (bench/fill_units.py: the in-step fills alone and beside a background fill), tests-yield,
+# decode-yield-b1 (the background fill pausing for the in-step transfers: OffloadExperts.background_yield).
 # Session 13 steps: tests-plan (the fused plan's GPU tests + the CUDA offload tests, ~2.5 min), decode-plan-b1 /
 # -b4 (lru-split with the fused plan vs the jnp plan, lru-fill; ~4.5 min).
 # Session 12 steps: prefill-split (the prefill kernels' own times, routed vs one expert, ~1.5 min),
@@ -167,6 +168,15 @@ for s in "${steps[@]}"; do
     fill-units)  # the in-step fills (whole expert, the unit split's units [0, u)) alone and beside a background
        # fill on the side stream (~1 min)
        run fill_units 150 python3 bench/fill_units.py --out "$OUT/fill_units.json" ;;
+    tests-yield)  # the transfer words and the background yield on the GPU (~1.5 min)
+       run gpu_tests_yield 200 python3 -m pytest -q -m gpu tests/host/test_cuda.py tests/experts/test_offload_cuda.py \
+         -k "yield or transfer or unit_split or background" ;;
+    decode-yield-b1)  # 40 layers, b1, 37%: lru-split (the default) under every background yield mode, same
+       # executable, profiled (~4 min)
+       run decode_yield_b1 330 python3 bench/decode.py --layers 40 --batches 1 --routing trace --fractions 0.37 \
+         --policies lru-split --yield-ablation --no-sweep --no-online --steps 24 --warmup 24 --profile /tmp/yprof \
+         --out "$OUT/decode_yield_b1.json"
+       run decode_yield_b1 60 python3 bench/trace_summary.py /tmp/yprof --top 8 ;;
     decode-units-default-b4)  # 40 layers, b4, 37%: lru-split with the library default (units where it can) vs whole
        # experts deferred vs units explicitly (~3.5 min)
        run decode_units_default_b4 300 python3 bench/decode.py --layers 40 --batches 4 --routing trace --fractions 0.37 \

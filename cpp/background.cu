@@ -46,6 +46,7 @@ struct Background {
   cudaEvent_t ring_done[kBgRing] = {};
   bool ring_used[kBgRing] = {};
   int next = 0;
+  int32_t yield_mask = 0;  // YieldMask bits: pause while in-step fills / CPU branches run (set_background_yield)
 };
 
 std::mutex bg_mu;
@@ -84,7 +85,9 @@ __global__ void bg_stage(const int32_t* __restrict__ ids, const int32_t* __restr
 __global__ void bg_fill(int32_t* entry, int64_t layers, int64_t F, const int64_t* seq_at_fork, int64_t* done,
                         int64_t n_experts, int64_t n_slots, int64_t hidden, int64_t inter, int64_t per16,
                         const uint4* __restrict__ src0, uint4* __restrict__ dst0, int64_t row0,
-                        const uint4* __restrict__ src1, uint4* __restrict__ dst1, int64_t row1) {
+                        const uint4* __restrict__ src1, uint4* __restrict__ dst1, int64_t row1,
+                        const int32_t* words, int32_t yield_mask) {
+  YieldGate gate{words, yield_mask};
   const int64_t worker = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t workers = static_cast<int64_t>(gridDim.x) * blockDim.x;
   const int32_t* ids = entry;
@@ -99,9 +102,10 @@ __global__ void bg_fill(int32_t* entry, int64_t layers, int64_t F, const int64_t
       const int64_t id = ids[l * F + q], slot = slots[l * F + q];
       if (id < 0 || id >= n_experts || slot < 0 || slot >= n_slots) continue;  // masked entry
       if (u0 > 0)
-        copy_units(id, slot, u0, inter, worker, workers, hidden, inter, per16, src0, dst0, row0, src1, dst1, row1);
+        copy_units(id, slot, u0, inter, worker, workers, hidden, inter, per16, src0, dst0, row0, src1, dst1, row1,
+                   &gate);
       else
-        copy_expert(id, slot, worker, workers, src0, dst0, row0, src1, dst1, row1);
+        copy_expert(id, slot, worker, workers, src0, dst0, row0, src1, dst1, row1, &gate);
     }
     __syncthreads();
     if (threadIdx.x == 0) {
@@ -192,7 +196,7 @@ ffi::Error BgForkImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> ids, ffi::Buffe
         entry, L, F, seq_at_fork, b->done, pool->n_experts(), S, pool->hidden(), pool->inter(), per16,
         static_cast<const uint4*>(g.device_ptr),
         static_cast<uint4*>(gate_up.untyped_data()), g.expert_bytes / 16, static_cast<const uint4*>(d.device_ptr),
-        static_cast<uint4*>(down.untyped_data()), d.expert_bytes / 16);
+        static_cast<uint4*>(down.untyped_data()), d.expert_bytes / 16, transfer_words(false), b->yield_mask);
     cuda_check(cudaGetLastError(), "bg_fork: fills");
     cuda_check(cudaEventRecord(b->ring_done[e], side), "bg_fork: ring event");
   } catch (const std::exception& e) {
@@ -205,6 +209,7 @@ ffi::Error BgForkImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> ids, ffi::Buffe
 
 int64_t create_background(int64_t layers, int64_t max_fill) {
   if (layers < 1 || max_fill < 1) throw std::invalid_argument("create_background: layers and max_fill must be >= 1");
+  transfer_words(true);  // (made outside graph capture, for the in-step fills and handshakes recorded later)
   auto b = std::make_unique<Background>();
   b->layers = layers;
   b->max_fill = max_fill;
@@ -253,6 +258,38 @@ bool background_error(int64_t id) {
   Background* b = find_background(id);
   if (!b) throw std::invalid_argument("no background with id " + std::to_string(id));
   return *reinterpret_cast<volatile int32_t*>(b->error_host) != 0;
+}
+
+void set_background_yield(int64_t id, int32_t mask) {
+  if (mask < 0 || mask > (kYieldFills | kYieldCpu))
+    throw std::invalid_argument("background yield mask must be in [0, 3], got " + std::to_string(mask));
+  std::lock_guard<std::mutex> lock(bg_mu);  // read by the next fork (under the same lock)
+  auto it = backgrounds().find(id);
+  if (it == backgrounds().end()) throw std::invalid_argument("no background with id " + std::to_string(id));
+  it->second->yield_mask = mask;
+}
+
+int32_t background_yield(int64_t id) {
+  std::lock_guard<std::mutex> lock(bg_mu);
+  auto it = backgrounds().find(id);
+  if (it == backgrounds().end()) throw std::invalid_argument("no background with id " + std::to_string(id));
+  return it->second->yield_mask;
+}
+
+void add_transfer_word(int32_t word, int32_t delta) {
+  if (word != kWordFills && word != kWordCpu) throw std::invalid_argument("transfer word must be 0 or 1");
+  int32_t* w = transfer_words(true);
+  int32_t v = 0;
+  cuda_check(cudaMemcpy(&v, w + word, sizeof v, cudaMemcpyDeviceToHost), "transfer word");
+  v += delta;
+  cuda_check(cudaMemcpy(w + word, &v, sizeof v, cudaMemcpyHostToDevice), "transfer word");
+}
+
+int32_t transfer_word(int32_t word) {
+  if (word != kWordFills && word != kWordCpu) throw std::invalid_argument("transfer word must be 0 or 1");
+  int32_t v = 0;
+  cuda_check(cudaMemcpy(&v, transfer_words(true) + word, sizeof v, cudaMemcpyDeviceToHost), "transfer word");
+  return v;
 }
 
 void clear_background_error(int64_t id) {

@@ -141,6 +141,10 @@ void bind_cuda(nb::module_& m) {
   m.def("create_background", &create_background, "layers"_a, "max_fill"_a);
   m.def("background_error", &background_error, "id"_a);
   m.def("clear_background_error", &clear_background_error, "id"_a);
+  m.def("set_background_yield", &set_background_yield, "id"_a, "mask"_a);
+  m.def("background_yield", &background_yield, "id"_a);
+  m.def("transfer_word", &transfer_word, "word"_a);
+  m.def("add_transfer_word", &add_transfer_word, "word"_a, "delta"_a);
   m.def("destroy_background", [](int64_t id) {
     nb::gil_scoped_release release;
     destroy_background(id);

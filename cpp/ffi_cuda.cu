@@ -19,16 +19,19 @@ namespace ftjax {
 namespace {
 
 // Grid (blocks per entry, capacity): entry blockIdx.y, if valid, by gridDim.x blocks.
+// `words` (nullptr: not counted): the transfer words; a block with an entry counts itself in while it copies.
 __global__ void fill_kernel(const int32_t* __restrict__ ids, const int32_t* __restrict__ slots,
                             const int32_t* __restrict__ n_valid, int64_t n_experts, int64_t n_slots,
                             const uint4* __restrict__ src0, uint4* __restrict__ dst0, int64_t row0,
-                            const uint4* __restrict__ src1, uint4* __restrict__ dst1, int64_t row1) {
+                            const uint4* __restrict__ src1, uint4* __restrict__ dst1, int64_t row1, int32_t* words) {
   const int q = blockIdx.y;
   if (q >= *n_valid) return;
   const int64_t id = ids[q], slot = slots[q];
   if (id < 0 || id >= n_experts || slot < 0 || slot >= n_slots) return;  // masked entry
+  fill_block_enter(words);
   copy_expert(id, slot, static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x,
               static_cast<int64_t>(gridDim.x) * blockDim.x, src0, dst0, row0, src1, dst1, row1);
+  fill_block_leave(words);
 }
 
 // A fixed grid that walks the valid entries one after the other (a few blocks beside other work).
@@ -36,15 +39,18 @@ __global__ void fill_loop_kernel(const int32_t* __restrict__ ids, const int32_t*
                                  const int32_t* __restrict__ n_valid, int64_t capacity, int64_t n_experts,
                                  int64_t n_slots, const uint4* __restrict__ src0, uint4* __restrict__ dst0,
                                  int64_t row0, const uint4* __restrict__ src1, uint4* __restrict__ dst1,
-                                 int64_t row1) {
+                                 int64_t row1, int32_t* words) {
   const int64_t n = min(static_cast<int64_t>(*n_valid), capacity);
+  if (n <= 0) return;
   const int64_t worker = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t workers = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  fill_block_enter(words);
   for (int64_t q = 0; q < n; ++q) {
     const int64_t id = ids[q], slot = slots[q];
     if (id < 0 || id >= n_experts || slot < 0 || slot >= n_slots) continue;  // masked entry
     copy_expert(id, slot, worker, workers, src0, dst0, row0, src1, dst1, row1);
   }
+  fill_block_leave(words);
 }
 
 // bf16 / f32 pools, the unit split: units [0, u) of each valid entry's expert, u = *units (a multiple
@@ -55,21 +61,25 @@ __global__ void fill_units_kernel(const int32_t* __restrict__ ids, const int32_t
                                   const int32_t* __restrict__ n_valid, const int32_t* __restrict__ units,
                                   int64_t n_experts, int64_t n_slots, int64_t hidden, int64_t inter, int64_t per16,
                                   const uint4* __restrict__ src0, uint4* __restrict__ dst0, int64_t row0,
-                                  const uint4* __restrict__ src1, uint4* __restrict__ dst1, int64_t row1) {
+                                  const uint4* __restrict__ src1, uint4* __restrict__ dst1, int64_t row1,
+                                  int32_t* words) {
   const int q = blockIdx.y;
   if (q >= *n_valid) return;
   const int64_t id = ids[q], slot = slots[q];
   if (id < 0 || id >= n_experts || slot < 0 || slot >= n_slots) return;  // masked entry
   const int64_t u = min(max(static_cast<int64_t>(*units), int64_t{0}), inter) / 8 * 8;
+  if (u == 0) return;
+  fill_block_enter(words);
   copy_units(id, slot, 0, u, static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x,
              static_cast<int64_t>(gridDim.x) * blockDim.x, hidden, inter, per16, src0, dst0, row0, src1, dst1, row1);
+  fill_block_leave(words);
 }
 
 }  // namespace
 
 void launch_fill_units(cudaStream_t stream, const ExpertPool& pool, const int32_t* ids, const int32_t* slots,
                        const int32_t* n_valid, const int32_t* units, int64_t capacity, int64_t n_slots,
-                       void* cache_gate_up, void* cache_down) {
+                       void* cache_gate_up, void* cache_down, int32_t* words) {
   const Bank& g = pool.gate_up();
   const Bank& d = pool.down();
   if (!pool.pinned() || !g.device_ptr || !d.device_ptr)
@@ -87,13 +97,13 @@ void launch_fill_units(cudaStream_t stream, const ExpertPool& pool, const int32_
   fill_units_kernel<<<grid, kFillThreads, 0, stream>>>(
       ids, slots, n_valid, units, pool.n_experts(), n_slots, pool.hidden(), pool.inter(), per16,
       static_cast<const uint4*>(g.device_ptr), static_cast<uint4*>(cache_gate_up), row0,
-      static_cast<const uint4*>(d.device_ptr), static_cast<uint4*>(cache_down), row1);
+      static_cast<const uint4*>(d.device_ptr), static_cast<uint4*>(cache_down), row1, words);
   cuda_check(cudaGetLastError(), "expert_fill_units launch");
 }
 
 void launch_fill(cudaStream_t stream, const ExpertPool& pool, const int32_t* ids, const int32_t* slots,
                  const int32_t* n_valid, int64_t capacity, int64_t n_slots, void* cache_gate_up, void* cache_down,
-                 int64_t max_blocks) {
+                 int64_t max_blocks, int32_t* words) {
   const Bank& g = pool.gate_up();
   const Bank& d = pool.down();
   if (!pool.pinned() || !g.device_ptr || !d.device_ptr)
@@ -109,13 +119,13 @@ void launch_fill(cudaStream_t stream, const ExpertPool& pool, const int32_t* ids
   auto* dst1 = static_cast<uint4*>(cache_down);
   if (max_blocks > 0) {  // `max_blocks` in all, walking the valid entries: leaves SMs to the work beside it
     fill_loop_kernel<<<static_cast<unsigned>(max_blocks), kFillThreads, 0, stream>>>(
-        ids, slots, n_valid, capacity, pool.n_experts(), n_slots, src0, dst0, row0, src1, dst1, row1);
+        ids, slots, n_valid, capacity, pool.n_experts(), n_slots, src0, dst0, row0, src1, dst1, row1, words);
   } else {  // enough blocks per entry to fill the GPU when the list is short (1,056 = 132 SMs x 8 blocks)
     const int64_t per_row = std::max<int64_t>(1, std::min<int64_t>((row0 + row1 + kFillThreads - 1) / kFillThreads,
                                                                    (1056 + capacity - 1) / capacity));
     const dim3 grid(static_cast<unsigned>(per_row), static_cast<unsigned>(capacity));
     fill_kernel<<<grid, kFillThreads, 0, stream>>>(ids, slots, n_valid, pool.n_experts(), n_slots, src0, dst0, row0,
-                                               src1, dst1, row1);
+                                               src1, dst1, row1, words);
   }
   cuda_check(cudaGetLastError(), "expert_fill launch");
 }
@@ -151,13 +161,13 @@ ffi::Error CheckedFill(cudaStream_t stream, ffi::Buffer<ffi::S32> ids, ffi::Buff
   try {
     if (units)
       launch_fill_units(stream, *pool, ids.typed_data(), slots.typed_data(), n_valid.typed_data(),
-                        units->typed_data(), cap, S, gate_up.untyped_data(), down.untyped_data());
+                        units->typed_data(), cap, S, gate_up.untyped_data(), down.untyped_data(), transfer_words(false));
     else if (staged)  // a forked fill reads its private copy of the lists: [ids (cap) | slots (cap) | n_valid]
       launch_fill(stream, *pool, staged, staged + cap, staged + 2 * cap, cap, S, gate_up.untyped_data(),
                   down.untyped_data(), blocks);
     else
       launch_fill(stream, *pool, ids.typed_data(), slots.typed_data(), n_valid.typed_data(), cap, S,
-                  gate_up.untyped_data(), down.untyped_data(), blocks);
+                  gate_up.untyped_data(), down.untyped_data(), blocks, transfer_words(false));
   } catch (const std::exception& e) {
     return ffi::Error::Internal(what + e.what());
   }
@@ -300,6 +310,20 @@ void fork_to_side(cudaStream_t stream) {
   std::lock_guard<std::mutex> lock(s.mu);
   ensure_side(s);
   fork_locked(s, stream);
+}
+
+int32_t* transfer_words(bool make) {
+  static std::mutex mu;
+  static int32_t* words = nullptr;
+  std::lock_guard<std::mutex> lock(mu);
+  if (!words && make) {  // outside graph capture: a background's or a channel's creation
+    int32_t* w = nullptr;
+    cuda_check(cudaMalloc(&w, 2 * sizeof(int32_t)), "transfer words");
+    cuda_check(cudaMemset(w, 0, 2 * sizeof(int32_t)), "transfer words");
+    cuda_check(cudaDeviceSynchronize(), "transfer words");
+    words = w;
+  }
+  return words;
 }
 
 void sync_side_stream() {

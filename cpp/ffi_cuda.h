@@ -26,17 +26,26 @@ void* plan_cuda_handler();  // the fused plan of one MoE layer call (plan_cuda.c
 int64_t create_background(int64_t layers, int64_t max_fill);  // -> id
 bool background_error(int64_t id);                            // a wait timed out
 void clear_background_error(int64_t id);                      // (a fresh state: its waits have not)
+void set_background_yield(int64_t id, int32_t mask);  // YieldMask bits (fill_device.cuh), read at each fork
+int32_t background_yield(int64_t id);
+int32_t transfer_word(int32_t word);                   // (tests) the transfer words' values, synchronously
+void add_transfer_word(int32_t word, int32_t delta);  // (tests) a word held or released by hand
 void destroy_background(int64_t id);  // after the GPU is idle; its id is unknown from then on
 int64_t live_backgrounds();
 
-// The fill kernel outside XLA (benchmarks, calibration).
+// The transfer words (fill_device.cuh TransferWord): one pair per process (single GPU), made by the first
+// call with `make` (a background's or a channel's creation, outside graph capture); nullptr before that.
+int32_t* transfer_words(bool make);
+
+// The fill kernels (also outside XLA: benchmarks, calibration). `words`: an in-step fill counts its
+// blocks in the transfer words (nullptr: not counted).
 void launch_fill(cudaStream_t stream, const ExpertPool& pool, const int32_t* ids, const int32_t* slots,
                  const int32_t* n_valid, int64_t capacity, int64_t n_slots, void* cache_gate_up, void* cache_down,
-                 int64_t max_blocks = 0);
+                 int64_t max_blocks = 0, int32_t* words = nullptr);
 
 void launch_fill_units(cudaStream_t stream, const ExpertPool& pool, const int32_t* ids, const int32_t* slots,
                        const int32_t* n_valid, const int32_t* units, int64_t capacity, int64_t n_slots,
-                       void* cache_gate_up, void* cache_down);
+                       void* cache_gate_up, void* cache_down, int32_t* words = nullptr);
 
 // CPU-branch channels: staging in mapped pinned memory, served by one coordinator thread.
 void create_channel(int64_t channel, uint64_t pool_id, int64_t max_tokens, int64_t max_tasks);

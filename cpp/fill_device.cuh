@@ -9,19 +9,79 @@ namespace ftjax {
 constexpr int kFillThreads = 256;
 constexpr int kFillUnroll = 4;  // 16-byte loads in flight per thread: hides PCIe read latency
 
+// Transfer priority (OffloadExperts.background_yield): two device words, process-wide
+// (`transfer_words`): [0] thread blocks of in-step fills running, [1] CPU branches in flight (submitted,
+// not yet collected). The step's background fill may pause while they are nonzero, so the transfers
+// a decode call waits for get the PCIe link (and the host's DRAM) to themselves.
+enum TransferWord : int { kWordFills = 0, kWordCpu = 1 };
+enum YieldMask : int32_t { kYieldFills = 1, kYieldCpu = 2 };
+constexpr uint64_t kYieldMaxWaitNs = 200000;    // one pause at most 200 us...
+constexpr uint64_t kYieldMaxTotalNs = 2000000;  // ... and 2 ms in all per thread and launch (a stuck word only slows)
+
+__device__ __forceinline__ uint64_t global_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// Copy loops call wait() before an iteration's loads and sample() after them: the words' loads of one
+// iteration are read at the next, so their latency hides behind the copy's own PCIe reads.
+struct NoGate {
+  __device__ void wait() {}
+  __device__ void sample() {}
+};
+
+struct YieldGate {
+  const int32_t* words;  // nullptr or mask 0: never pauses
+  int32_t mask;
+  int32_t busy = 0;
+  uint64_t paused = 0;
+  __device__ int32_t busy_now() const {
+    const volatile int32_t* w = words;
+    return ((mask & kYieldFills) && w[kWordFills] > 0) || ((mask & kYieldCpu) && w[kWordCpu] > 0);
+  }
+  __device__ void sample() { busy = (words && mask && paused < kYieldMaxTotalNs) ? busy_now() : 0; }
+  __device__ void wait() {
+    if (!busy) return;
+    const uint64_t t0 = global_ns();
+    uint64_t now = t0;
+    while (busy_now() && now - t0 < kYieldMaxWaitNs && paused + (now - t0) < kYieldMaxTotalNs) {
+      __nanosleep(1000);
+      now = global_ns();
+    }
+    paused += now - t0;
+    busy = 0;
+  }
+};
+
+// An in-step fill's thread block counts itself in word 0 while it copies (`words` nullptr: not counted).
+// Call both from every thread of the block (enter before the copy, leave after it).
+__device__ __forceinline__ void fill_block_enter(int32_t* words) {
+  if (words && threadIdx.x == 0) atomicAdd(words + kWordFills, 1);
+}
+__device__ __forceinline__ void fill_block_leave(int32_t* words) {
+  if (!words) return;
+  __syncthreads();
+  if (threadIdx.x == 0) atomicSub(words + kWordFills, 1);
+}
+
 // Copies expert `id` of the pool into cache slot `slot`, both banks, the rows split over `workers`
 // threads of which this is `worker`.
+template <class Gate = NoGate>
 __device__ __forceinline__ void copy_expert(int64_t id, int64_t slot, int64_t worker, int64_t workers,
                                             const uint4* __restrict__ src0, uint4* __restrict__ dst0, int64_t row0,
-                                            const uint4* __restrict__ src1, uint4* __restrict__ dst1, int64_t row1) {
+                                            const uint4* __restrict__ src1, uint4* __restrict__ dst1, int64_t row1,
+                                            Gate* gate = nullptr) {
   const int64_t total = row0 + row1;  // the two banks' rows, in 16-byte units, back to back
   for (int64_t base = worker; base < total; base += kFillUnroll * workers) {
+    if (gate) gate->wait();
     uint4 v[kFillUnroll];
 #pragma unroll
     for (int u = 0; u < kFillUnroll; ++u) {
       const int64_t i = base + u * workers;
       if (i < total) v[u] = i < row0 ? src0[id * row0 + i] : src1[id * row1 + (i - row0)];
     }
+    if (gate) gate->sample();
 #pragma unroll
     for (int u = 0; u < kFillUnroll; ++u) {
       const int64_t i = base + u * workers;
@@ -37,15 +97,18 @@ __device__ __forceinline__ void copy_expert(int64_t id, int64_t slot, int64_t wo
 // 16 bytes, u0 and u1 multiples of 8): gate rows [u0, u1) and up rows [I + u0, I + u1) of gate_up
 // ([2I, H] per expert: one range each) and columns [u0, u1) of every row of down ([H, I]); nothing
 // else of the slot.
+template <class Gate = NoGate>
 __device__ __forceinline__ void copy_units(int64_t id, int64_t slot, int64_t u0, int64_t u1, int64_t worker,
                                            int64_t workers, int64_t hidden, int64_t inter, int64_t per16,
                                            const uint4* __restrict__ src0, uint4* __restrict__ dst0, int64_t row0,
-                                           const uint4* __restrict__ src1, uint4* __restrict__ dst1, int64_t row1) {
+                                           const uint4* __restrict__ src1, uint4* __restrict__ dst1, int64_t row1,
+                                           Gate* gate = nullptr) {
   if (u1 <= u0) return;
   const int64_t g16 = (u1 - u0) * hidden / per16, gate0 = u0 * hidden / per16, up0 = (inter + u0) * hidden / per16;
   const int64_t c16 = (u1 - u0) / per16, col0 = u0 / per16, row16 = inter / per16;
   const int64_t total = 2 * g16 + hidden * c16;
   for (int64_t base = worker; base < total; base += kFillUnroll * workers) {
+    if (gate) gate->wait();
     uint4 v[kFillUnroll];
     bool dn[kFillUnroll];
     int64_t off[kFillUnroll];
@@ -64,6 +127,7 @@ __device__ __forceinline__ void copy_units(int64_t id, int64_t slot, int64_t u0,
         v[k] = dn[k] ? src1[id * row1 + off[k]] : src0[id * row0 + off[k]];
       }
     }
+    if (gate) gate->sample();
 #pragma unroll
     for (int k = 0; k < kFillUnroll; ++k) {
       if (base + k * workers < total) {

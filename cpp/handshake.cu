@@ -28,6 +28,7 @@
 
 #include "cuda_common.h"
 #include "ffi_cuda.h"
+#include "fill_device.cuh"
 #include "moe.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -196,13 +197,21 @@ __device__ int32_t wait_done(const HandshakeCtrl* ctrl, const int32_t* token, ui
   }
 }
 
-__global__ void wait_kernel(const HandshakeCtrl* ctrl, const int32_t* token, uint64_t timeout_ns, int32_t* status) {
+// The CPU branch leaves the transfer words (`words`, nullptr: not counted) once its collect saw it end
+// (or gave up on it).
+__device__ void cpu_branch_left(const int32_t* token, int32_t* words) {
+  if (words && static_cast<uint32_t>(*token) != kSkipped) atomicSub(words + kWordCpu, 1);
+}
+
+__global__ void wait_kernel(const HandshakeCtrl* ctrl, const int32_t* token, uint64_t timeout_ns, int32_t* status,
+                            int32_t* words) {
   *status = wait_done(ctrl, token, timeout_ns);
+  cpu_branch_left(token, words);
 }
 
 
 __device__ void publish(HandshakeCtrl* ctrl, const int32_t* n_valid, int32_t n_tokens, int32_t x_bf16,
-                        int32_t capacity, int32_t* token) {
+                        int32_t capacity, int32_t* token, int32_t* words) {
   if (*n_valid <= 0) {  // nothing for the CPU: no request, collect returns zeros at once
     *token = kSkipped;
     return;
@@ -217,11 +226,12 @@ __device__ void publish(HandshakeCtrl* ctrl, const int32_t* n_valid, int32_t n_t
   ctrl->submit_seq = seq;
   __threadfence_system();
   *token = static_cast<int32_t>(seq);
+  if (words) atomicAdd(words + kWordCpu, 1);  // in flight until its collect
 }
 
 __global__ void ring_kernel(HandshakeCtrl* ctrl, const int32_t* n_valid, int32_t n_tokens, int32_t x_bf16,
-                            int32_t capacity, int32_t* token) {
-  publish(ctrl, n_valid, n_tokens, x_bf16, capacity, token);
+                            int32_t capacity, int32_t* token, int32_t* words) {
+  publish(ctrl, n_valid, n_tokens, x_bf16, capacity, token, words);
 }
 
 // One block: x and the first n_valid tasks into the mapped staging (zero-copy stores over PCIe), then
@@ -231,7 +241,7 @@ __global__ void submit_fused_kernel(HandshakeCtrl* ctrl, uint8_t* stage, int64_t
                                     int64_t x_bytes, const int32_t* __restrict__ tok, const int32_t* __restrict__ eid,
                                     const float* __restrict__ w, const int32_t* __restrict__ units,
                                     const int32_t* n_valid, int32_t n_tokens,
-                                    int32_t x_bf16, int32_t capacity, int32_t* token) {
+                                    int32_t x_bf16, int32_t capacity, int32_t* token, int32_t* words) {
   if (*n_valid <= 0) {  // uniform across the block: stage nothing
     if (threadIdx.x == 0) *token = kSkipped;
     return;
@@ -253,7 +263,7 @@ __global__ void submit_fused_kernel(HandshakeCtrl* ctrl, uint8_t* stage, int64_t
   }
   __threadfence_system();
   __syncthreads();
-  if (threadIdx.x == 0) publish(ctrl, n_valid, n_tokens, x_bf16, capacity, token);
+  if (threadIdx.x == 0) publish(ctrl, n_valid, n_tokens, x_bf16, capacity, token, words);
 }
 
 // Every block's thread 0 waits (wait_done: one poll per block), then the block copies its share of y
@@ -262,12 +272,15 @@ __global__ void submit_fused_kernel(HandshakeCtrl* ctrl, uint8_t* stage, int64_t
 // y (skipped call: zeros; failed or timed-out CPU branch: NaN). n4 float4 chunks, then a scalar tail.
 __global__ void collect_fused_kernel(const HandshakeCtrl* ctrl, const int32_t* token, uint64_t timeout_ns,
                                      const float* y_stage, float* __restrict__ y, int64_t n, bool vec,
-                                     int32_t* status) {
+                                     int32_t* status, int32_t* words) {
   __shared__ int32_t st;
   if (threadIdx.x == 0) {
     st = wait_done(ctrl, token, timeout_ns);
     __threadfence_system();  // y was written before done_seq: read it only after seeing done_seq
-    if (blockIdx.x == 0) *status = st;
+    if (blockIdx.x == 0) {
+      *status = st;
+      cpu_branch_left(token, words);
+    }
   }
   __syncthreads();
   const bool skipped = static_cast<uint32_t>(*token) == kSkipped, ok = st == kOk;
@@ -313,7 +326,7 @@ ffi::Error SubmitImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S3
         static_cast<int64_t>(ch->eid_off), static_cast<int64_t>(ch->w_off), static_cast<int64_t>(ch->u_off),
         static_cast<const uint8_t*>(x.untyped_data()), static_cast<int64_t>(x.size_bytes()), tok.typed_data(),
         eid.typed_data(), w.typed_data(), units.typed_data(), n_valid.typed_data(), static_cast<int32_t>(xd[0]),
-        bf16 ? 1 : 0, static_cast<int32_t>(cap), token->typed_data());
+        bf16 ? 1 : 0, static_cast<int32_t>(cap), token->typed_data(), transfer_words(false));
     const cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return ffi::Error::Internal(std::string("cpu_experts_submit: ") + cudaGetErrorString(err));
     return ffi::Error::Success();
@@ -326,7 +339,7 @@ ffi::Error SubmitImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S3
     cudaMemcpyAsync(ch->stage + ch->u_off, units.typed_data(), cap * 4, cudaMemcpyDeviceToHost, stream);
   }
   ring_kernel<<<1, 1, 0, stream>>>(ch->ctrl_dev, n_valid.typed_data(), static_cast<int32_t>(xd[0]), bf16 ? 1 : 0,
-                                   static_cast<int32_t>(cap), token->typed_data());
+                                   static_cast<int32_t>(cap), token->typed_data(), transfer_words(false));
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return ffi::Error::Internal(std::string("cpu_experts_submit: ") + cudaGetErrorString(err));
   return ffi::Error::Success();
@@ -347,13 +360,14 @@ ffi::Error CollectImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> token, ffi::Re
     const int blocks = static_cast<int>(std::clamp<int64_t>((n / 4 + kCollectThreads - 1) / kCollectThreads, 1, 16));
     collect_fused_kernel<<<blocks, kCollectThreads, 0, stream>>>(
         ch->ctrl_dev, token.typed_data(), static_cast<uint64_t>(timeout_ms) * 1000000ull,
-        reinterpret_cast<const float*>(ch->stage_dev + ch->y_off), y->typed_data(), n, vec, status->typed_data());
+        reinterpret_cast<const float*>(ch->stage_dev + ch->y_off), y->typed_data(), n, vec, status->typed_data(),
+        transfer_words(false));
     const cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return ffi::Error::Internal(std::string("cpu_experts_collect: ") + cudaGetErrorString(err));
     return ffi::Error::Success();
   }
   wait_kernel<<<1, 1, 0, stream>>>(ch->ctrl_dev, token.typed_data(), static_cast<uint64_t>(timeout_ms) * 1000000ull,
-                                   status->typed_data());
+                                   status->typed_data(), transfer_words(false));
   const int64_t n = static_cast<int64_t>(y->element_count());
   const int blocks = static_cast<int>(std::min<int64_t>(132, (n + 255) / 256));
   if (n)
@@ -406,6 +420,7 @@ void create_channel(int64_t channel, uint64_t pool_id, int64_t max_tokens, int64
   if (max_tokens < 1 || max_tasks < 1)
     throw std::invalid_argument("max_tokens and max_tasks must be >= 1, got " + std::to_string(max_tokens) + ", " +
                                 std::to_string(max_tasks));
+  transfer_words(true);  // (made here, outside graph capture, for the submits and collects recorded later)
   auto ch = std::make_unique<Channel>();
   ch->id = channel;
   ch->pool_id = pool_id;

@@ -69,6 +69,16 @@ def unit_granule(pool: HostPool) -> int:
     return quant.GROUP if pool.format == "int4" else 8
 
 
+# OffloadExperts.background_yield: what the step's background fill pauses for (cuda.YIELD_MODES).
+BACKGROUND_YIELD_MODES = ("off", "fills", "cpu", "fills+cpu")
+DEFAULT_BACKGROUND_YIELD = "off"
+
+
+def _check_yield(mode) -> None:
+    if not isinstance(mode, str) or mode not in BACKGROUND_YIELD_MODES:
+        raise ValueError(f"background_yield must be one of {BACKGROUND_YIELD_MODES} or None, got {mode!r}")
+
+
 def default_victims_by(platform: str, num_slots: int) -> str:
     """The LRU-victim ranking a backend uses unless told: on the GPU "rank" (two reductions) up to
     RANK_MAX_SLOTS slots, where XLA:GPU's top-k kernels cost 16 us per 16 victims (H200, 40 layers,
@@ -128,6 +138,11 @@ class OffloadExperts:
     the GEMV too (the prefill kernel computes whole experts only; prefill calls are never split). Not built:
     int4 pools on CUDA (the partial copy of the packed layout). None (default): `default_unit_split`, on
     where it runs and measured faster than deferring whole experts, off elsewhere.
+    ``background_yield`` (CUDA, background fills): the step's background fill pauses while the transfers a
+    decode call waits for run (`cuda.set_background_yield`): "fills" its in-step fills, "cpu" its CPU
+    branches (submitted, not yet collected), "fills+cpu" both, "off" never; a pause lasts at most 200 us
+    (2 ms per fork and thread in all). None (default): DEFAULT_BACKGROUND_YIELD. `set_background_yield`
+    changes it for the next steps without recompiling.
     Call `drain` before dropping a state on the GPU (a background fill may still be writing its banks).
     """
 
@@ -146,6 +161,7 @@ class OffloadExperts:
     victims_by: str | None = None
     defer_fills: bool | None = None
     unit_split: bool | None = None
+    background_yield: str | None = None
     channel_base: int = -1
     background_id: int = -1
 
@@ -180,6 +196,9 @@ class OffloadExperts:
             if self.pool.inter % unit_granule(self.pool):
                 raise ValueError(f"unit_split needs the expert intermediate size ({self.pool.inter}) to be a "
                                  f"multiple of {unit_granule(self.pool)}")
+        if self.background_yield is None:
+            object.__setattr__(self, "background_yield", DEFAULT_BACKGROUND_YIELD)
+        _check_yield(self.background_yield)
         check_kernel(self.kernel, self.pool.hidden, self.pool.inter, cache_dtype(self.pool) if self.num_slots else None)
         if self.plan_impl not in PLAN_IMPLS:
             raise ValueError(f"plan_impl {self.plan_impl!r} unknown; valid: {PLAN_IMPLS}")
@@ -207,6 +226,16 @@ class OffloadExperts:
             if self.background_fills:
                 object.__setattr__(self, "background_id", cuda.create_background(L, self.background_capacity))
                 made["background"] = self.background_id
+                cuda.set_background_yield(self.background_id, self.background_yield)
+
+    def set_background_yield(self, mode: str) -> None:
+        """``background_yield`` from the next step on (the compiled step is unchanged: the fork reads it)."""
+        _check_yield(mode)
+        object.__setattr__(self, "background_yield", mode)
+        if self._gpu_background:
+            from ftjax.host import cuda
+
+            cuda.set_background_yield(self.background_id, mode)
 
     @property
     def background_fills(self) -> bool:

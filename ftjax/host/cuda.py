@@ -152,6 +152,36 @@ def clear_background_error(bg: int) -> None:
     _host.clear_background_error(int(bg))
 
 
+# Background yield modes (`set_background_yield`): the step's background fill pauses while the transfers a
+# decode call waits for run: "fills" its in-step fills, "cpu" its CPU branches (submitted, not yet
+# collected), "fills+cpu" both; "off" never. A pause lasts at most 200 us, 2 ms in all per fork and thread.
+YIELD_MODES = {"off": 0, "fills": 1, "cpu": 2, "fills+cpu": 3}
+
+
+def set_background_yield(bg: int, mode: str) -> None:
+    """The yield mode of ``bg``'s fills from its next `background_fork` on (see YIELD_MODES)."""
+    if mode not in YIELD_MODES:
+        raise ValueError(f"background yield must be one of {sorted(YIELD_MODES)}, got {mode!r}")
+    _host.set_background_yield(int(bg), YIELD_MODES[mode])
+
+
+def background_yield(bg: int) -> str:
+    """The yield mode of ``bg``'s next fork."""
+    mask = int(_host.background_yield(int(bg)))
+    return next(name for name, m in YIELD_MODES.items() if m == mask)
+
+
+def transfer_words() -> tuple[int, int]:
+    """(thread blocks of in-step fills running, CPU branches in flight): the counters the background yields
+    to, read synchronously (tests; both are 0 when the GPU is idle)."""
+    return int(_host.transfer_word(0)), int(_host.transfer_word(1))
+
+
+def add_transfer_word(word: int, delta: int) -> None:
+    """Tests: hold (+1) or release (-1) a transfer word by hand (0: in-step fills, 1: CPU branches)."""
+    _host.add_transfer_word(int(word), int(delta))
+
+
 def background_wait(gate_up_cache, down_cache, bg: int, layer: int, *, timeout_ms: int = 10_000):
     """XLA's stream waits (a one-thread kernel, inside command buffers) until the fills of ``layer``
     in the last `background_fork` of ``bg`` have landed; returns the two caches ordered after the wait

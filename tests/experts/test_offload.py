@@ -9,7 +9,7 @@ import pytest
 
 from ftjax.config import parse_hf_config
 from ftjax.experts.cache import check_invariants
-from ftjax.experts.decode import OffloadExperts, default_unit_split
+from ftjax.experts.decode import BACKGROUND_YIELD_MODES, DEFAULT_BACKGROUND_YIELD, OffloadExperts, default_unit_split
 from ftjax.experts.policies import POLICIES
 from ftjax.experts.resident import ResidentExperts
 from ftjax.host import HostPool
@@ -170,6 +170,25 @@ def test_unit_split_default(model):
     # the CPU platform: off unless asked for
     assert not OffloadExperts(pool, L, E, 4, "lru-split", defer_fills=True).unit_split
     assert OffloadExperts(pool, L, E, 4, "lru-split", defer_fills=True, unit_split=True).unit_split
+
+
+def test_background_yield_is_checked(model):
+    """``background_yield``: one of the modes (the CUDA wrapper's names), default DEFAULT_BACKGROUND_YIELD;
+    `set_background_yield` checks the mode too (on the CPU platform there is no background to tell)."""
+    from ftjax.host import cuda
+
+    *_, pool = model
+    assert set(BACKGROUND_YIELD_MODES) == set(cuda.YIELD_MODES)
+    backend = OffloadExperts(pool, L, E, 4, "lru-split", defer_fills=True)
+    assert backend.background_yield == DEFAULT_BACKGROUND_YIELD
+    backend.set_background_yield("fills+cpu")
+    assert backend.background_yield == "fills+cpu"
+    for bad in ("always", 1, ""):
+        with pytest.raises(ValueError, match="background_yield must be"):
+            OffloadExperts(pool, L, E, 4, "lru-split", defer_fills=True, background_yield=bad)
+        with pytest.raises(ValueError, match="background_yield must be"):
+            backend.set_background_yield(bad)
+    assert backend.background_yield == "fills+cpu"
 
 
 def decode_hlo(cfg, params, backend, expert_state, batch: int) -> str:

@@ -65,14 +65,17 @@ def test_cuda_offload_equals_resident(setup, policy, size, batch, plan_impl, vic
 
 
 
-@pytest.mark.parametrize("size,batch", [("37%", 1), ("min", 3), ("layer", 1)])
-def test_cuda_unit_split_equals_resident(setup, size, batch):
+@pytest.mark.parametrize("size,batch,background_yield", [("37%", 1, "fills+cpu"), ("min", 3, "fills"),
+                                                       ("layer", 1, "off"), ("37%", 3, "cpu")])
+def test_cuda_unit_split_equals_resident(setup, size, batch, background_yield):
     """The unit split on the GPU: a split call's partial fill (units [0, u)), the CPU branch's unit starts
-    ([u, I)), the background fill that completes the split slots: the resident logits, and after a drain
-    every slot holds its owner's whole rows."""
+    ([u, I)), the background fill that completes the split slots (pausing for the in-step transfers under
+    ``background_yield``): the resident logits, and after a drain every slot holds its owner's whole rows
+    and the transfer words are back at 0."""
     cfg, params, pool, ref = setup
     backend = OffloadExperts(pool, L, E, SIZES[size], "lru-split", platform="cuda", defer_fills=True,
-                             unit_split=True)
+                             unit_split=True, background_yield=background_yield)
+    assert cuda.background_yield(backend.background_id) == background_yield
     got, st = run(cfg, params, backend, backend.init_state(fill_fraction=0.4), batch, check=check_invariants)
     want = ref[batch]
     assert np.abs(got - want).max() / np.abs(want).max() < 1e-4
@@ -81,6 +84,7 @@ def test_cuda_unit_split_equals_resident(setup, size, batch):
     if size == "37%":  # f = 0.4, I = 16 in steps of 8: a lone miss splits at u = 8
         assert stats["deferred"].sum() > 0
     backend.drain()
+    assert cuda.transfer_words() == (0, 0)
     owner = np.asarray(st["owner_of"])
     for s in np.flatnonzero(owner >= 0):
         for b in ("gate_up", "down"):

@@ -1,4 +1,6 @@
 """CUDA FFI targets: zero-copy expert fill and the CPU-branch handshake inside jax.jit (GPU only)."""
+import time
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -178,6 +180,82 @@ def test_background_wait_timeout_sets_the_error_flag(pool):
     cuda.destroy_background(bg)
     with pytest.raises(ValueError, match="no background"):
         cuda.background_error(bg)
+
+
+def test_transfer_words_return_to_zero(pool):
+    """The words the background yields to (in-step fill blocks running, CPU branches in flight) are back at
+    0 after in-step fills (whole, units, empty) and after submit/collect pairs (skipped, real, failed)."""
+    channel = 130
+    cuda.create_channel(channel, pool, max_tokens=2, max_tasks=4)  # (makes the words)
+    assert cuda.transfer_words() == (0, 0)
+    S = 8
+    g, d = jnp.zeros((S, 256, 128), jnp.bfloat16), jnp.zeros((S, 128, 128), jnp.bfloat16)
+    ids, slots = np.array([3, 4, 5], np.int32), np.array([0, 1, 2], np.int32)
+    for n in (3, 0):
+        g, d = cuda.expert_fill(ids, slots, n, g, d, pool)
+        g, d = cuda.expert_fill(ids, slots, n, g, d, pool, blocks=2)
+        g, d = cuda.expert_fill_units(ids, slots, n, 64, g, d, pool)
+        jax.block_until_ready((g, d))
+        assert cuda.transfer_words() == (0, 0)
+    x = jnp.ones((2, 128), jnp.float32)
+    for fused in (False, True):
+        for eid, n in ((np.zeros(4, np.int32), 0), (np.array([0, 1, 2, 3], np.int32), 4),
+                       (np.array([0, 1, 99, 0], np.int32), 4)):  # skipped, served, failed (expert 99)
+            tok = cuda.cpu_experts_submit(x, np.zeros(4, np.int32), eid, np.ones(4, np.float32), n, channel,
+                                          fused=fused)
+            jax.block_until_ready(cuda.cpu_experts_collect(tok, 2, 128, channel, fused=fused))
+            assert cuda.transfer_words() == (0, 0)
+    cuda.destroy_channel(channel)
+
+
+@pytest.mark.parametrize("word, mode, pauses", [(1, "fills+cpu", True), (1, "cpu", True), (1, "fills", False),
+                                                (0, "fills", True), (0, "off", False)])
+def test_background_yield_pauses_for_a_held_word_and_is_bounded(pool, word, mode, pauses):
+    """A background fill under a yield mode pauses while a word it yields to is held (here by hand: a CPU
+    branch or an in-step fill that never ends), and only for a bounded time (200 us a pause, 2 ms per
+    thread): it still lands, correct, and the wait on it never times out."""
+    S, L, F = 16, 1, 8
+    bg = cuda.create_background(L, F)
+    assert cuda.background_yield(bg) == "off"
+    with pytest.raises(ValueError, match="background yield"):
+        cuda.set_background_yield(bg, "always")
+    cuda.set_background_yield(bg, mode)
+    assert cuda.background_yield(bg) == mode
+
+    @jax.jit
+    def step(ids, slots, n, g, d):
+        g, d = cuda.background_fork(ids, slots, n, g, d, pool, bg, blocks=1)
+        return cuda.background_wait(g, d, bg, 0)
+
+    ids = np.arange(F, dtype=np.int32).reshape(L, F) + 3
+    slots = np.arange(F, dtype=np.int32).reshape(L, F)
+
+    def timed():
+        times = []
+        for _ in range(3):
+            g, d = jnp.zeros((S, 256, 128), jnp.bfloat16), jnp.zeros((S, 128, 128), jnp.bfloat16)
+            jax.block_until_ready((g, d))
+            t0 = time.perf_counter()
+            g, d = jax.block_until_ready(step(ids, slots, np.full(L, F, np.int32), g, d))
+            times.append(time.perf_counter() - t0)
+        for q in range(F):
+            np.testing.assert_array_equal(np.asarray(g[q].astype(jnp.float32)),
+                                          pool.bank("gate_up")[ids[0, q]].astype(np.float32))
+            np.testing.assert_array_equal(np.asarray(d[q].astype(jnp.float32)),
+                                          pool.bank("down")[ids[0, q]].astype(np.float32))
+        return sorted(times)[1]
+
+    free = timed()
+    cuda.add_transfer_word(word, 1)
+    try:
+        held = timed()
+    finally:
+        cuda.add_transfer_word(word, -1)
+    assert cuda.transfer_words() == (0, 0)
+    assert not cuda.background_error(bg)
+    # 8 experts of 96 KiB by one block: ~48 copy iterations a thread; held, each pauses until its 2 ms run out
+    assert (held - free > 1.5e-3) == pauses, (held, free)
+    cuda.destroy_background(bg)
 
 
 def test_fill_rejects_negative_blocks(pool):
