@@ -209,6 +209,31 @@ class Run:
                 "cpu_per_layer": d["cpu_experts"] / steps / L, "deferred_per_layer": d["deferred"] / steps / L}
 
 
+ROUNDS = 4  # interleaved(): rounds of the round robin
+
+
+def interleaved(run, settings: dict, rounds: int, steps: int, warmup: int) -> dict:
+    """Time ``run`` under each of ``settings`` (name -> a function that applies it) in ``rounds`` rounds of
+    ``steps // rounds`` steps each (``warmup`` untimed steps after every switch), round robin, so that every
+    setting sees the same stretch of the routing; the rounds' figures combined per setting."""
+    per = max(1, steps // rounds)
+    parts = {name: [] for name in settings}
+    for _ in range(rounds):
+        for name, apply in settings.items():
+            apply()
+            parts[name].append(run.timed(warmup, per))
+    out = {}
+    for name, rs in parts.items():
+        n = per * len(rs)
+        sec = sum(r["step_ms"] for r in rs) * per / 1e3
+        mean = lambda k: sum(r[k] for r in rs) / len(rs)  # noqa: E731  (equal steps per round)
+        out[name] = {"tok_s": run.batch * n / sec, "step_ms": sec / n * 1e3, "warm_steps": run.warm_steps,
+                     "rounds": len(rs), "round_tok_s": [r["tok_s"] for r in rs],
+                     **{k: mean(k) for k in ("dispatch_ms", "miss_rate", "misses_per_step", "fills_per_layer",
+                                             "cpu_per_layer", "deferred_per_layer")}}
+    return out
+
+
 def fill_steps(slots: int, num_layers: int) -> int:
     """Upper bound on the steps that fill an empty cache: every policy that fills does at least one fill per
     layer per step while the layer misses (the plan's ``n_fill >= 1`` when ``m > 0``), plus slack."""
@@ -321,7 +346,9 @@ def main(argv=None) -> int:
     max_len = (args.warmup + args.steps + 8 + max(fill_steps(int(f * L * E), L) for f in args.fractions)
                + len(args.worker_variants) * (args.warmup // 2 + args.steps)
                + (0 if args.no_online else args.online_warmup + args.steps)
-               + (0 if args.no_sweep else len(SWEEP) * (8 + args.steps)) + (4 if args.profile else 0))
+               + (0 if args.no_sweep else len(SWEEP) * (8 + args.steps)) + (4 if args.profile else 0)
+               + (len(BACKGROUND_YIELD_MODES) * (ROUNDS * (2 + max(1, args.steps // ROUNDS)) + (4 if args.profile else 0))
+                  if args.yield_ablation else 0))
     plan_kw = dict(plan_impl=args.plan_impl, victims_by=args.victims_by)
     results = {"sync": args.sync, "stable_io": args.stable_io, **plan_kw,
                "xla_update_mode": ftjax.XLA_UPDATE_MODE,
@@ -387,12 +414,17 @@ def main(argv=None) -> int:
                             configure_workers(spin_us=GPU_SPIN_US)
                         if args.yield_ablation and run.backend.background_fills:
                             default_yield = run.backend.background_yield
-                            for mode in BACKGROUND_YIELD_MODES:  # same executable: the fork reads the mode
-                                run.backend.set_background_yield(mode)
-                                name = f"split yield {mode}"
-                                rows[name] = run.timed(args.warmup // 2, args.steps)
-                                progress(f"{routing} b{B} lru-split, background yield {mode} {frac:.0%}", rows[name])
-                                profile(run, args.profile, f"{routing}-b{B}-yield-{mode.replace('+', '-')}-"
+                            # same executable (the fork reads the mode), round robin: every mode sees the
+                            # same stretch of the trace (its miss rate drifts along the run)
+                            modes = {f"split yield {m}": (lambda m=m: run.backend.set_background_yield(m))
+                                     for m in BACKGROUND_YIELD_MODES}
+                            for name, r in interleaved(run, modes, ROUNDS, args.steps, 2).items():
+                                rows[name] = r
+                                progress(f"{routing} b{B} lru-split, background {name[6:]} {frac:.0%} "
+                                         f"({ROUNDS} rounds)", r)
+                            for m in BACKGROUND_YIELD_MODES if args.profile else ():
+                                run.backend.set_background_yield(m)
+                                profile(run, args.profile, f"{routing}-b{B}-yield-{m.replace('+', '-')}-"
                                         f"{round(100 * frac)}")
                             run.backend.set_background_yield(default_yield)
                     if pol == "lru-split" and not args.no_sweep:
