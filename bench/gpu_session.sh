@@ -172,11 +172,10 @@ for s in "${steps[@]}"; do
        run gpu_tests_yield 200 python3 -m pytest -q -m gpu tests/host/test_cuda.py tests/experts/test_offload_cuda.py \
          -k "yield or transfer or unit_split or background" ;;
     decode-yield-b1)  # 40 layers, b1, 37%: lru-split (the default) under every background yield mode, same
-       # executable, profiled (~4 min)
-       run decode_yield_b1 330 python3 bench/decode.py --layers 40 --batches 1 --routing trace --fractions 0.37 \
-         --policies lru-split --yield-ablation --no-sweep --no-online --steps 24 --warmup 24 --profile /tmp/yprof \
-         --out "$OUT/decode_yield_b1.json"
-       run decode_yield_b1 60 python3 bench/trace_summary.py /tmp/yprof --top 8 ;;
+       # executable, round robin (4 rounds of $YIELD_STEPS / 4 steps per mode; ~3 min)
+       run decode_yield_b1 330 python3 bench/decode.py --layers 40 --batches ${YIELD_BATCHES:-1} --routing trace \
+         --fractions 0.37 --policies lru-split --yield-ablation --no-sweep --no-online --steps ${YIELD_STEPS:-96} \
+         --warmup 24 --out "$OUT/decode_yield_b1.json" ;;
     decode-units-default-b4)  # 40 layers, b4, 37%: lru-split with the library default (units where it can) vs whole
        # experts deferred vs units explicitly (~3.5 min)
        run decode_units_default_b4 300 python3 bench/decode.py --layers 40 --batches 4 --routing trace --fractions 0.37 \
