@@ -304,7 +304,7 @@ def main(argv=None) -> int:
                          "by intermediate units (OffloadExperts unit_split; bf16/f32 pools)")
     ap.add_argument("--yield-ablation", action="store_true",
                     help="lru-split again (same executable) under every background yield mode (OffloadExperts."
-                         "background_yield: what the background fill pauses for), each timed after the default")
+                         "background_yield: what the background fill pauses for), round robin in ROUNDS rounds")
     ap.add_argument("--kernel-ablation", choices=("pallas",),
                     help="also a 'split pallas' row: lru-split with the Pallas decode GEMV as its GPU expert kernel "
                          "(OffloadExperts kernel='pallas'; the other rows and T_gpu use jnp), and with --unit-split a "

@@ -276,22 +276,6 @@ int32_t background_yield(int64_t id) {
   return it->second->yield_mask;
 }
 
-void add_transfer_word(int32_t word, int32_t delta) {
-  if (word != kWordFills && word != kWordCpu) throw std::invalid_argument("transfer word must be 0 or 1");
-  int32_t* w = transfer_words(true);
-  int32_t v = 0;
-  cuda_check(cudaMemcpy(&v, w + word, sizeof v, cudaMemcpyDeviceToHost), "transfer word");
-  v += delta;
-  cuda_check(cudaMemcpy(w + word, &v, sizeof v, cudaMemcpyHostToDevice), "transfer word");
-}
-
-int32_t transfer_word(int32_t word) {
-  if (word != kWordFills && word != kWordCpu) throw std::invalid_argument("transfer word must be 0 or 1");
-  int32_t v = 0;
-  cuda_check(cudaMemcpy(&v, transfer_words(true) + word, sizeof v, cudaMemcpyDeviceToHost), "transfer word");
-  return v;
-}
-
 void clear_background_error(int64_t id) {
   Background* b = find_background(id);
   if (!b) throw std::invalid_argument("no background with id " + std::to_string(id));

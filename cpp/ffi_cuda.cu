@@ -326,6 +326,22 @@ int32_t* transfer_words(bool make) {
   return words;
 }
 
+void add_transfer_word(int32_t word, int32_t delta) {
+  if (word != kWordFills && word != kWordCpu) throw std::invalid_argument("transfer word must be 0 or 1");
+  int32_t* w = transfer_words(true);
+  int32_t v = 0;
+  cuda_check(cudaMemcpy(&v, w + word, sizeof v, cudaMemcpyDeviceToHost), "transfer word");
+  v += delta;
+  cuda_check(cudaMemcpy(w + word, &v, sizeof v, cudaMemcpyHostToDevice), "transfer word");
+}
+
+int32_t transfer_word(int32_t word) {
+  if (word != kWordFills && word != kWordCpu) throw std::invalid_argument("transfer word must be 0 or 1");
+  int32_t v = 0;
+  cuda_check(cudaMemcpy(&v, transfer_words(true) + word, sizeof v, cudaMemcpyDeviceToHost), "transfer word");
+  return v;
+}
+
 void sync_side_stream() {
   SideStream& s = side();
   cudaStream_t stream;

@@ -24,13 +24,9 @@ __device__ __forceinline__ uint64_t global_ns() {
   return t;
 }
 
-// Copy loops call wait() before an iteration's loads and sample() after them: the words' loads of one
-// iteration are read at the next, so their latency hides behind the copy's own PCIe reads.
-struct NoGate {
-  __device__ void wait() {}
-  __device__ void sample() {}
-};
-
+// The background fill's gate: its copy loops call wait() before an iteration's loads and sample() after
+// them, so the words' loads of one iteration are read at the next and their latency hides behind the
+// copy's own PCIe reads.
 struct YieldGate {
   const int32_t* words;  // nullptr or mask 0: never pauses
   int32_t mask;
@@ -67,11 +63,10 @@ __device__ __forceinline__ void fill_block_leave(int32_t* words) {
 
 // Copies expert `id` of the pool into cache slot `slot`, both banks, the rows split over `workers`
 // threads of which this is `worker`.
-template <class Gate = NoGate>
 __device__ __forceinline__ void copy_expert(int64_t id, int64_t slot, int64_t worker, int64_t workers,
                                             const uint4* __restrict__ src0, uint4* __restrict__ dst0, int64_t row0,
                                             const uint4* __restrict__ src1, uint4* __restrict__ dst1, int64_t row1,
-                                            Gate* gate = nullptr) {
+                                            YieldGate* gate = nullptr) {
   const int64_t total = row0 + row1;  // the two banks' rows, in 16-byte units, back to back
   for (int64_t base = worker; base < total; base += kFillUnroll * workers) {
     if (gate) gate->wait();
@@ -97,12 +92,11 @@ __device__ __forceinline__ void copy_expert(int64_t id, int64_t slot, int64_t wo
 // 16 bytes, u0 and u1 multiples of 8): gate rows [u0, u1) and up rows [I + u0, I + u1) of gate_up
 // ([2I, H] per expert: one range each) and columns [u0, u1) of every row of down ([H, I]); nothing
 // else of the slot.
-template <class Gate = NoGate>
 __device__ __forceinline__ void copy_units(int64_t id, int64_t slot, int64_t u0, int64_t u1, int64_t worker,
                                            int64_t workers, int64_t hidden, int64_t inter, int64_t per16,
                                            const uint4* __restrict__ src0, uint4* __restrict__ dst0, int64_t row0,
                                            const uint4* __restrict__ src1, uint4* __restrict__ dst1, int64_t row1,
-                                           Gate* gate = nullptr) {
+                                           YieldGate* gate = nullptr) {
   if (u1 <= u0) return;
   const int64_t g16 = (u1 - u0) * hidden / per16, gate0 = u0 * hidden / per16, up0 = (inter + u0) * hidden / per16;
   const int64_t c16 = (u1 - u0) / per16, col0 = u0 / per16, row16 = inter / per16;
