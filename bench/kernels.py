@@ -285,6 +285,10 @@ def kernel_split(row, kernel_us, flops, ceiling):
 PIPELINE_CONFIGS = {  # (name, kwargs): the per-tile ring against a CTA's tiles as one pipeline
     "per-tile s3": dict(stages=3, cross_tile=False),  # the defaults (input rows by XLA's take)
     "per-tile s3 tma-gather": dict(stages=3, cross_tile=False, gather="tma"),
+    # the tiles walked per expert band (neighbouring CTAs share a weight block, `routing.tile_walk`)
+    "per-tile s3 walk2": dict(stages=3, cross_tile=False, walk_band=2),
+    "per-tile s3 walk4": dict(stages=3, cross_tile=False, walk_band=4),
+    "cross s4 walk4": dict(stages=4, cross_tile=True, walk_band=4),
     "per-tile s4": dict(stages=4, cross_tile=False),
     "cross s4": dict(stages=4, cross_tile=True),
     "cross s2": dict(stages=2, cross_tile=True),
@@ -294,11 +298,25 @@ PIPELINE_CONFIGS = {  # (name, kwargs): the per-tile ring against a CTA's tiles 
 }
 
 
+def chained_layers(fn, n_layers, num_experts):
+    """``n_layers`` prefill layers in one jitted call, as a model's prefill step runs them: layer l
+    routes to the experts ``(ids + 37 l) % E`` (the same group sizes, other experts) and takes the
+    previous layer's output (cast to bf16) as its input. Returns the last layer's bf16 output."""
+    def run(x, ids, w, valid, *banks_and_slots):
+        for layer in range(n_layers):
+            x = fn(x, (ids + 37 * layer) % num_experts, w, valid, *banks_and_slots).astype(jnp.bfloat16)
+        return x
+    return jax.jit(run)
+
+
 def bench_prefill_pipeline(args, ceiling, rows):
     """Per-tile vs cross-tile pipelines at max(--tokens), every --shapes / --dtypes, b2b; with
-    --profile also the gate+up and down kernels' own times (ratios to the same ceiling)."""
+    --profile also the gate+up and down kernels' own times (ratios to the same ceiling); with
+    --chain N also per layer of N layers in one executable (`chained_layers`)."""
     T = max(args.tokens)
-    print(f"\nprefill pipelines, {T} tokens (matmul ceiling {ceiling:.0f} TFLOP/s; b2b = calls back to back)")
+    print(f"\nprefill pipelines, {T} tokens (matmul ceiling {ceiling:.0f} TFLOP/s; b2b = calls back to back"
+          + (f"; in-step = per layer of {args.chain} layers in one jitted call, each layer's output its "
+             f"next input" if args.chain else "") + ")")
     for shape in args.shapes:
         H, I = map(int, shape.split("x"))
         flops = pg.prefill_flops(T, args.top_k, H, I)
@@ -307,7 +325,10 @@ def bench_prefill_pipeline(args, ceiling, rows):
             route, banks, slots = _inputs(jax.random.key(T), T, args.top_k, H, I, args.experts,
                                           args.slots, int4, args.one_expert)
             base = pg.prefill_experts_int4 if int4 else pg.prefill_experts
+            first_out = None  # every configuration computes the same tiles the same way: same bits
             for name, cfg in PIPELINE_CONFIGS.items():
+                if args.configs and name not in args.configs:
+                    continue
                 row = dict(kind="prefill_pipeline", H=H, I=I, T=T, dtype=dtype, config=name, **cfg)
                 try:
                     fn = jax.jit(lambda *a, _c=cfg: base(*a, **_c))
@@ -317,12 +338,23 @@ def bench_prefill_pipeline(args, ceiling, rows):
                     print(f"  {shape} {dtype} {name:>14}: {type(e).__name__}: {str(e)[:100]}", flush=True)
                     continue
                 row.update(b2b_ms=ms, ratio=flops / ms / 1e9 / ceiling)
-                split = ""
+                out = fn(*route, *banks, slots)
+                if first_out is None:
+                    first_out = out
+                row["max_abs_diff_vs_first"] = float(jnp.max(jnp.abs(out - first_out)))
+                del out
+                split = f"  diff {row['max_abs_diff_vs_first']:.1e}"
+                if args.chain:
+                    chain = chained_layers(lambda *a, _c=cfg: base(*a, **_c), args.chain, args.experts)
+                    step_ms = time_back_to_back_ms(chain, *route, *banks, slots, iters=max(2, args.iters // 2))
+                    row.update(in_step_ms=step_ms / args.chain,
+                               in_step_ratio=flops * args.chain / step_ms / 1e9 / ceiling)
+                    split += f"  in-step {row['in_step_ms']:7.3f} ms {row['in_step_ratio']:5.2f}"
                 if args.profile:
                     pdir = args.profile / f"pipeline-{shape}-{dtype}-T{T}-{name.replace(' ', '_')}"
                     with jax.profiler.trace(str(pdir), create_perfetto_trace=True):
                         jax.block_until_ready(fn(*route, *banks, slots))
-                    split = kernel_split(row, prefill_kernel_us(pdir), flops, ceiling)
+                    split += kernel_split(row, prefill_kernel_us(pdir), flops, ceiling)
                 rows.append(row)
                 print(f"  {shape} {dtype} {name:>14}: b2b {ms:7.3f} ms {row['ratio']:5.2f}" + split,
                       flush=True)
@@ -386,6 +418,11 @@ def main():
     ap.add_argument("--tune-prefill", metavar="HxI", help="sweep the prefill tiles at this shape, max(--tokens)")
     ap.add_argument("--pipelines", action="store_true",
                     help="per-tile vs cross-tile prefill pipelines at max(--tokens), then stop")
+    ap.add_argument("--configs", nargs="+", choices=list(PIPELINE_CONFIGS), metavar="NAME",
+                    help="with --pipelines: only these configurations (default: all; names in PIPELINE_CONFIGS)")
+    ap.add_argument("--chain", type=int, default=0, metavar="N",
+                    help="with --pipelines: also time N layers in one jitted call (per layer; each layer's "
+                         "output the next one's input, as in a model's prefill step)")
     ap.add_argument("--cross-tile", choices=["auto", "on", "off"], default="auto",
                     help="the prefill kernels' cross-tile pipeline (auto: where the stages divide the steps)")
     ap.add_argument("--profile-b2b", type=int, default=0, metavar="N",

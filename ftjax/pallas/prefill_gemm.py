@@ -251,7 +251,7 @@ def _dequant_tile(q_ref, s_ref, k, *, tile_k):
 
 
 def _grouped_matmul(a, tile_slot, tile_row0, tile_rows, n_tiles, weights, *, n_out, swiglu, tile_m, tile_n,
-                    tile_k, stages, num_sms, interpret, cross_tile):
+                    tile_k, stages, num_sms, interpret, cross_tile, walk=None):
     """``out[tile m's rows] = epilogue(a[tile_row0[m] : tile_row0[m] + tile_m] @ W[slot]^T)`` over
     the active row tiles; tile m's output rows are ``m * tile_m ..`` (the padded layout).
 
@@ -263,6 +263,9 @@ def _grouped_matmul(a, tile_slot, tile_row0, tile_rows, n_tiles, weights, *, n_o
     ``silu(a @ W[:n_out]^T) * (a @ W[n_out:]^T)``; otherwise ``n_w = n_out``. Returns
     ``[R_pad, n_out]`` bf16; rows of idle tiles are left unwritten. ``cross_tile``: a CTA's
     tiles run as one pipeline of pipelines (needs ``K / tile_k`` divisible by ``stages``).
+    ``walk``: None walks the tiles ``(m, n)`` with ``n`` fastest; else an int32
+    ``[R_pad/tile_m * n_out/(2*tile_n)]`` table (`routing.tile_walk`): work item i is tile
+    ``walk[i] = m * n_blocks + n``.
     """
     from jax.experimental import pallas as pl
 
@@ -317,7 +320,25 @@ def _grouped_matmul(a, tile_slot, tile_row0, tile_rows, n_tiles, weights, *, n_o
                 refs.append(w_gmem[1].at[slot, pl.ds(row0, cta_n)])
         return refs
 
-    def kernel(slot_ref, row0_ref, rows_ref, nt_ref, a_gmem, *refs, o_smem, deq_smem=None):
+    def tiles_loop(nt_ref, walk_ref):
+        """The persistent loop over the active tiles; the body gets ``(info, mi, ni)``."""
+        def deco(body):
+            if walk_ref is None:
+                @plgpu.nd_loop((nt_ref[0], n_iters), collective_axes="sm")
+                def _tile(info):
+                    mi, ni = info.index
+                    body(info, mi, ni)
+            else:
+                @plgpu.nd_loop((nt_ref[0] * n_iters,), collective_axes="sm")
+                def _tile(info):
+                    (i,) = info.index
+                    code = walk_ref[i]
+                    body(info, lax.div(code, n_iters), lax.rem(code, n_iters))
+        return deco
+
+    def kernel(slot_ref, row0_ref, rows_ref, nt_ref, *refs, o_smem, deq_smem=None):
+        walk_ref, refs = (None, refs) if walk is None else (refs[0], refs[1:])
+        a_gmem, refs = refs[0], refs[1:]
         w_gmem, o_gmem = refs[:-1], refs[-1]
         ignore = lambda *_, **__: None
         allocs = get_pipeline(ignore, ignore).get_allocations(
@@ -328,9 +349,8 @@ def _grouped_matmul(a, tile_slot, tile_row0, tile_rows, n_tiles, weights, *, n_o
             wg = lax.axis_index("wg")
             wg_rows = pl.ds(wg * tile_n, tile_n)
 
-            @plgpu.nd_loop((nt_ref[0], n_iters), collective_axes="sm")
-            def _tile(info):
-                mi, ni = info.index
+            @tiles_loop(nt_ref, walk_ref)
+            def _tile(info, mi, ni):
                 slot = slot_ref[mi]
                 live_rows = rows_ref[mi]  # rows of the tile that hold routes (>= 1 when active)
 
@@ -407,7 +427,8 @@ def _grouped_matmul(a, tile_slot, tile_row0, tile_rows, n_tiles, weights, *, n_o
             lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )
-    return call(tile_slot, tile_row0, tile_rows, n_tiles, a, *weights)
+    walk_args = () if walk is None else (walk,)
+    return call(tile_slot, tile_row0, tile_rows, n_tiles, *walk_args, a, *weights)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -430,7 +451,8 @@ def _check_routing(x, expert_ids, gate_weights, token_valid, slot_of_expert):
 
 def _prefill(x, expert_ids, gate_weights, token_valid, slot_of_expert, gu_weights, d_weights,
              *, hidden, inter, tiles):
-    tile_m, tile_n_gate_up, tile_n_down, tile_k, stages, num_sms, interpret, cross_tile, gather = tiles
+    (tile_m, tile_n_gate_up, tile_n_down, tile_k, stages, num_sms, interpret, cross_tile, gather,
+     walk_band) = tiles
     num_experts = slot_of_expert.shape[0]
     # materialized before the gather and the combine: without this barrier (or the lax.cond it
     # replaces) XLA fused the plan's index math (searchsorted, gathers) into both and recomputed it
@@ -443,16 +465,23 @@ def _prefill(x, expert_ids, gate_weights, token_valid, slot_of_expert, gu_weight
                   interpret=interpret, cross_tile=cross_tile)
     x_rows = _input_rows(x.astype(jnp.bfloat16), plan, gather=gather, num_sms=num_sms,
                          interpret=interpret)
+    def walk(tile_n, n_out):
+        if walk_band is None:
+            return None
+        return routing.tile_walk(plan, tile_m, n_out // (2 * tile_n), walk_band)
+
     act = _grouped_matmul(x_rows, tile_slot, plan.tile_row0, plan.tile_rows, n_tiles, gu_weights,
-                          n_out=inter, swiglu=True, tile_n=tile_n_gate_up, **common)
+                          n_out=inter, swiglu=True, tile_n=tile_n_gate_up,
+                          walk=walk(tile_n_gate_up, inter), **common)
     padded_row0 = jnp.arange(plan.tile_row0.shape[0], dtype=jnp.int32) * tile_m
     out = _grouped_matmul(act, tile_slot, padded_row0, plan.tile_rows, n_tiles, d_weights,
-                          n_out=hidden, swiglu=False, tile_n=tile_n_down, **common)
+                          n_out=hidden, swiglu=False, tile_n=tile_n_down,
+                          walk=walk(tile_n_down, hidden), **common)
     return routing.combine_rows(out, plan, gate_weights)
 
 
 _STATIC = ("tile_m", "tile_n_gate_up", "tile_n_down", "tile_k", "stages", "num_sms", "interpret",
-           "cross_tile", "gather")
+           "cross_tile", "gather", "walk_band")
 GATHERS = ("tma", "xla")
 
 
@@ -478,9 +507,12 @@ def _has_pipeline_of_pipelines() -> bool:
 
 
 def _tiles_and_checks(hidden, inter, *, int4, tile_m, tile_n_gate_up, tile_n_down, tile_k,
-                      stages, num_sms, interpret, cross_tile, gather):
+                      stages, num_sms, interpret, cross_tile, gather, walk_band):
     if gather not in GATHERS:
         raise ValueError(f"gather must be one of {GATHERS}, got {gather!r}")
+    if walk_band is not None and (isinstance(walk_band, bool) or not isinstance(walk_band, int)
+                                  or walk_band < 1):
+        raise ValueError(f"walk_band must be None or a positive int, got {walk_band!r}")
     _check_tiles(what="gate_up", n_out=inter, k_dim=hidden, tile_m=tile_m,
                  tile_n=tile_n_gate_up, tile_k=tile_k, stages=stages, int4=int4, n_b=2)
     _check_tiles(what="down", n_out=hidden, k_dim=inter, tile_m=tile_m, tile_n=tile_n_down,
@@ -498,13 +530,13 @@ def _tiles_and_checks(hidden, inter, *, int4, tile_m, tile_n_gate_up, tile_n_dow
     if num_sms is None:
         num_sms = _default_num_sms()
     return (tile_m, tile_n_gate_up, tile_n_down, tile_k, stages, num_sms, interpret,
-            bool(cross_tile), gather)
+            bool(cross_tile), gather, walk_band)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def prefill_experts(x, expert_ids, gate_weights, token_valid, gate_up, down, slot_of_expert, *,
                     tile_m=128, tile_n_gate_up=64, tile_n_down=128, tile_k=64, stages=3,
-                    num_sms=None, interpret=False, cross_tile=None, gather="xla"):
+                    num_sms=None, interpret=False, cross_tile=None, gather="xla", walk_band=None):
     """Mosaic GPU prefill expert MLP, bf16 weights; same contract as `reference_prefill_experts`.
 
     x [T, H]; expert_ids [T, k] int32 in 0..E-1; gate_weights [T, k]; token_valid [T] bool (or
@@ -518,6 +550,9 @@ def prefill_experts(x, expert_ids, gate_weights, token_valid, gate_up, down, slo
     steps and epilogue; ``True`` where that cannot be raises ValueError, ``False`` drains the
     ring at every tile. ``gather``: kernel 1's input rows by XLA's take (``"xla"``) or by TMA row
     copies (``"tma"``, where a row is one TMA box, `row_gather`; measured slower in the call).
+    ``walk_band``: the order of the persistent grid's tiles. None: output-column blocks fastest
+    (neighbouring CTAs share a row tile); an int B: per expert, bands of B row tiles fastest
+    (neighbouring CTAs share a weight block, `routing.tile_walk`).
     """
     _check_routing(x, expert_ids, gate_weights, token_valid, slot_of_expert)
     hidden, inter = x.shape[1], down.shape[-1]
@@ -528,7 +563,7 @@ def prefill_experts(x, expert_ids, gate_weights, token_valid, gate_up, down, slo
     tiles = _tiles_and_checks(hidden, inter, int4=False, tile_m=tile_m,
                               tile_n_gate_up=tile_n_gate_up, tile_n_down=tile_n_down,
                               tile_k=tile_k, stages=stages, num_sms=num_sms, interpret=interpret,
-                              cross_tile=cross_tile, gather=gather)
+                              cross_tile=cross_tile, gather=gather, walk_band=walk_band)
     return _prefill(x, expert_ids, gate_weights, token_valid, slot_of_expert,
                     (gate_up.astype(jnp.bfloat16),), (down.astype(jnp.bfloat16),),
                     hidden=hidden, inter=inter, tiles=tiles)
@@ -544,7 +579,8 @@ def _as_int4(packed):
 def prefill_experts_int4(x, expert_ids, gate_weights, token_valid, gate_up_packed,
                          gate_up_scales, down_packed, down_scales, slot_of_expert, *,
                          tile_m=128, tile_n_gate_up=64, tile_n_down=128, tile_k=64, stages=3,
-                         num_sms=None, interpret=False, cross_tile=None, gather="xla"):
+                         num_sms=None, interpret=False, cross_tile=None, gather="xla",
+                         walk_band=None):
     """Mosaic GPU prefill expert MLP, int4 group-32 weights (host pool layout, `ftjax.host.quant`).
 
     gate_up_packed uint8 [S, 2I, H/2], gate_up_scales bf16 [S, 2I, H/32], down_packed uint8
@@ -569,7 +605,7 @@ def prefill_experts_int4(x, expert_ids, gate_weights, token_valid, gate_up_packe
     tiles = _tiles_and_checks(hidden, inter, int4=True, tile_m=tile_m,
                               tile_n_gate_up=tile_n_gate_up, tile_n_down=tile_n_down,
                               tile_k=tile_k, stages=stages, num_sms=num_sms, interpret=interpret,
-                              cross_tile=cross_tile, gather=gather)
+                              cross_tile=cross_tile, gather=gather, walk_band=walk_band)
     return _prefill(x, expert_ids, gate_weights, token_valid, slot_of_expert,
                     (_as_int4(gate_up_packed), gate_up_scales.astype(jnp.bfloat16)),
                     (_as_int4(down_packed), down_scales.astype(jnp.bfloat16)),

@@ -171,3 +171,33 @@ def combine_rows(rows: jax.Array, plan: RoutePlan, gate_weights: jax.Array) -> j
     # where, not a multiply by 0: a garbage row must not leak NaN into the sum.
     contrib = jnp.where(valid[:, None], picked * w[:, None], 0.0)
     return contrib.reshape(num_tokens, top_k, -1).sum(axis=1)
+
+
+def tile_walk(plan: RoutePlan, tile: int, n_blocks: int, band: int) -> jax.Array:
+    """The order in which a persistent grid walks the output tiles ``(m, n)`` of a grouped matmul
+    (``m`` a row tile of `plan`, ``n`` one of ``n_blocks`` output-column blocks): work item ``i``
+    computes tile ``walk[i] = m * n_blocks + n``. ``[num_tiles * n_blocks]`` int32, a permutation.
+
+    Per expert, in bands of ``band`` row tiles, the band's row tiles fastest, then the column
+    blocks: consecutive work items (so CTAs running at the same time) read the same weight block
+    of one expert, each weight byte serving ``band * tile`` rows while it is in L2, and a row tile
+    is read by ``n_blocks`` CTAs at most ``band`` items apart. Groups follow each other in row-tile
+    order. Items past the active tiles keep the row-major order ``m * n_blocks + n`` (with no tile
+    in use the kernels compute row tile 0, whose work items are ``0 .. n_blocks - 1``).
+    """
+    if band < 1 or n_blocks < 1:
+        raise ValueError(f"band and n_blocks must be >= 1, got {band}, {n_blocks}")
+    num_tiles = plan.tile_group.shape[0]
+    m = jnp.arange(num_tiles, dtype=jnp.int32)
+    group = plan.tile_group
+    first = plan.padded_starts[group] // tile  # the group's first row tile
+    count = (plan.group_sizes[group] + tile - 1) // tile  # its row tiles
+    band_first = first + (m - first) // band * band
+    band_count = jnp.minimum(band, first + count - band_first)
+    n = jnp.arange(n_blocks, dtype=jnp.int32)
+    pos = band_first[:, None] * n_blocks + n[None, :] * band_count[:, None] + (m - band_first)[:, None]
+    active = (m < plan.n_tiles)[:, None]
+    size = num_tiles * n_blocks
+    pos = jnp.where(active, pos, size)  # dropped: idle tiles keep the identity order
+    code = m[:, None] * n_blocks + n[None, :]
+    return jnp.arange(size, dtype=jnp.int32).at[pos.reshape(-1)].set(code.reshape(-1), mode="drop")
