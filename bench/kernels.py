@@ -287,7 +287,9 @@ PIPELINE_CONFIGS = {  # (name, kwargs): the per-tile ring against a CTA's tiles 
     "per-tile s3 tma-gather": dict(stages=3, cross_tile=False, gather="tma"),
     # the tiles walked per expert band (neighbouring CTAs share a weight block, `routing.tile_walk`)
     "per-tile s3 walk2": dict(stages=3, cross_tile=False, walk_band=2),
+    "per-tile s3 walk3": dict(stages=3, cross_tile=False, walk_band=3),
     "per-tile s3 walk4": dict(stages=3, cross_tile=False, walk_band=4),
+    "per-tile s3 walk2/4": dict(stages=3, cross_tile=False, walk_band=(2, 4)),  # (gate+up, down)
     "cross s4 walk4": dict(stages=4, cross_tile=True, walk_band=4),
     "per-tile s4": dict(stages=4, cross_tile=False),
     "cross s4": dict(stages=4, cross_tile=True),

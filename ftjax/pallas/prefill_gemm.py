@@ -465,18 +465,18 @@ def _prefill(x, expert_ids, gate_weights, token_valid, slot_of_expert, gu_weight
                   interpret=interpret, cross_tile=cross_tile)
     x_rows = _input_rows(x.astype(jnp.bfloat16), plan, gather=gather, num_sms=num_sms,
                          interpret=interpret)
-    def walk(tile_n, n_out):
-        if walk_band is None:
+    def walk(tile_n, n_out, band):
+        if band is None:
             return None
-        return routing.tile_walk(plan, tile_m, n_out // (2 * tile_n), walk_band)
+        return routing.tile_walk(plan, tile_m, n_out // (2 * tile_n), band)
 
     act = _grouped_matmul(x_rows, tile_slot, plan.tile_row0, plan.tile_rows, n_tiles, gu_weights,
                           n_out=inter, swiglu=True, tile_n=tile_n_gate_up,
-                          walk=walk(tile_n_gate_up, inter), **common)
+                          walk=walk(tile_n_gate_up, inter, walk_band[0]), **common)
     padded_row0 = jnp.arange(plan.tile_row0.shape[0], dtype=jnp.int32) * tile_m
     out = _grouped_matmul(act, tile_slot, padded_row0, plan.tile_rows, n_tiles, d_weights,
                           n_out=hidden, swiglu=False, tile_n=tile_n_down,
-                          walk=walk(tile_n_down, hidden), **common)
+                          walk=walk(tile_n_down, hidden, walk_band[1]), **common)
     return routing.combine_rows(out, plan, gate_weights)
 
 
@@ -506,13 +506,22 @@ def _has_pipeline_of_pipelines() -> bool:
         plgpu.emit_pipeline_warp_specialized).parameters
 
 
+def _walk_bands(walk_band):
+    """``walk_band`` as ``(gate_up band, down band)``, each None (the default walk) or >= 1."""
+    bands = walk_band if isinstance(walk_band, tuple) else (walk_band, walk_band)
+    ok = len(bands) == 2 and all(b is None or (isinstance(b, int) and not isinstance(b, bool) and b >= 1)
+                                 for b in bands)
+    if not ok:
+        raise ValueError(f"walk_band must be None, a positive int or a (gate_up, down) pair of "
+                         f"them, got {walk_band!r}")
+    return bands
+
+
 def _tiles_and_checks(hidden, inter, *, int4, tile_m, tile_n_gate_up, tile_n_down, tile_k,
                       stages, num_sms, interpret, cross_tile, gather, walk_band):
     if gather not in GATHERS:
         raise ValueError(f"gather must be one of {GATHERS}, got {gather!r}")
-    if walk_band is not None and (isinstance(walk_band, bool) or not isinstance(walk_band, int)
-                                  or walk_band < 1):
-        raise ValueError(f"walk_band must be None or a positive int, got {walk_band!r}")
+    walk_band = _walk_bands(walk_band)
     _check_tiles(what="gate_up", n_out=inter, k_dim=hidden, tile_m=tile_m,
                  tile_n=tile_n_gate_up, tile_k=tile_k, stages=stages, int4=int4, n_b=2)
     _check_tiles(what="down", n_out=hidden, k_dim=inter, tile_m=tile_m, tile_n=tile_n_down,
@@ -552,7 +561,7 @@ def prefill_experts(x, expert_ids, gate_weights, token_valid, gate_up, down, slo
     copies (``"tma"``, where a row is one TMA box, `row_gather`; measured slower in the call).
     ``walk_band``: the order of the persistent grid's tiles. None: output-column blocks fastest
     (neighbouring CTAs share a row tile); an int B: per expert, bands of B row tiles fastest
-    (neighbouring CTAs share a weight block, `routing.tile_walk`).
+    (neighbouring CTAs share a weight block, `routing.tile_walk`); a pair: (gate+up, down).
     """
     _check_routing(x, expert_ids, gate_weights, token_valid, slot_of_expert)
     hidden, inter = x.shape[1], down.shape[-1]

@@ -252,7 +252,7 @@ def test_prefill_input_row_gathers_agree(mgpu_interpret):
 
 @pytest.mark.parametrize("case, band, num_sms", [
     ("random", 1, 2), ("random", 2, 3), ("one-group", 3, 2), ("empty-groups", 2, 1),
-    ("count0", 2, 2)])
+    ("count0", 2, 2), ("random", (2, None), 3), ("one-group", (None, 3), 2)])
 def test_prefill_expert_walk_agrees(case, band, num_sms, mgpu_interpret):
     """The tiles walked per expert band (``walk_band``) compute the same tiles in the same way:
     the same bits as the default walk, for many tiles per CTA, one group and no tile in use."""
@@ -364,8 +364,11 @@ def _shapes(T=8, k=2, H=128, I=128, E=4, S=4):
     ({}, dict(tile_k=48), r"tile_k must be one of 32, 64, 128, 256, got 48"),
     ({}, dict(stages=9, tile_m=256), r"needs \d+ bytes of SMEM"),
     ({}, dict(gather="take"), r"gather must be one of \('tma', 'xla'\), got 'take'"),
-    ({}, dict(walk_band=0), r"walk_band must be None or a positive int, got 0"),
-    ({}, dict(walk_band=True), r"walk_band must be None or a positive int, got True"),
+    ({}, dict(walk_band=0), r"walk_band must be None, a positive int or a \(gate_up, down\) pair "
+                            r"of them, got 0"),
+    ({}, dict(walk_band=True), r"walk_band must be None, a positive int .*, got True"),
+    ({}, dict(walk_band=(2, 0)), r"walk_band must be None, a positive int .*, got \(2, 0\)"),
+    ({}, dict(walk_band=(2, 2, 2)), r"walk_band must be None, a positive int .*, got \(2, 2, 2\)"),
     ({}, dict(stages=3, cross_tile=True), r"cross_tile needs both reductions' step counts \(H / "
                                           r"tile_k = 2, I / tile_k = 2\) divisible by stages = 3"),
 ])
