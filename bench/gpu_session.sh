@@ -16,7 +16,7 @@
 # Session 19 steps: fill-units (bench/fill_units.py: the in-step fills alone and beside a background fill), tests-yield,
 # decode-yield-b1 (the background fill pausing for the in-step transfers: OffloadExperts.background_yield).
 # Session 20 steps: prefill-walk (the prefill tiles walked per expert band vs the default walk, b2b, the kernel
-# split and per layer of $CHAIN layers in one jitted call; $PIPE_TOKENS, $WALK_CONFIGS).
+# split and per layer of $CHAIN layers in one jitted call; $PIPE_TOKENS, $WALK_CONFIGS, $WALK_DTYPES).
 # Session 13 steps: tests-plan (the fused plan's GPU tests + the CUDA offload tests, ~2.5 min), decode-plan-b1 /
 # -b4 (lru-split with the fused plan vs the jnp plan, lru-fill; ~4.5 min).
 # Session 12 steps: prefill-split (the prefill kernels' own times, routed vs one expert, ~1.5 min),
@@ -99,7 +99,7 @@ for s in "${steps[@]}"; do
        cfgs=("per-tile s3" "per-tile s3 walk2" "per-tile s3 walk4" "cross s4" "cross s4 walk4")
        [ -n "${WALK_CONFIGS:-}" ] && eval "cfgs=($WALK_CONFIGS)"  # e.g. WALK_CONFIGS='"per-tile s3" "cross s4"'
        run prefill_walk 420 python3 bench/kernels.py --only prefill --pipelines --shapes 2048x512 4096x2048 \
-         --dtypes bf16 --tokens ${PIPE_TOKENS:-8192} --iters 5 --chain ${CHAIN:-4} --profile /tmp/pwalk \
+         --dtypes ${WALK_DTYPES:-bf16} --tokens ${PIPE_TOKENS:-8192} --iters 5 --chain ${CHAIN:-4} --profile /tmp/pwalk \
          --configs "${cfgs[@]}" --out "$OUT/prefill_walk.json" ;;
     thp) run thp 120 python3 bench/thp_check.py --gib 4 ;;  # the host's THP mode, the pool's huge-page share (~30 s)
     cpu-ports)  # AVX-512 instruction costs on one host core and the int4 loop's mix (~20 s)

@@ -283,20 +283,21 @@ def kernel_split(row, kernel_us, flops, ceiling):
 
 
 PIPELINE_CONFIGS = {  # (name, kwargs): the per-tile ring against a CTA's tiles as one pipeline
-    "per-tile s3": dict(stages=3, cross_tile=False),  # the defaults (input rows by XLA's take)
-    "per-tile s3 tma-gather": dict(stages=3, cross_tile=False, gather="tma"),
+    "default": {},  # per-tile, 3 stages, input rows by XLA's take, walk_band "auto"
+    "per-tile s3": dict(stages=3, cross_tile=False, walk_band=None),  # the default before session 20
+    "per-tile s3 tma-gather": dict(stages=3, cross_tile=False, gather="tma", walk_band=None),
     # the tiles walked per expert band (neighbouring CTAs share a weight block, `routing.tile_walk`)
     "per-tile s3 walk2": dict(stages=3, cross_tile=False, walk_band=2),
     "per-tile s3 walk3": dict(stages=3, cross_tile=False, walk_band=3),
     "per-tile s3 walk4": dict(stages=3, cross_tile=False, walk_band=4),
     "per-tile s3 walk2/4": dict(stages=3, cross_tile=False, walk_band=(2, 4)),  # (gate+up, down)
     "cross s4 walk4": dict(stages=4, cross_tile=True, walk_band=4),
-    "per-tile s4": dict(stages=4, cross_tile=False),
-    "cross s4": dict(stages=4, cross_tile=True),
-    "cross s2": dict(stages=2, cross_tile=True),
-    "cross k128 s2": dict(tile_k=128, stages=2, cross_tile=True),
+    "per-tile s4": dict(stages=4, cross_tile=False, walk_band=None),
+    "cross s4": dict(stages=4, cross_tile=True, walk_band=None),
+    "cross s2": dict(stages=2, cross_tile=True, walk_band=None),
+    "cross k128 s2": dict(tile_k=128, stages=2, cross_tile=True, walk_band=None),
     # 256-row tiles (an expert of <= 256 routes in one row tile; n32 WGMMAs): measured slower
-    "m256 s3": dict(tile_m=256, tile_n_gate_up=32, tile_n_down=64, stages=3, cross_tile=False),
+    "m256 s3": dict(tile_m=256, tile_n_gate_up=32, tile_n_down=64, stages=3, cross_tile=False, walk_band=None),
 }
 
 

@@ -34,10 +34,17 @@ Plan (one screen):
   (`bench/kernels.py` b2b column).
 
 Kernel layout (both kernels are one builder, `_grouped_matmul`): a persistent grid of one CTA
-per SM walks the output tiles ``(m, n)``, ``n`` fastest, so neighbouring CTAs share a row tile and
-an expert's weights while they are in L2. The walk is ``plgpu.nd_loop`` over a *device* count of
-row tiles (``n_tiles``), so the idle tail of the padded buffer costs nothing, and since an empty
-group has no row tile it costs nothing either. Each CTA has three warpgroups: a memory warpgroup
+per SM walks the output tiles ``(m, n)``, by default ``n`` fastest, so neighbouring CTAs share a
+row tile and an expert's weights while they are in L2; with ``walk_band`` B the walk goes per
+expert in bands of B row tiles, the band's row tiles fastest (`routing.tile_walk`, a device table
+of work item -> tile built with the route plan), so the CTAs running at the same time read the same
+weight block, each weight byte fetched into L2 serving up to ``B * tile_m`` rows. ``"auto"`` (the
+default) takes B = 2 for a kernel of 16 or more output blocks: on the H200 (session 20) that lifted
+the DeepSeek-like shape (2 to 3 row tiles per expert at 8K tokens) by 0.07-0.10 of the matmul
+ceiling (its gate+up kernel from 0.51-0.60 to 0.66-0.73 at 8K), and did nothing for the Qwen3.6
+shape, whose 4 and 8 output blocks keep the default. The walk is ``plgpu.nd_loop`` over a *device*
+count of row tiles (``n_tiles``), so the idle tail of the padded buffer costs nothing, and since an
+empty group has no row tile it costs nothing either. Each CTA has three warpgroups: a memory warpgroup
 issuing TMA copies into a ``stages``-deep SMEM ring (``emit_pipeline_warp_specialized``) and two
 compute warpgroups, each owning ``tile_n`` of the CTA's ``2 * tile_n`` output columns. A pipeline
 step is one ``tile_k`` slice of the reduction: the ``[tile_m, tile_k]`` row tile and the
@@ -506,14 +513,27 @@ def _has_pipeline_of_pipelines() -> bool:
         plgpu.emit_pipeline_warp_specialized).parameters
 
 
-def _walk_bands(walk_band):
-    """``walk_band`` as ``(gate_up band, down band)``, each None (the default walk) or >= 1."""
+AUTO_WALK_BAND = 2  # "auto": this band for a kernel of >= AUTO_WALK_MIN_BLOCKS output blocks
+AUTO_WALK_MIN_BLOCKS = 16
+
+
+def _walk_bands(walk_band, n_blocks=(1, 1)):
+    """``walk_band`` as ``(gate_up band, down band)``, each None (the default walk) or >= 1;
+    ``n_blocks``: the two kernels' output-column blocks, for ``"auto"``.
+
+    ``"auto"``: band 2 for a kernel of 16 or more output blocks, else None. On the H200 (session
+    20, 8K and 16K tokens, 256 experts top-8) band 2 lifted the DeepSeek-like shape (16 and 16
+    blocks, 32 + 16 MiB of weights per expert) from 0.53-0.59 to 0.62-0.66 of the matmul ceiling
+    at 8K, 0.63 to 0.73 at 16K, and moved the Qwen3.6 shape (4 and 8 blocks) by -0.03 to +0.00.
+    """
+    if walk_band == "auto":
+        return tuple(AUTO_WALK_BAND if n >= AUTO_WALK_MIN_BLOCKS else None for n in n_blocks)
     bands = walk_band if isinstance(walk_band, tuple) else (walk_band, walk_band)
     ok = len(bands) == 2 and all(b is None or (isinstance(b, int) and not isinstance(b, bool) and b >= 1)
                                  for b in bands)
     if not ok:
-        raise ValueError(f"walk_band must be None, a positive int or a (gate_up, down) pair of "
-                         f"them, got {walk_band!r}")
+        raise ValueError(f"walk_band must be \"auto\", None, a positive int or a (gate_up, down) "
+                         f"pair of None / positive ints, got {walk_band!r}")
     return bands
 
 
@@ -521,7 +541,7 @@ def _tiles_and_checks(hidden, inter, *, int4, tile_m, tile_n_gate_up, tile_n_dow
                       stages, num_sms, interpret, cross_tile, gather, walk_band):
     if gather not in GATHERS:
         raise ValueError(f"gather must be one of {GATHERS}, got {gather!r}")
-    walk_band = _walk_bands(walk_band)
+    walk_band = _walk_bands(walk_band, (inter // (2 * tile_n_gate_up), hidden // (2 * tile_n_down)))
     _check_tiles(what="gate_up", n_out=inter, k_dim=hidden, tile_m=tile_m,
                  tile_n=tile_n_gate_up, tile_k=tile_k, stages=stages, int4=int4, n_b=2)
     _check_tiles(what="down", n_out=hidden, k_dim=inter, tile_m=tile_m, tile_n=tile_n_down,
@@ -545,7 +565,7 @@ def _tiles_and_checks(hidden, inter, *, int4, tile_m, tile_n_gate_up, tile_n_dow
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def prefill_experts(x, expert_ids, gate_weights, token_valid, gate_up, down, slot_of_expert, *,
                     tile_m=128, tile_n_gate_up=64, tile_n_down=128, tile_k=64, stages=3,
-                    num_sms=None, interpret=False, cross_tile=None, gather="xla", walk_band=None):
+                    num_sms=None, interpret=False, cross_tile=None, gather="xla", walk_band="auto"):
     """Mosaic GPU prefill expert MLP, bf16 weights; same contract as `reference_prefill_experts`.
 
     x [T, H]; expert_ids [T, k] int32 in 0..E-1; gate_weights [T, k]; token_valid [T] bool (or
@@ -561,7 +581,8 @@ def prefill_experts(x, expert_ids, gate_weights, token_valid, gate_up, down, slo
     copies (``"tma"``, where a row is one TMA box, `row_gather`; measured slower in the call).
     ``walk_band``: the order of the persistent grid's tiles. None: output-column blocks fastest
     (neighbouring CTAs share a row tile); an int B: per expert, bands of B row tiles fastest
-    (neighbouring CTAs share a weight block, `routing.tile_walk`); a pair: (gate+up, down).
+    (neighbouring CTAs share a weight block, `routing.tile_walk`); a pair: (gate+up, down);
+    ``"auto"`` (default): 2 for a kernel of 16+ output blocks, else None (`_walk_bands`).
     """
     _check_routing(x, expert_ids, gate_weights, token_valid, slot_of_expert)
     hidden, inter = x.shape[1], down.shape[-1]
@@ -589,7 +610,7 @@ def prefill_experts_int4(x, expert_ids, gate_weights, token_valid, gate_up_packe
                          gate_up_scales, down_packed, down_scales, slot_of_expert, *,
                          tile_m=128, tile_n_gate_up=64, tile_n_down=128, tile_k=64, stages=3,
                          num_sms=None, interpret=False, cross_tile=None, gather="xla",
-                         walk_band=None):
+                         walk_band="auto"):
     """Mosaic GPU prefill expert MLP, int4 group-32 weights (host pool layout, `ftjax.host.quant`).
 
     gate_up_packed uint8 [S, 2I, H/2], gate_up_scales bf16 [S, 2I, H/32], down_packed uint8

@@ -364,11 +364,12 @@ def _shapes(T=8, k=2, H=128, I=128, E=4, S=4):
     ({}, dict(tile_k=48), r"tile_k must be one of 32, 64, 128, 256, got 48"),
     ({}, dict(stages=9, tile_m=256), r"needs \d+ bytes of SMEM"),
     ({}, dict(gather="take"), r"gather must be one of \('tma', 'xla'\), got 'take'"),
-    ({}, dict(walk_band=0), r"walk_band must be None, a positive int or a \(gate_up, down\) pair "
-                            r"of them, got 0"),
-    ({}, dict(walk_band=True), r"walk_band must be None, a positive int .*, got True"),
-    ({}, dict(walk_band=(2, 0)), r"walk_band must be None, a positive int .*, got \(2, 0\)"),
-    ({}, dict(walk_band=(2, 2, 2)), r"walk_band must be None, a positive int .*, got \(2, 2, 2\)"),
+    ({}, dict(walk_band=0), r"walk_band must be \"auto\", None, a positive int or a \(gate_up, "
+                            r"down\) pair of None / positive ints, got 0"),
+    ({}, dict(walk_band=True), r"walk_band must be \"auto\", .*, got True"),
+    ({}, dict(walk_band="4"), r"walk_band must be \"auto\", .*, got '4'"),
+    ({}, dict(walk_band=(2, 0)), r"walk_band must be \"auto\", .*, got \(2, 0\)"),
+    ({}, dict(walk_band=(2, 2, 2)), r"walk_band must be \"auto\", .*, got \(2, 2, 2\)"),
     ({}, dict(stages=3, cross_tile=True), r"cross_tile needs both reductions' step counts \(H / "
                                           r"tile_k = 2, I / tile_k = 2\) divisible by stages = 3"),
 ])
@@ -384,6 +385,16 @@ def _int4_shapes(T=8, k=2, H=128, I=128, S=4):
             sd((T,), jnp.bool_), sd((S, 2 * I, H // 2), jnp.uint8),
             sd((S, 2 * I, H // 32), jnp.bfloat16), sd((S, H, I // 2), jnp.uint8),
             sd((S, H, I // 32), jnp.bfloat16), sd((S,), jnp.int32)]
+
+
+def test_auto_walk_band_by_output_blocks():
+    """"auto": band 2 for a kernel of 16+ output blocks (the DeepSeek-like shape's two kernels),
+    the default walk below (the Qwen3.6 shape's 4 and 8 blocks); explicit values pass through."""
+    assert pg._walk_bands("auto", (16, 16)) == (2, 2)
+    assert pg._walk_bands("auto", (4, 8)) == (None, None)
+    assert pg._walk_bands("auto", (15, 32)) == (None, 2)
+    assert pg._walk_bands(None, (16, 16)) == (None, None)
+    assert pg._walk_bands(3) == (3, 3) and pg._walk_bands((None, 4)) == (None, 4)
 
 
 def test_int4_size_limits():
