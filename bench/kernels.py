@@ -317,7 +317,10 @@ def bench_prefill_pipeline(args, ceiling, rows):
     --profile also the gate+up and down kernels' own times (ratios to the same ceiling); with
     --chain N also per layer of N layers in one executable (`chained_layers`)."""
     T = max(args.tokens)
-    print(f"\nprefill pipelines, {T} tokens (matmul ceiling {ceiling:.0f} TFLOP/s; b2b = calls back to back"
+    print(f"\nprefill pipelines, {T} tokens, routing: "
+          + ("every route to expert 0" if args.one_expert else
+             f"uniform random top-{args.top_k} of {args.experts} experts (synthetic, no popularity skew)")
+          + f" (matmul ceiling {ceiling:.0f} TFLOP/s; b2b = calls back to back"
           + (f"; in-step = per layer of {args.chain} layers in one jitted call, each layer's output its "
              f"next input" if args.chain else "") + ")")
     for shape in args.shapes:
@@ -459,7 +462,8 @@ def main():
     if args.only == "decode":
         args.shapes = []
     else:
-        print("\nprefill grouped expert MLP" + (" (every route to expert 0: one plain GEMM)" if args.one_expert else ""))
+        print("\nprefill grouped expert MLP, " + ("every route to expert 0: one plain GEMM" if args.one_expert else
+              f"routing: uniform random top-{args.top_k} of {args.experts} experts (synthetic, no popularity skew)"))
     print(f"{'H':>5} {'I':>5} {'T':>6} {'dtype':>5} {'ms':>8} {'TFLOP/s':>8} {'ratio':>6} "
           f"{'GB/s':>7} {'b2b ms':>8} {'ratio':>6}   (ms: one call, the host waiting for it; b2b: calls "
           f"dispatched back to back)")
