@@ -292,6 +292,8 @@ PIPELINE_CONFIGS = {  # (name, kwargs): the per-tile ring against a CTA's tiles 
     "per-tile s3 walk4": dict(stages=3, cross_tile=False, walk_band=4),
     "per-tile s3 walk2/4": dict(stages=3, cross_tile=False, walk_band=(2, 4)),  # (gate+up, down)
     "cross s4 walk4": dict(stages=4, cross_tile=True, walk_band=4),
+    # one pipeline per kernel: gate+up per-tile 3 stages, down (few k-steps at the Qwen shape) cross-tile 4
+    "gu s3, down cross s4": dict(stages=(3, 4), cross_tile=(False, True)),
     "per-tile s4": dict(stages=4, cross_tile=False, walk_band=None),
     "cross s4": dict(stages=4, cross_tile=True, walk_band=None),
     "cross s2": dict(stages=2, cross_tile=True, walk_band=None),

@@ -464,12 +464,17 @@ def _prefill(x, expert_ids, gate_weights, token_valid, slot_of_expert, gu_weight
     # materialized before the gather and the combine: without this barrier (or the lax.cond it
     # replaces) XLA fused the plan's index math (searchsorted, gathers) into both and recomputed it
     # for every element: 4.2 + 1.6 ms of glue beside 0.78 ms of kernels at 8K tokens (session 10)
-    plan = lax.optimization_barrier(routing.plan_routes(expert_ids, token_valid, num_experts, tile_m))
+    plan = routing.plan_routes(expert_ids, token_valid, num_experts, tile_m)
+    # only the fields used below go through the barrier: the others (the padded layout's per-row
+    # route map, the sort's order) are left for XLA to drop
+    used = ("group_sizes", "padded_starts", "row_of_route", "tile_group", "tile_row0",
+            "token_of_input_row", "tile_rows", "n_tiles")
+    plan = plan._replace(**dict(zip(used, lax.optimization_barrier(
+        tuple(getattr(plan, name) for name in used)))))
     n_slots = gu_weights[0].shape[0]
     tile_slot = jnp.clip(slot_of_expert.astype(jnp.int32)[plan.tile_group], 0, n_slots - 1)
     n_tiles = jnp.maximum(plan.n_tiles, 1).reshape(1)  # never an all-empty launch (see the docstring)
-    common = dict(tile_m=tile_m, tile_k=tile_k, stages=stages, num_sms=num_sms,
-                  interpret=interpret, cross_tile=cross_tile)
+    common = dict(tile_m=tile_m, tile_k=tile_k, num_sms=num_sms, interpret=interpret)
     x_rows = _input_rows(x.astype(jnp.bfloat16), plan, gather=gather, num_sms=num_sms,
                          interpret=interpret)
     def walk(tile_n, n_out, band):
@@ -479,11 +484,13 @@ def _prefill(x, expert_ids, gate_weights, token_valid, slot_of_expert, gu_weight
 
     act = _grouped_matmul(x_rows, tile_slot, plan.tile_row0, plan.tile_rows, n_tiles, gu_weights,
                           n_out=inter, swiglu=True, tile_n=tile_n_gate_up,
-                          walk=walk(tile_n_gate_up, inter, walk_band[0]), **common)
+                          walk=walk(tile_n_gate_up, inter, walk_band[0]), stages=stages[0],
+                          cross_tile=cross_tile[0], **common)
     padded_row0 = jnp.arange(plan.tile_row0.shape[0], dtype=jnp.int32) * tile_m
     out = _grouped_matmul(act, tile_slot, padded_row0, plan.tile_rows, n_tiles, d_weights,
                           n_out=hidden, swiglu=False, tile_n=tile_n_down,
-                          walk=walk(tile_n_down, hidden, walk_band[1]), **common)
+                          walk=walk(tile_n_down, hidden, walk_band[1]), stages=stages[1],
+                          cross_tile=cross_tile[1], **common)
     return routing.combine_rows(out, plan, gate_weights)
 
 
@@ -537,29 +544,44 @@ def _walk_bands(walk_band, n_blocks=(1, 1)):
     return bands
 
 
+def _per_kernel(value, name):
+    """An option given once for both kernels, or as a ``(gate_up, down)`` pair: the pair."""
+    if isinstance(value, tuple):
+        if len(value) != 2:
+            raise ValueError(f"{name} as a tuple must be a (gate_up, down) pair, got {value!r}")
+        return value
+    return (value, value)
+
+
 def _tiles_and_checks(hidden, inter, *, int4, tile_m, tile_n_gate_up, tile_n_down, tile_k,
                       stages, num_sms, interpret, cross_tile, gather, walk_band):
     if gather not in GATHERS:
         raise ValueError(f"gather must be one of {GATHERS}, got {gather!r}")
     walk_band = _walk_bands(walk_band, (inter // (2 * tile_n_gate_up), hidden // (2 * tile_n_down)))
-    _check_tiles(what="gate_up", n_out=inter, k_dim=hidden, tile_m=tile_m,
-                 tile_n=tile_n_gate_up, tile_k=tile_k, stages=stages, int4=int4, n_b=2)
-    _check_tiles(what="down", n_out=hidden, k_dim=inter, tile_m=tile_m, tile_n=tile_n_down,
-                 tile_k=tile_k, stages=stages, int4=int4, n_b=1)
-    divisible = (hidden // tile_k) % stages == 0 and (inter // tile_k) % stages == 0
-    if cross_tile is None:
-        cross_tile = divisible and _has_pipeline_of_pipelines()
-    elif cross_tile and not divisible:
-        raise ValueError(f"cross_tile needs both reductions' step counts (H / tile_k = "
-                         f"{hidden // tile_k}, I / tile_k = {inter // tile_k}) divisible by "
-                         f"stages = {stages}; pick stages dividing both, or cross_tile=False")
-    elif cross_tile and not _has_pipeline_of_pipelines():
-        raise ValueError(f"cross_tile needs Mosaic GPU's pipeline_state (jax {jax.__version__} "
-                         f"has none); use cross_tile=False")
+    stages, cross_tile = _per_kernel(stages, "stages"), _per_kernel(cross_tile, "cross_tile")
+    if not all(isinstance(st, int) and not isinstance(st, bool) for st in stages):
+        raise ValueError(f"stages must be an int or a (gate_up, down) pair of ints, got {stages!r}")
+    kernels = (("gate_up", inter, hidden, tile_n_gate_up, 2, "H"), ("down", hidden, inter, tile_n_down,
+                                                                    1, "I"))
+    cross = []
+    for (what, n_out, k_dim, tile_n, n_b, k_name), st, ct in zip(kernels, stages, cross_tile):
+        _check_tiles(what=what, n_out=n_out, k_dim=k_dim, tile_m=tile_m, tile_n=tile_n, tile_k=tile_k,
+                     stages=st, int4=int4, n_b=n_b)
+        divisible = (k_dim // tile_k) % st == 0
+        if ct is None:
+            ct = divisible and _has_pipeline_of_pipelines()
+        elif ct and not divisible:
+            raise ValueError(f"{what}: cross_tile needs the reduction's step count ({k_name} / tile_k "
+                             f"= {k_dim // tile_k}) divisible by stages = {st}; pick stages dividing "
+                             f"it, or cross_tile=False")
+        elif ct and not _has_pipeline_of_pipelines():
+            raise ValueError(f"cross_tile needs Mosaic GPU's pipeline_state (jax {jax.__version__} "
+                             f"has none); use cross_tile=False")
+        cross.append(bool(ct))
     if num_sms is None:
         num_sms = _default_num_sms()
     return (tile_m, tile_n_gate_up, tile_n_down, tile_k, stages, num_sms, interpret,
-            bool(cross_tile), gather, walk_band)
+            tuple(cross), gather, walk_band)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
@@ -573,11 +595,12 @@ def prefill_experts(x, expert_ids, gate_weights, token_valid, gate_up, down, slo
     gate_up [S, 2I, H] and down [S, H, I] bf16; slot_of_expert [E] int32. Returns [T, H] fp32.
     Needs ``I % (2 * tile_n_gate_up) == 0``, ``H % (2 * tile_n_down) == 0`` and both divisible by
     ``tile_k`` (ValueError otherwise). ``num_sms`` CTAs (default: this GPU's SM count, else 132);
-    ``interpret=True`` runs Mosaic GPU interpret mode on the CPU. ``cross_tile`` (default: where
-    ``H / tile_k`` and ``I / tile_k`` are multiples of ``stages`` and this jax supports it) runs
-    each CTA's tiles as one pipeline, so the next tile's first copies overlap this tile's last
-    steps and epilogue; ``True`` where that cannot be raises ValueError, ``False`` drains the
-    ring at every tile. ``gather``: kernel 1's input rows by XLA's take (``"xla"``) or by TMA row
+    ``interpret=True`` runs Mosaic GPU interpret mode on the CPU. ``stages``: the SMEM ring's depth.
+    ``cross_tile`` (default: per kernel, where its reduction's steps, ``H / tile_k`` for gate+up and
+    ``I / tile_k`` for down, are a multiple of its stages and this jax supports it) runs each CTA's
+    tiles as one pipeline, so the next tile's first copies overlap this tile's last steps and
+    epilogue; ``True`` where that cannot be raises ValueError, ``False`` drains the ring at every
+    tile. Both also take a ``(gate_up, down)`` pair, one setting per kernel. ``gather``: kernel 1's input rows by XLA's take (``"xla"``) or by TMA row
     copies (``"tma"``, where a row is one TMA box, `row_gather`; measured slower in the call).
     ``walk_band``: the order of the persistent grid's tiles. None: output-column blocks fastest
     (neighbouring CTAs share a row tile); an int B: per expert, bands of B row tiles fastest

@@ -69,7 +69,8 @@ def sort_routes(group_ids: jax.Array, valid: jax.Array, num_groups: int):
     num_routes = group_ids.shape[0]
     key = jnp.where(valid, group_ids.astype(jnp.int32), num_groups)
     order = jnp.argsort(key, stable=True).astype(jnp.int32)
-    rank = jnp.zeros(num_routes, jnp.int32).at[order].set(jnp.arange(num_routes, dtype=jnp.int32))
+    rank = jnp.zeros(num_routes, jnp.int32).at[order].set(jnp.arange(num_routes, dtype=jnp.int32),
+                                                          unique_indices=True)  # a permutation
     sizes = jnp.zeros(num_groups + 1, jnp.int32).at[key].add(1)[:num_groups]
     starts = jnp.cumsum(sizes) - sizes
     return order, rank, sizes, starts
@@ -97,11 +98,14 @@ def plan_routes(expert_ids: jax.Array, token_valid: jax.Array, num_experts: int,
     tile_group = jnp.minimum(_group_of(padded_ends, tile_first), num_experts - 1).astype(jnp.int32)
     n_tiles = (padded_ends[-1] // tile).astype(jnp.int32)
 
-    # The kernels' input rows: the same groups, each starting on an INPUT_ALIGN-row boundary.
+    # The kernels' input rows: the same groups, each starting on an INPUT_ALIGN-row boundary; each
+    # valid route writes its token into its row (one scatter; padding and spare rows: token 0).
     num_in = padded_rows_bound(num_routes, num_experts, INPUT_ALIGN)
-    in_starts, _, in_is_route, in_route = _group_layout(order, sizes, starts, num_in, INPUT_ALIGN)
-    token_of_input_row = jnp.where(in_is_route, in_route // top_k, 0)
-    token_of_input_row = jnp.concatenate([token_of_input_row, jnp.zeros(tile, jnp.int32)])
+    in_sizes = (sizes + INPUT_ALIGN - 1) // INPUT_ALIGN * INPUT_ALIGN
+    in_starts = jnp.cumsum(in_sizes) - in_sizes
+    in_row = jnp.where(valid, in_starts[group] + rank - starts[group], num_in + tile)  # dropped
+    token_of_input_row = jnp.zeros(num_in + tile, jnp.int32).at[in_row].set(
+        jnp.arange(num_routes, dtype=jnp.int32) // top_k, mode="drop", unique_indices=True)
     active = tile_first < padded_ends[-1]
     in_group = tile_first - padded_starts[tile_group]  # the tile's first row within its group
     tile_row0 = jnp.where(active, in_starts[tile_group] + in_group, 0)

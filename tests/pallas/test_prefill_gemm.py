@@ -240,6 +240,19 @@ def test_cross_tile_pipeline_matches_reference(case, num_sms, int4, mgpu_interpr
     _check(out, ref, np.asarray(args[3]))
 
 
+@pytest.mark.parametrize("stages, cross", [((2, 2), (False, True)), ((2, 2), (True, False)),
+                                           ((3, 2), (False, None))])
+def test_per_kernel_pipelines_agree(stages, cross, mgpu_interpret):
+    """``stages`` / ``cross_tile`` as (gate_up, down) pairs: each kernel its own pipeline, the same
+    tiles computed the same way, so the same bits as one setting for both."""
+    args, slots, gate_up, down = _inputs(8, **{**BF16_CASES["random"], "H": 256, "I": 128})
+    gu, dn = jnp.asarray(gate_up, jnp.bfloat16), jnp.asarray(down, jnp.bfloat16)
+    tiles = {**SMALL, "num_sms": 3}
+    mixed = pg.prefill_experts(*args, gu, dn, slots, **{**tiles, "stages": stages, "cross_tile": cross})
+    plain = pg.prefill_experts(*args, gu, dn, slots, **{**tiles, "cross_tile": False})
+    np.testing.assert_array_equal(np.asarray(mixed), np.asarray(plain))
+
+
 def test_prefill_input_row_gathers_agree(mgpu_interpret):
     """Kernel 1's input rows by XLA's take (default) or TMA row copies: the same bits out."""
     args, slots, gate_up, down = _inputs(4, **{"H": 128, "I": 128, **BF16_CASES["random"]})
@@ -370,8 +383,14 @@ def _shapes(T=8, k=2, H=128, I=128, E=4, S=4):
     ({}, dict(walk_band="4"), r"walk_band must be \"auto\", .*, got '4'"),
     ({}, dict(walk_band=(2, 0)), r"walk_band must be \"auto\", .*, got \(2, 0\)"),
     ({}, dict(walk_band=(2, 2, 2)), r"walk_band must be \"auto\", .*, got \(2, 2, 2\)"),
-    ({}, dict(stages=3, cross_tile=True), r"cross_tile needs both reductions' step counts \(H / "
-                                          r"tile_k = 2, I / tile_k = 2\) divisible by stages = 3"),
+    ({}, dict(stages=3, cross_tile=True), r"gate_up: cross_tile needs the reduction's step count "
+                                          r"\(H / tile_k = 2\) divisible by stages = 3"),
+    ({}, dict(stages=(2, 3), cross_tile=(False, True)), r"down: cross_tile needs the reduction's step "
+                                                        r"count \(I / tile_k = 2\) divisible by stages = 3"),
+    ({}, dict(stages=(2, 2, 2)), r"stages as a tuple must be a \(gate_up, down\) pair, got \(2, 2, 2\)"),
+    ({}, dict(cross_tile=(True,)), r"cross_tile as a tuple must be a \(gate_up, down\) pair"),
+    ({}, dict(stages=(2, 2.0)), r"stages must be an int or a \(gate_up, down\) pair of ints"),
+    ({}, dict(stages=(2, 1)), r"stages must be >= 2, got 1"),
 ])
 def test_bad_sizes_raise_value_error(sizes, kwargs, match):
     fn = functools.partial(pg.prefill_experts, **{**SMALL, **kwargs})
