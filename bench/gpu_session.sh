@@ -16,7 +16,8 @@
 # Session 19 steps: fill-units (bench/fill_units.py: the in-step fills alone and beside a background fill), tests-yield,
 # decode-yield-b1 (the background fill pausing for the in-step transfers: OffloadExperts.background_yield).
 # Session 20 steps: prefill-walk (the prefill tiles walked per expert band vs the default walk, b2b, the kernel
-# split and per layer of $CHAIN layers in one jitted call; $PIPE_TOKENS, $WALK_CONFIGS, $WALK_DTYPES).
+# split and per layer of $CHAIN layers in one jitted call; $PIPE_TOKENS, $WALK_CONFIGS, $WALK_DTYPES),
+# prefill-trace (the Qwen shape's prefill call op by op, 8K and 16K).
 # Session 13 steps: tests-plan (the fused plan's GPU tests + the CUDA offload tests, ~2.5 min), decode-plan-b1 /
 # -b4 (lru-split with the fused plan vs the jnp plan, lru-fill; ~4.5 min).
 # Session 12 steps: prefill-split (the prefill kernels' own times, routed vs one expert, ~1.5 min),
@@ -101,6 +102,10 @@ for s in "${steps[@]}"; do
        run prefill_walk 420 python3 bench/kernels.py --only prefill --pipelines --shapes 2048x512 4096x2048 \
          --dtypes ${WALK_DTYPES:-bf16} --tokens ${PIPE_TOKENS:-8192} --iters 5 --chain ${CHAIN:-4} --profile /tmp/pwalk \
          --configs "${cfgs[@]}" --out "$OUT/prefill_walk.json" ;;
+    prefill-trace)  # the Qwen shape's prefill call by trace, 8K and 16K, bf16: kernels and glue op by op (~1.5 min)
+       run prefill_trace 200 python3 bench/kernels.py --only prefill --shapes 2048x512 --dtypes bf16 \
+         --tokens 8192 16384 --iters 5 --profile /tmp/ptrace --out "$OUT/prefill_trace.json"
+       for d in /tmp/ptrace/prefill-*; do run prefill_trace 60 python3 bench/trace_summary.py "$d" --top 24 --steps 1; done ;;
     thp) run thp 120 python3 bench/thp_check.py --gib 4 ;;  # the host's THP mode, the pool's huge-page share (~30 s)
     cpu-ports)  # AVX-512 instruction costs on one host core and the int4 loop's mix (~20 s)
        gcc -O2 -march=native -pthread -o /tmp/cpu_ports bench/cpu_ports.c && run cpu_ports 60 taskset -c 1 /tmp/cpu_ports ;;

@@ -15,7 +15,9 @@ one on the rows the kernels read, so the next change to `ftjax.pallas.routing` c
 - gather ``input-tma``: the same rows by TMA row copies (`ftjax.pallas.row_gather`, the prefill's
   ``gather="tma"``);
 - combine ``current``: `routing.combine_rows`;
-- combine ``u32``: the routes' rows gathered as uint32 words (2 bf16), then widened and summed.
+- combine ``u32``: the routes' rows gathered as uint32 words (2 bf16), then widened and summed;
+- sort ``sort-i32`` / ``sort-u16``: the route sort (stable argsort by expert) on int32 keys (the plan's)
+  and on uint16 keys (us, and the ratio to int32); plan ``all``: `routing.plan_routes` with every field.
 
 Bytes per form: what it must move at least (the gather: its output rows written and the rows of x
 read once; the combine: the T*k rows read, y written), per second, against a device copy (read +
@@ -154,6 +156,21 @@ def main(argv=None) -> int:
             print(f"combine {name}: differs from current", file=sys.stderr)
             return 1
         out[f"combine/{name}"] = _timed_row("combine", name, f, (rows, plan, w), combine_bytes, copy, args.iters)
+    # the route sort's key width: int32 keys (the plan's) against uint16 (E + 1 < 2**16), same order
+    key = jnp.where(jnp.ones((T * k,), bool), ids.reshape(-1), E)
+    sort_us = {}
+    for name, dtype in (("sort-i32", jnp.int32), ("sort-u16", jnp.uint16)):
+        f = jax.jit(lambda kk, _d=dtype: jnp.argsort(kk.astype(_d), stable=True).astype(jnp.int32))
+        if not np.array_equal(np.asarray(f(key)), np.asarray(jnp.argsort(key, stable=True))):
+            print(f"{name}: order differs", file=sys.stderr)
+            return 1
+        sort_us[name] = time_back_to_back_ms(f, key, iters=args.iters) * 1e3
+        print(f"{'sort':<9} {name:<10} {sort_us[name]:>8.1f} {'':>7} {sort_us[name] / sort_us['sort-i32']:>6.2f}"
+              f"  (of sort-i32)")
+        out[f"sort/{name}"] = dict(us=sort_us[name])
+    plan_fn = jax.jit(lambda i: routing.plan_routes(i, jnp.ones((T,), bool), E, args.tile_m))
+    out["plan/all-fields"] = dict(us=time_back_to_back_ms(plan_fn, ids, iters=args.iters) * 1e3)
+    print(f"{'plan':<9} {'all':<10} {out['plan/all-fields']['us']:>8.1f}  (routing.plan_routes, every field)")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(dict(device=str(jax.devices()[0]), tokens=T, hidden=H, experts=E, top_k=k,
                                         padded_rows=R, copy_gbps=copy, forms=out), indent=1))
