@@ -68,7 +68,11 @@ def sort_routes(group_ids: jax.Array, valid: jax.Array, num_groups: int):
     """
     num_routes = group_ids.shape[0]
     key = jnp.where(valid, group_ids.astype(jnp.int32), num_groups)
-    order = jnp.argsort(key, stable=True).astype(jnp.int32)
+    # 16-bit sort keys where the groups fit (the radix sort's passes follow the key width: the
+    # stable argsort of 65,536 routes on uint16 keys took 0.32 of the int32 one alone on the H200,
+    # bench/prefill_glue.py, session 20); the same order either way
+    sort_key = key.astype(jnp.uint16) if num_groups < 2**16 - 1 else key
+    order = jnp.argsort(sort_key, stable=True).astype(jnp.int32)
     rank = jnp.zeros(num_routes, jnp.int32).at[order].set(jnp.arange(num_routes, dtype=jnp.int32),
                                                           unique_indices=True)  # a permutation
     sizes = jnp.zeros(num_groups + 1, jnp.int32).at[key].add(1)[:num_groups]
