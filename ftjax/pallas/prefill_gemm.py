@@ -44,7 +44,7 @@ of work item -> tile built with the route plan), so the CTAs running at the same
 weight block, each weight byte fetched into L2 serving up to ``B * tile_m`` rows. ``"auto"`` (the
 default) takes B = 2 for a kernel of 16 or more output blocks: on the H200 (session 20) that lifted
 the DeepSeek-like shape (2 to 3 row tiles per expert at 8K tokens) by 0.07-0.10 of the matmul
-ceiling (its gate+up kernel from 0.51-0.60 to 0.66-0.73 at 8K), and did nothing for the Qwen3.6
+ceiling (its gate+up kernel from 0.51-0.60 to 0.64-0.73 at 8K), and did nothing for the Qwen3.6
 shape, whose 4 and 8 output blocks keep the default. The walk is ``plgpu.nd_loop`` over a *device*
 count of row tiles (``n_tiles``), so the idle tail of the padded buffer costs nothing, and since an
 empty group has no row tile it costs nothing either. Each CTA has three warpgroups: a memory warpgroup
@@ -480,6 +480,7 @@ def _prefill(x, expert_ids, gate_weights, token_valid, slot_of_expert, gu_weight
     common = dict(tile_m=tile_m, tile_k=tile_k, num_sms=num_sms, interpret=interpret)
     x_rows = _input_rows(x.astype(jnp.bfloat16), plan, gather=gather, num_sms=num_sms,
                          interpret=interpret)
+
     def walk(tile_n, n_out, band):
         if band is None:
             return None
@@ -603,8 +604,9 @@ def prefill_experts(x, expert_ids, gate_weights, token_valid, gate_up, down, slo
     ``I / tile_k`` for down, are a multiple of its stages and this jax supports it) runs each CTA's
     tiles as one pipeline, so the next tile's first copies overlap this tile's last steps and
     epilogue; ``True`` where that cannot be raises ValueError, ``False`` drains the ring at every
-    tile. Both also take a ``(gate_up, down)`` pair, one setting per kernel. ``gather``: kernel 1's input rows by XLA's take (``"xla"``) or by TMA row
-    copies (``"tma"``, where a row is one TMA box, `row_gather`; measured slower in the call).
+    tile. Both also take a ``(gate_up, down)`` pair, one setting per kernel. ``gather``: kernel 1's
+    input rows by XLA's take (``"xla"``) or by TMA row copies (``"tma"``, where a row is one TMA
+    box, `row_gather`; measured slower in the call).
     ``walk_band``: the order of the persistent grid's tiles. None: output-column blocks fastest
     (neighbouring CTAs share a row tile); an int B: per expert, bands of B row tiles fastest
     (neighbouring CTAs share a weight block, `routing.tile_walk`); a pair: (gate+up, down);
