@@ -16,7 +16,8 @@
 # Session 19 steps: fill-units (bench/fill_units.py: the in-step fills alone and beside a background fill), tests-yield,
 # decode-yield-b1 (the background fill pausing for the in-step transfers: OffloadExperts.background_yield).
 # Session 20 steps: prefill-walk (the prefill tiles walked per expert band vs the default walk, b2b, the kernel
-# split and per layer of $CHAIN layers in one jitted call; $PIPE_TOKENS, $WALK_CONFIGS, $WALK_DTYPES),
+# split and per layer of $CHAIN layers in one jitted call; $PIPE_TOKENS, $WALK_CONFIGS, $WALK_DTYPES,
+# $PREFILL_ROUTING uniform or trace),
 # prefill-trace (the Qwen shape's prefill call op by op, 8K and 16K).
 # Session 13 steps: tests-plan (the fused plan's GPU tests + the CUDA offload tests, ~2.5 min), decode-plan-b1 /
 # -b4 (lru-split with the fused plan vs the jnp plan, lru-fill; ~4.5 min).
@@ -101,6 +102,7 @@ for s in "${steps[@]}"; do
        [ -n "${WALK_CONFIGS:-}" ] && eval "cfgs=($WALK_CONFIGS)"  # e.g. WALK_CONFIGS='"per-tile s3" "cross s4"'
        run prefill_walk 420 python3 bench/kernels.py --only prefill --pipelines --shapes 2048x512 4096x2048 \
          --dtypes ${WALK_DTYPES:-bf16} --tokens ${PIPE_TOKENS:-8192} --iters 5 --chain ${CHAIN:-4} --profile /tmp/pwalk \
+         --routing ${PREFILL_ROUTING:-uniform} \
          --configs "${cfgs[@]}" --out "$OUT/prefill_walk.json" ;;
     prefill-trace)  # the Qwen shape's prefill call by trace, 8K and 16K, bf16: kernels and glue op by op (~1.5 min)
        run prefill_trace 200 python3 bench/kernels.py --only prefill --shapes 2048x512 --dtypes bf16 \

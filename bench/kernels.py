@@ -6,7 +6,8 @@ device read (2 GiB summed; GB/s).
 
 - prefill (``ftjax.pallas.prefill_gemm``): per (H, I), token count and weight type, the kernel's
   time, useful TFLOP/s (``prefill_flops``) and its ratio to the matmul ceiling; ``--ragged`` adds the
-  ``lax.ragged_dot`` baseline (bf16). Routing: uniform random top-k over E experts per token.
+  ``lax.ragged_dot`` baseline (bf16). Routing: uniform random top-k over E experts per token, or
+  (``--routing trace``) the synthetic routing trace's per-layer Zipf popularity, one trace step per token.
 - decode (``ftjax.pallas.decode_gemv``): 1-8 tokens x top-k routes into a cache of S slots, the
   weight bytes actually read (``decode_bytes_read``) per second and the ratio to the copy ceiling;
   beside it the jnp gather path (gather the routed slots, einsum). Timed as ``--decode-calls`` calls
@@ -246,7 +247,8 @@ def bench_prefill_tiles(args, ceiling, rows):
     """Tile sweep of the prefill kernel at one shape and token count (bf16): which tiles to default to."""
     H, I = map(int, args.tune_prefill.split("x"))
     T = max(args.tokens)
-    route, banks, slots = _inputs(jax.random.key(T), T, args.top_k, H, I, args.experts, args.slots, False)
+    route, banks, slots = _inputs(jax.random.key(T), T, args.top_k, H, I, args.experts, args.slots, False,
+                                  routing=args.routing)
     flops = pg.prefill_flops(T, args.top_k, H, I)
     print(f"\nprefill tile sweep: H {H}, I {I}, {T} tokens, bf16 (matmul ceiling {ceiling:.0f} TFLOP/s)")
     configs = [dict(tile_m=tm, tile_k=tk, tile_n_gate_up=tng, tile_n_down=tnd, stages=st)
@@ -319,9 +321,7 @@ def bench_prefill_pipeline(args, ceiling, rows):
     --profile also the gate+up and down kernels' own times (ratios to the same ceiling); with
     --chain N also per layer of N layers in one executable (`chained_layers`)."""
     T = max(args.tokens)
-    print(f"\nprefill pipelines, {T} tokens, routing: "
-          + ("every route to expert 0" if args.one_expert else
-             f"uniform random top-{args.top_k} of {args.experts} experts (synthetic, no popularity skew)")
+    print(f"\nprefill pipelines, {T} tokens, routing: {routing_label(args)}"
           + f" (matmul ceiling {ceiling:.0f} TFLOP/s; b2b = calls back to back"
           + (f"; in-step = per layer of {args.chain} layers in one jitted call, each layer's output its "
              f"next input" if args.chain else "") + ")")
@@ -331,13 +331,14 @@ def bench_prefill_pipeline(args, ceiling, rows):
         for dtype in args.dtypes:
             int4 = dtype == "int4"
             route, banks, slots = _inputs(jax.random.key(T), T, args.top_k, H, I, args.experts,
-                                          args.slots, int4, args.one_expert)
+                                          args.slots, int4, args.one_expert, args.routing)
             base = pg.prefill_experts_int4 if int4 else pg.prefill_experts
             first_out = None  # every configuration computes the same tiles the same way: same bits
             for name, cfg in PIPELINE_CONFIGS.items():
                 if args.configs and name not in args.configs:
                     continue
-                row = dict(kind="prefill_pipeline", H=H, I=I, T=T, dtype=dtype, config=name, **cfg)
+                row = dict(kind="prefill_pipeline", H=H, I=I, T=T, dtype=dtype, config=name, routing=args.routing,
+                           **cfg)
                 try:
                     fn = jax.jit(lambda *a, _c=cfg: base(*a, **_c))
                     ms = time_back_to_back_ms(fn, *route, *banks, slots, iters=args.iters)
@@ -369,13 +370,29 @@ def bench_prefill_pipeline(args, ceiling, rows):
             del banks
 
 
-def _inputs(key, T, k, H, I, E, S, int4, one_expert=False):
+def routing_label(args):
+    """What the prefill rows route by, for the tables' headers."""
+    if args.one_expert:
+        return "every route to expert 0"
+    if args.routing == "trace":
+        return (f"the synthetic trace (ftjax.experts.traces: per-layer Zipf popularity over {args.experts} experts, "
+                f"top-{args.top_k}; token t = step t)")
+    return f"uniform random top-{args.top_k} of {args.experts} experts (synthetic, no popularity skew)"
+
+
+def _inputs(key, T, k, H, I, E, S, int4, one_expert=False, routing="uniform"):
     ks = jax.random.split(key, 6)
     x = jax.random.normal(ks[0], (T, H), jnp.bfloat16)
-    ids = jnp.argsort(jax.random.uniform(ks[1], (T, E)), axis=1)[:, :k].astype(jnp.int32)
+    if routing == "trace":  # a sequence's tokens routed like the decode benchmarks' trace steps (skewed)
+        from ftjax.experts.traces import synthetic_trace
+
+        trace = synthetic_trace(T, 1, E, k, seed=T)
+        ids, w = jnp.asarray(trace.ids[:, 0, 0]), jnp.asarray(trace.weights[:, 0, 0])
+    else:
+        ids = jnp.argsort(jax.random.uniform(ks[1], (T, E)), axis=1)[:, :k].astype(jnp.int32)
+        w = jax.nn.softmax(jax.random.normal(ks[2], (T, k)), axis=-1)
     if one_expert:  # every route to expert 0: one group, a plain GEMM through the grouped kernels
         ids = jnp.zeros_like(ids)
-    w = jax.nn.softmax(jax.random.normal(ks[2], (T, k)), axis=-1)
     valid = jnp.ones((T,), bool)
     slots = jax.random.permutation(ks[3], S)[:E].astype(jnp.int32)
     if int4:
@@ -412,6 +429,9 @@ def main():
     ap.add_argument("--stages", type=int, default=3)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--ragged", action="store_true", help="also time the lax.ragged_dot baseline")
+    ap.add_argument("--routing", choices=["uniform", "trace"], default="uniform",
+                    help="prefill: uniform random top-k per token, or the synthetic routing trace's skewed "
+                         "popularity (ftjax.experts.traces, one step per token)")
     ap.add_argument("--one-expert", action="store_true",
                     help="prefill: every route to one expert (a plain GEMM through the grouped kernels)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode, CPU")
@@ -464,8 +484,7 @@ def main():
     if args.only == "decode":
         args.shapes = []
     else:
-        print("\nprefill grouped expert MLP, " + ("every route to expert 0: one plain GEMM" if args.one_expert else
-              f"routing: uniform random top-{args.top_k} of {args.experts} experts (synthetic, no popularity skew)"))
+        print(f"\nprefill grouped expert MLP, routing: {routing_label(args)}")
     print(f"{'H':>5} {'I':>5} {'T':>6} {'dtype':>5} {'ms':>8} {'TFLOP/s':>8} {'ratio':>6} "
           f"{'GB/s':>7} {'b2b ms':>8} {'ratio':>6}   (ms: one call, the host waiting for it; b2b: calls "
           f"dispatched back to back)")
@@ -477,7 +496,7 @@ def main():
                          _f(*a, **kw))
             for T in args.tokens:
                 route, banks, slots = _inputs(jax.random.key(T), T, args.top_k, H, I,
-                                              args.experts, args.slots, int4, args.one_expert)
+                                              args.experts, args.slots, int4, args.one_expert, args.routing)
                 ms = _time_ms(fn, *route, *banks, slots, iters=args.iters)
                 b2b = time_back_to_back_ms(fn, *route, *banks, slots,
                                             iters=1 if args.smoke else max(args.iters, 8))
@@ -495,7 +514,7 @@ def main():
                 hit = int(jnp.unique(route[1]).size)
                 flops = pg.prefill_flops(T, args.top_k, H, I)
                 nbytes = pg.prefill_bytes(T, args.top_k, H, I, hit, int4=int4)
-                row = dict(kind="prefill", H=H, I=I, T=T, dtype=dtype, one_expert=args.one_expert, ms=ms,
+                row = dict(kind="prefill", H=H, I=I, T=T, dtype=dtype, one_expert=args.one_expert, routing=args.routing, ms=ms,
                            tflops=flops / ms / 1e9,
                            ratio=flops / ms / 1e9 / ceiling, gbps=nbytes / ms / 1e6, b2b_ms=b2b,
                            b2b_ratio=flops / b2b / 1e9 / ceiling,
