@@ -13,6 +13,7 @@ import pytest
 
 from ftjax.host import quant
 from ftjax.pallas import prefill_gemm as pg
+from ftjax.pallas import prefill_options
 from ftjax.pallas import routing
 
 SMALL = dict(tile_m=64, tile_n_gate_up=64, tile_n_down=64, tile_k=64, stages=2, num_sms=2,
@@ -409,11 +410,11 @@ def _int4_shapes(T=8, k=2, H=128, I=128, S=4):
 def test_auto_walk_band_by_output_blocks():
     """"auto": band 2 for a kernel of 16+ output blocks (the DeepSeek-like shape's two kernels),
     the default walk below (the Qwen3.6 shape's 4 and 8 blocks); explicit values pass through."""
-    assert pg._walk_bands("auto", (16, 16)) == (2, 2)
-    assert pg._walk_bands("auto", (4, 8)) == (None, None)
-    assert pg._walk_bands("auto", (15, 32)) == (None, 2)
-    assert pg._walk_bands(None, (16, 16)) == (None, None)
-    assert pg._walk_bands(3) == (3, 3) and pg._walk_bands((None, 4)) == (None, 4)
+    assert prefill_options.walk_bands("auto", (16, 16)) == (2, 2)
+    assert prefill_options.walk_bands("auto", (4, 8)) == (None, None)
+    assert prefill_options.walk_bands("auto", (15, 32)) == (None, 2)
+    assert prefill_options.walk_bands(None, (16, 16)) == (None, None)
+    assert prefill_options.walk_bands(3) == (3, 3) and prefill_options.walk_bands((None, 4)) == (None, 4)
 
 
 def test_int4_size_limits():
