@@ -107,3 +107,23 @@ def test_status_after_the_call_ended_is_not_an_error(fake_server):
     servicer = InferenceServicer(fake_server.engine)
     asyncio.run(servicer._abort(EndedContext(), DeadlinePassedError("request x: deadline"), "Generate"))
     assert servicer.counters["deadline_exceeded"] == 1 and servicer.counters["internal"] == 0
+
+
+class _Context:
+    def __init__(self, remaining):
+        self.remaining = remaining
+
+    def time_remaining(self):
+        return self.remaining
+
+
+def test_deadline_passed_by_either_clock():
+    """A handler gRPC cancelled at its deadline counts a deadline, even where our own deadline (read a moment
+    after gRPC's clock) is microseconds ahead; a cancel before the deadline counts as the client's."""
+    from ftjax.serve.servicer import _deadline_passed
+
+    now = time.monotonic()
+    assert _deadline_passed(_Context(-1e-4), now + 1e-3)  # gRPC's clock: passed; ours: 1 ms to go
+    assert _deadline_passed(_Context(0.5), now - 1e-3)  # ours: passed
+    assert not _deadline_passed(_Context(0.5), now + 0.5)  # neither: the client cancelled
+    assert not _deadline_passed(_Context(None), None)  # no deadline at all
