@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import functools
 import logging
 import time
@@ -89,8 +90,12 @@ def _stream_rpc(fn):
     async def stream(self, request, context):
         self.counters["rpcs"] += 1
         try:
-            async for item in fn(self, request, context):
-                yield item
+            # aclosing: when gRPC ends the call while this generator waits on a send, the generators below
+            # are closed now (their `finally` cancels the engine request, `_relay` counts the end), not
+            # whenever the garbage collector finalizes them
+            async with contextlib.aclosing(fn(self, request, context)) as items:
+                async for item in items:
+                    yield item
         except grpc.aio.AbortError:
             raise
         except Exception as e:  # noqa: BLE001
@@ -148,10 +153,11 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                     resp.finish_reason = messages.finish_reason(pb, ev.finish_reason)
                     resp.usage.CopyFrom(messages.usage(pb, result))
                 yield resp
-        except asyncio.CancelledError:
-            passed = _deadline_passed(context, deadline)
-            self.counters["deadline_exceeded" if passed else "cancelled"] += 1
-            log.info("request %s: %s", rid, "deadline exceeded" if passed else "cancelled by the client")
+        except (asyncio.CancelledError, GeneratorExit):  # cancelled in an await here, or closed at a yield
+            if not finished:  # (a call closed just after its last response was not cut short)
+                passed = _deadline_passed(context, deadline)
+                self.counters["deadline_exceeded" if passed else "cancelled"] += 1
+                log.info("request %s: %s", rid, "deadline exceeded" if passed else "cancelled by the client")
             raise
         finally:
             if not finished:
@@ -162,14 +168,16 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
     @_stream_rpc
     async def Generate(self, request, context):
         self._ready_engine()
-        async for resp in self._relay(context, messages.generate_inputs(request)):
-            yield resp
+        async with contextlib.aclosing(self._relay(context, messages.generate_inputs(request))) as relay:
+            async for resp in relay:
+                yield resp
 
     @_stream_rpc
     async def Chat(self, request, context):
         engine = self._ready_engine()
-        async for resp in self._relay(context, messages.chat_inputs(request, engine.tokenizer)):
-            yield resp
+        async with contextlib.aclosing(self._relay(context, messages.chat_inputs(request, engine.tokenizer))) as relay:
+            async for resp in relay:
+                yield resp
 
     @_rpc
     async def Tokenize(self, request, context):
