@@ -140,7 +140,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                 raise InvalidRequestError(f"sampling.{e.field}", e.message) from None
             raise
         rid = handle.request_id
-        finished = False
+        finished = delivered = False  # the engine finished the request / its last response was handed on
         self.counters["streams_open"] += 1
         try:
             async for ev in handle.aiter():
@@ -153,8 +153,9 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                     resp.finish_reason = messages.finish_reason(pb, ev.finish_reason)
                     resp.usage.CopyFrom(messages.usage(pb, result))
                 yield resp
+                delivered = finished
         except (asyncio.CancelledError, GeneratorExit):  # cancelled in an await here, or closed at a yield
-            if not finished:  # (a call closed just after its last response was not cut short)
+            if not delivered:
                 passed = _deadline_passed(context, deadline)
                 self.counters["deadline_exceeded" if passed else "cancelled"] += 1
                 log.info("request %s: %s", rid, "deadline exceeded" if passed else "cancelled by the client")
