@@ -265,7 +265,7 @@ def test_prefill_input_row_gathers_agree(mgpu_interpret):
 
 
 @pytest.mark.parametrize("case, band, num_sms", [
-    ("random", 1, 2), ("random", 2, 3), ("one-group", 3, 2), ("empty-groups", 2, 1),
+    ("random", 2, 3), ("one-group", 3, 2), ("empty-groups", 2, 1),
     ("count0", 2, 2), ("random", (2, None), 3), ("one-group", (None, 3), 2)])
 def test_prefill_expert_walk_agrees(case, band, num_sms, mgpu_interpret):
     """The tiles walked per expert band (``walk_band``) compute the same tiles in the same way:
