@@ -117,7 +117,7 @@ def walk_bands(walk_band, n_blocks=(1, 1)):
     ``"auto"``: band 2 for a kernel of 16 or more output blocks, else None. On the H200 (session
     20, 8K and 16K tokens, 256 experts top-8) band 2 lifted the DeepSeek-like shape (16 and 16
     blocks, 32 + 16 MiB of weights per expert) from 0.53-0.59 to 0.62-0.66 of the matmul ceiling
-    at 8K, 0.63 to 0.73 at 16K, and moved the Qwen3.6 shape (4 and 8 blocks) by -0.03 to +0.00.
+    at 8K, 0.62-0.64 to 0.72-0.73 at 16K, and moved the Qwen3.6 shape (4 and 8 blocks) by -0.03 to +0.00.
     """
     if walk_band == "auto":
         return tuple(AUTO_WALK_BAND if n >= AUTO_WALK_MIN_BLOCKS else None for n in n_blocks)
