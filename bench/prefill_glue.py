@@ -17,7 +17,7 @@ one on the rows the kernels read, so the next change to `ftjax.pallas.routing` c
 - combine ``current``: `routing.combine_rows`;
 - combine ``u32``: the routes' rows gathered as uint32 words (2 bf16), then widened and summed;
 - sort ``sort-i32`` / ``sort-u16``: the route sort (stable argsort by expert) on int32 keys (the plan's)
-  and on uint16 keys (us, and the ratio to int32); plan ``all``: `routing.plan_routes` with every field.
+  and on uint16 keys (us, and the ratio to int32).
 
 Bytes per form: what it must move at least (the gather: its output rows written and the rows of x
 read once; the combine: the T*k rows read, y written), per second, against a device copy (read +
@@ -168,9 +168,6 @@ def main(argv=None) -> int:
         print(f"{'sort':<9} {name:<10} {sort_us[name]:>8.1f} {'':>7} {sort_us[name] / sort_us['sort-i32']:>6.2f}"
               f"  (of sort-i32)")
         out[f"sort/{name}"] = dict(us=sort_us[name])
-    plan_fn = jax.jit(lambda i: routing.plan_routes(i, jnp.ones((T,), bool), E, args.tile_m))
-    out["plan/all-fields"] = dict(us=time_back_to_back_ms(plan_fn, ids, iters=args.iters) * 1e3)
-    print(f"{'plan':<9} {'all':<10} {out['plan/all-fields']['us']:>8.1f}  (routing.plan_routes, every field)")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(dict(device=str(jax.devices()[0]), tokens=T, hidden=H, experts=E, top_k=k,
                                         padded_rows=R, copy_gbps=copy, forms=out), indent=1))

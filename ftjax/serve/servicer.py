@@ -52,7 +52,8 @@ def _deadline_passed(context, deadline: float | None) -> bool:
     """Whether the call's deadline has passed, by our clock or by gRPC's. gRPC cancels the handler at the
     deadline by its own clock; ours (``deadline``, set from ``time_remaining()`` a moment after gRPC read
     its clock) runs a few microseconds later, so a handler cancelled at once could read "not yet" and
-    count a deadline as a client's cancel (a CI run's `test_deadline_frees_the_slot` never saw its count)."""
+    count a deadline as a client's cancel (one way a CI run's `test_deadline_frees_the_slot` could have
+    missed its count; not reproduced)."""
     if deadline is None:
         return False
     remaining = context.time_remaining()
