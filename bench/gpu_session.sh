@@ -19,6 +19,7 @@
 # split and per layer of $CHAIN layers in one jitted call; $PIPE_TOKENS, $WALK_CONFIGS, $WALK_DTYPES,
 # $PREFILL_ROUTING uniform or trace),
 # prefill-trace (the Qwen shape's prefill call op by op, 8K and 16K).
+# Session 21 steps: prefill-plan (the route tables by one CUDA kernel vs XLA's plan: GPU tests, pipelines at 8K / 16K).
 # Session 13 steps: tests-plan (the fused plan's GPU tests + the CUDA offload tests, ~2.5 min), decode-plan-b1 /
 # -b4 (lru-split with the fused plan vs the jnp plan, lru-fill; ~4.5 min).
 # Session 12 steps: prefill-split (the prefill kernels' own times, routed vs one expert, ~1.5 min),
@@ -64,7 +65,7 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/build.log"
 tok=.carry/qwen3-tokenizer
 for s in "${steps[@]}"; do
   case $s in
-    tests) run gpu_tests 300 python3 -m pytest -q -m gpu tests/host tests/experts tests/pallas ;;
+    tests) run gpu_tests 420 python3 -m pytest -q -m gpu tests/host tests/experts tests/pallas ;;
     host) run host_runtime 120 python3 bench/host_runtime.py --no-cpu --out "$OUT/host_runtime.json" ;;
     cpu) run cpu_tests 60 python3 -m pytest -q tests/host/test_kernels.py
          run cpu_kernels 240 python3 bench/host_runtime.py --no-gpu --calls 10 --prefetch ${PREFETCH:-0 512 2048 8192 16384} \
@@ -104,6 +105,13 @@ for s in "${steps[@]}"; do
          --dtypes ${WALK_DTYPES:-bf16} --tokens ${PIPE_TOKENS:-8192} --iters 5 --chain ${CHAIN:-4} --profile /tmp/pwalk \
          --routing ${PREFILL_ROUTING:-uniform} \
          --configs "${cfgs[@]}" --out "$OUT/prefill_walk.json" ;;
+    prefill-plan)  # the route tables by one CUDA kernel vs XLA: GPU tests, then the pipelines at 8K and 16K (~4 min)
+       run prefill_plan_tests 240 python3 -m pytest -q -m gpu tests/pallas/test_route_tables.py tests/pallas/test_prefill_gemm.py
+       for t in 8192 16384; do
+         run prefill_plan 200 python3 bench/kernels.py --only prefill --pipelines --shapes 2048x512 4096x2048 \
+           --dtypes bf16 --tokens $t --iters 5 --chain ${CHAIN:-2} --profile /tmp/pplan$t \
+           --configs "default" "jnp plan" --out "$OUT/prefill_plan_$t.json"
+       done ;;
     prefill-trace)  # the Qwen shape's prefill call by trace, 8K and 16K, bf16: kernels and glue op by op (~1.5 min)
        run prefill_trace 200 python3 bench/kernels.py --only prefill --shapes 2048x512 --dtypes bf16 \
          --tokens 8192 16384 --iters 5 --profile /tmp/ptrace --out "$OUT/prefill_trace.json"

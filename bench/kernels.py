@@ -285,7 +285,8 @@ def kernel_split(row, kernel_us, flops, ceiling):
 
 
 PIPELINE_CONFIGS = {  # (name, kwargs): the per-tile ring against a CTA's tiles as one pipeline
-    "default": {},  # per-tile, 3 stages, input rows by XLA's take, walk_band "auto"
+    "default": {},  # per-tile, 3 stages, input rows by XLA's take, walk_band "auto", plan_impl "auto"
+    "jnp plan": dict(plan_impl="jnp"),  # the route tables by XLA (`routing.plan_routes`), not one CUDA kernel
     "per-tile s3": dict(stages=3, cross_tile=False, walk_band=None),  # the default before session 20
     "per-tile s3 tma-gather": dict(stages=3, cross_tile=False, gather="tma", walk_band=None),
     # the tiles walked per expert band (neighbouring CTAs share a weight block, `routing.tile_walk`)

@@ -118,6 +118,7 @@ void add_cuda_handlers(nb::dict& h) {
   h["ftjax_bg_wait"] = nb::capsule(bg_wait_handler());
   h["ftjax_bg_fork_nocb"] = nb::capsule(bg_fork_handler());
   h["ftjax_plan_layer"] = nb::capsule(plan_cuda_handler());
+  h["ftjax_route_tables"] = nb::capsule(route_tables_handler());
 }
 
 void bind_cuda(nb::module_& m) {

@@ -11,8 +11,9 @@ One MoE layer's prefill: ``x [T, H]``, router output ``expert_ids [T, k]`` and `
 and zero for invalid tokens.
 
 Plan (one screen):
-  1. `routing.plan_routes` sorts the routes by expert into groups padded to ``tile_m`` rows
-     (``R_pad``, a static bound: ``T*k + min(E, T*k) * (tile_m - 1)`` rounded down to a tile);
+  1. `route_tables`: the routes sorted by expert into groups padded to ``tile_m`` rows
+     (``R_pad``, a static bound: ``T*k + min(E, T*k) * (tile_m - 1)`` rounded down to a tile),
+     and the kernels' tables, by `routing.plan_routes` in XLA or by one CUDA kernel (``plan_impl``);
      `routing.gather_input_rows` builds kernel 1's input ``x_rows``: the same groups aligned to
      8 rows only (~T*k rows; row tile m reads from ``plan.tile_row0[m]`` on, and the rows it
      reads past its group's routes only feed padding rows of ``act``). At 8K tokens, 256
@@ -26,7 +27,7 @@ Plan (one screen):
   The kernels always get at least one row tile (``max(n_tiles, 1)``, slots clamped into the
   cache): Mosaic GPU hung once on an all-empty launch, and an empty batch then computes one tile
   of zero padding rows that no route reads. No ``lax.cond`` (XLA:GPU runs a conditional by reading
-  its predicate on the host); the route plan goes through an optimization barrier instead, which
+  its predicate on the host); the jnp route plan goes through an optimization barrier instead, which
   also keeps XLA from fusing the plan's index math into the gather and the combine (without either,
   that fusion cost 5.7 ms of glue at 8K tokens on the H200, session 10). Only the plan's fields used
   here pass the barrier, so XLA drops the rest (the padded layout's per-row route map), and the
@@ -100,6 +101,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from ftjax.pallas import route_tables
 from ftjax.pallas import routing
 from ftjax.pallas import row_gather
 from ftjax.pallas.int4 import GROUP as QUANT_GROUP
@@ -390,59 +392,43 @@ def _grouped_matmul(a, tile_slot, tile_row0, tile_rows, n_tiles, weights, *, n_o
 def _prefill(x, expert_ids, gate_weights, token_valid, slot_of_expert, gu_weights, d_weights,
              *, hidden, inter, tiles):
     (tile_m, tile_n_gate_up, tile_n_down, tile_k, stages, num_sms, interpret, cross_tile, gather,
-     walk_band) = tiles
+     walk_band, plan_impl) = tiles
     num_experts = slot_of_expert.shape[0]
-    # materialized before the gather and the combine: without this barrier (or the lax.cond it
-    # replaces) XLA fused the plan's index math (searchsorted, gathers) into both and recomputed it
-    # for every element: 4.2 + 1.6 ms of glue beside 0.78 ms of kernels at 8K tokens (session 10)
-    plan = routing.plan_routes(expert_ids, token_valid, num_experts, tile_m)
-    # only the fields used below go through the barrier: the others (the padded layout's per-row
-    # route map, the sort's order) are left for XLA to drop
-    used = ("group_sizes", "padded_starts", "row_of_route", "tile_group", "tile_row0",
-            "token_of_input_row", "tile_rows", "n_tiles")
-    plan = plan._replace(**dict(zip(used, lax.optimization_barrier(
-        tuple(getattr(plan, name) for name in used)))))
-    n_slots = gu_weights[0].shape[0]
-    tile_slot = jnp.clip(slot_of_expert.astype(jnp.int32)[plan.tile_group], 0, n_slots - 1)
-    n_tiles = jnp.maximum(plan.n_tiles, 1).reshape(1)  # never an all-empty launch (see the docstring)
+    impl = route_tables.resolve_impl(plan_impl, num_experts, interpret=interpret)
+    blocks = (inter // (2 * tile_n_gate_up), hidden // (2 * tile_n_down))
+    tables = route_tables.route_tables(expert_ids, token_valid, slot_of_expert, n_slots=gu_weights[0].shape[0],
+                                       tile=tile_m, walks=tuple(zip(blocks, walk_band)), impl=impl)
     common = dict(tile_m=tile_m, tile_k=tile_k, num_sms=num_sms, interpret=interpret)
-    x_rows = _input_rows(x.astype(jnp.bfloat16), plan, gather=gather, num_sms=num_sms,
+    x_rows = _input_rows(x.astype(jnp.bfloat16), tables, gather=gather, num_sms=num_sms,
                          interpret=interpret)
-
-    def walk(tile_n, n_out, band):
-        if band is None:
-            return None
-        return routing.tile_walk(plan, tile_m, n_out // (2 * tile_n), band)
-
-    act = _grouped_matmul(x_rows, tile_slot, plan.tile_row0, plan.tile_rows, n_tiles, gu_weights,
-                          n_out=inter, swiglu=True, tile_n=tile_n_gate_up,
-                          walk=walk(tile_n_gate_up, inter, walk_band[0]), stages=stages[0],
-                          cross_tile=cross_tile[0], **common)
-    padded_row0 = jnp.arange(plan.tile_row0.shape[0], dtype=jnp.int32) * tile_m
-    out = _grouped_matmul(act, tile_slot, padded_row0, plan.tile_rows, n_tiles, d_weights,
-                          n_out=hidden, swiglu=False, tile_n=tile_n_down,
-                          walk=walk(tile_n_down, hidden, walk_band[1]), stages=stages[1],
-                          cross_tile=cross_tile[1], **common)
-    return routing.combine_rows(out, plan, gate_weights)
+    act = _grouped_matmul(x_rows, tables.tile_slot, tables.tile_row0, tables.tile_rows, tables.n_launch,
+                          gu_weights, n_out=inter, swiglu=True, tile_n=tile_n_gate_up, walk=tables.walks[0],
+                          stages=stages[0], cross_tile=cross_tile[0], **common)
+    padded_row0 = jnp.arange(tables.tile_row0.shape[0], dtype=jnp.int32) * tile_m
+    out = _grouped_matmul(act, tables.tile_slot, padded_row0, tables.tile_rows, tables.n_launch, d_weights,
+                          n_out=hidden, swiglu=False, tile_n=tile_n_down, walk=tables.walks[1],
+                          stages=stages[1], cross_tile=cross_tile[1], **common)
+    return routing.combine_rows(out, tables, gate_weights)
 
 
 _STATIC = ("tile_m", "tile_n_gate_up", "tile_n_down", "tile_k", "stages", "num_sms", "interpret",
-           "cross_tile", "gather", "walk_band")
+           "cross_tile", "gather", "walk_band", "plan_impl")
 
 
-def _input_rows(x, plan, *, gather, num_sms, interpret):
+def _input_rows(x, tables, *, gather, num_sms, interpret):
     """Kernel 1's input rows (`routing.gather_input_rows`): by TMA row copies (`row_gather`) where
     the rows allow and ``gather == "tma"``, else XLA's take."""
-    idx = plan.token_of_input_row
+    idx = tables.token_of_input_row
     if gather == "tma" and row_gather.supported(x.shape, x.dtype, idx.shape[0], num_sms):
         return row_gather.gather_rows(x, idx, num_sms=num_sms, interpret=interpret)
-    return routing.gather_input_rows(x, plan)
+    return routing.gather_input_rows(x, tables)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def prefill_experts(x, expert_ids, gate_weights, token_valid, gate_up, down, slot_of_expert, *,
                     tile_m=128, tile_n_gate_up=64, tile_n_down=128, tile_k=64, stages=3,
-                    num_sms=None, interpret=False, cross_tile=None, gather="xla", walk_band="auto"):
+                    num_sms=None, interpret=False, cross_tile=None, gather="xla", walk_band="auto",
+                    plan_impl="auto"):
     """Mosaic GPU prefill expert MLP, bf16 weights; same contract as `reference_prefill_experts`.
 
     x [T, H]; expert_ids [T, k] int32 in 0..E-1; gate_weights [T, k]; token_valid [T] bool (or
@@ -462,6 +448,8 @@ def prefill_experts(x, expert_ids, gate_weights, token_valid, gate_up, down, slo
     (neighbouring CTAs share a row tile); an int B: per expert, bands of B row tiles fastest
     (neighbouring CTAs share a weight block, `routing.tile_walk`); a pair: (gate+up, down);
     ``"auto"`` (default): 2 for a kernel of 16+ output blocks, else None (`prefill_options.walk_bands`).
+    ``plan_impl``: who builds the route tables (`route_tables`): ``"jnp"`` (XLA), ``"cuda"`` (one
+    kernel of the host module's CUDA build) or ``"auto"`` (default: CUDA where it can run).
     """
     check_routing(x, expert_ids, gate_weights, token_valid, slot_of_expert)
     hidden, inter = x.shape[1], down.shape[-1]
@@ -472,7 +460,8 @@ def prefill_experts(x, expert_ids, gate_weights, token_valid, gate_up, down, slo
     tiles = resolve_tiles(hidden, inter, int4=False, tile_m=tile_m,
                               tile_n_gate_up=tile_n_gate_up, tile_n_down=tile_n_down,
                               tile_k=tile_k, stages=stages, num_sms=num_sms, interpret=interpret,
-                              cross_tile=cross_tile, gather=gather, walk_band=walk_band)
+                              cross_tile=cross_tile, gather=gather, walk_band=walk_band,
+                              plan_impl=plan_impl)
     return _prefill(x, expert_ids, gate_weights, token_valid, slot_of_expert,
                     (gate_up.astype(jnp.bfloat16),), (down.astype(jnp.bfloat16),),
                     hidden=hidden, inter=inter, tiles=tiles)
@@ -489,7 +478,7 @@ def prefill_experts_int4(x, expert_ids, gate_weights, token_valid, gate_up_packe
                          gate_up_scales, down_packed, down_scales, slot_of_expert, *,
                          tile_m=128, tile_n_gate_up=64, tile_n_down=128, tile_k=64, stages=3,
                          num_sms=None, interpret=False, cross_tile=None, gather="xla",
-                         walk_band="auto"):
+                         walk_band="auto", plan_impl="auto"):
     """Mosaic GPU prefill expert MLP, int4 group-32 weights (host pool layout, `ftjax.host.quant`).
 
     gate_up_packed uint8 [S, 2I, H/2], gate_up_scales bf16 [S, 2I, H/32], down_packed uint8
@@ -514,7 +503,8 @@ def prefill_experts_int4(x, expert_ids, gate_weights, token_valid, gate_up_packe
     tiles = resolve_tiles(hidden, inter, int4=True, tile_m=tile_m,
                               tile_n_gate_up=tile_n_gate_up, tile_n_down=tile_n_down,
                               tile_k=tile_k, stages=stages, num_sms=num_sms, interpret=interpret,
-                              cross_tile=cross_tile, gather=gather, walk_band=walk_band)
+                              cross_tile=cross_tile, gather=gather, walk_band=walk_band,
+                              plan_impl=plan_impl)
     return _prefill(x, expert_ids, gate_weights, token_valid, slot_of_expert,
                     (_as_int4(gate_up_packed), gate_up_scales.astype(jnp.bfloat16)),
                     (_as_int4(down_packed), down_scales.astype(jnp.bfloat16)),

@@ -11,6 +11,7 @@ from __future__ import annotations
 import jax
 
 from ftjax.pallas.int4 import GROUP as QUANT_GROUP
+from ftjax.pallas.route_tables import IMPLS as PLAN_IMPLS
 
 SCALE_BLOCK = 8  # scale columns per TMA copy: 8 bf16 = the 16-byte TMA minimum = 256 inputs
 SMEM_LIMIT_BYTES = 232448  # H100/H200 per-block shared memory (227 KiB)
@@ -140,7 +141,9 @@ def per_kernel(value, name):
 
 
 def resolve_tiles(hidden, inter, *, int4, tile_m, tile_n_gate_up, tile_n_down, tile_k,
-                      stages, num_sms, interpret, cross_tile, gather, walk_band):
+                      stages, num_sms, interpret, cross_tile, gather, walk_band, plan_impl="auto"):
+    if plan_impl not in PLAN_IMPLS:
+        raise ValueError(f"plan_impl must be one of {PLAN_IMPLS}, got {plan_impl!r}")
     if gather not in GATHERS:
         raise ValueError(f"gather must be one of {GATHERS}, got {gather!r}")
     walk_band = walk_bands(walk_band, (inter // (2 * tile_n_gate_up), hidden // (2 * tile_n_down)))
@@ -167,4 +170,4 @@ def resolve_tiles(hidden, inter, *, int4, tile_m, tile_n_gate_up, tile_n_down, t
     if num_sms is None:
         num_sms = default_num_sms()
     return (tile_m, tile_n_gate_up, tile_n_down, tile_k, stages, num_sms, interpret,
-            tuple(cross), gather, walk_band)
+            tuple(cross), gather, walk_band, plan_impl)
