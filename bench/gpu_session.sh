@@ -111,6 +111,7 @@ for s in "${steps[@]}"; do
          run prefill_plan 200 python3 bench/kernels.py --only prefill --pipelines --shapes 2048x512 4096x2048 \
            --dtypes bf16 --tokens $t --iters 5 --chain ${CHAIN:-2} --profile /tmp/pplan$t \
            --configs "default" "jnp plan" --out "$OUT/prefill_plan_$t.json"
+         for d in /tmp/pplan$t/pipeline-2048x512-*; do run prefill_plan 60 python3 bench/trace_summary.py "$d" --top 12 --steps 1; done
        done ;;
     prefill-trace)  # the Qwen shape's prefill call by trace, 8K and 16K, bf16: kernels and glue op by op (~1.5 min)
        run prefill_trace 200 python3 bench/kernels.py --only prefill --shapes 2048x512 --dtypes bf16 \

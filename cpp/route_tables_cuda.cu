@@ -1,12 +1,16 @@
-// The prefill route plan as one CUDA kernel (ftjax/pallas/route_tables.py): the tables the grouped expert
-// kernels read, from the router's expert ids, in one launch of one thread block. XLA's form of the same
-// plan (routing.plan_routes + tile_walk) is ~28 small kernels per prefill call on the H200 (a radix sort,
-// scatters, cumsums, searches: ~80 us of work and ~2.7 us of launch gap each at 8K tokens, session 20).
-//
-// Stable, like the jnp plan: route r's rank within its expert's group is the number of earlier routes
-// (in flat order t * k + j) of that expert. The block's warps take contiguous chunks of the routes; a
-// warp counts its chunk per expert (pass 1), the counts are turned into each warp's first rank per expert,
-// and a warp then ranks its routes 32 at a time in order (pass 2, lanes of one expert by a match vote).
+// The prefill route plan on the GPU (ftjax/pallas/route_tables.py): the tables the grouped expert kernels
+// read, from the router's expert ids, in three launches of one FFI call. XLA's form of the same plan
+// (routing.plan_routes + tile_walk) is ~28 small kernels per prefill call on the H200 (a radix sort,
+// scatters, cumsums, searches: ~80 us of work and a launch gap each at 8K tokens, session 20). One thread
+// block doing all of it took 124 us at 8K (session 21: 65,536 scattered stores and the ranking chains on
+// one SM), so the routes are spread over a grid:
+//   1. count: block b counts its contiguous chunk of routes per expert (and zeroes the input-row table);
+//   2. layout (one block): per expert, each block's first rank (an exclusive sum over the blocks), the
+//      group sizes, the padded and the input-row group starts, the row-tile tables and the tile walks;
+//   3. rank: block b ranks its routes 32 at a time per warp, in route order (lanes of one expert by a
+//      match vote), and writes each route's padded row and its input row's token.
+// Stable, like the jnp plan: route r's rank within its expert's group is the number of earlier routes (in
+// flat order t * k + j) of that expert.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -21,18 +25,21 @@ namespace ffi = xla::ffi;
 namespace ftjax {
 namespace {
 
-constexpr int kThreads = 1024;
-constexpr int kWarps = kThreads / 32;
-constexpr int kUnroll = 4;  // route loads a lane keeps in flight per pass step
-constexpr int64_t kMaxExperts = 1024;  // the per-warp counts live in shared memory: 32 x E int32
+constexpr int kLayoutThreads = 1024;
+constexpr int kRankThreads = 256;
+constexpr int kRankWarps = kRankThreads / 32;
+constexpr int kUnroll = 4;  // route loads a lane keeps in flight
+constexpr int64_t kMaxExperts = 1024;  // route_tables.CUDA_MAX_EXPERTS
+constexpr int64_t kMaxBlocks = 256;    // route_tables.MAX_BLOCKS
 constexpr int kInputAlign = 8;  // rows: each group's first row in the input buffer (routing.INPUT_ALIGN)
 
 struct TablesArgs {
-  const int32_t* ids;            // [R] flat routes t * k + j
-  const bool* valid;             // [T] per token, or [R] per route
-  const int32_t* slot_of_expert; // [E]
-  int32_t routes, top_k, n_experts, tile, num_rows, in_rows, n_slots;
+  const int32_t* ids;             // [R] flat routes t * k + j
+  const bool* valid;              // [T] per token, or [R] per route
+  const int32_t* slot_of_expert;  // [E]
+  int32_t routes, top_k, n_experts, tile, num_rows, in_rows, n_slots, blocks, chunk;
   bool valid_per_route;
+  int32_t* scratch;             // [blocks * E] counts, then first ranks; [E] padded starts; [E] input starts
   int32_t* row_of_route;        // [R] padded row of each route; num_rows where the route is dropped
   int32_t* token_of_input_row;  // [in_rows] token of each input-buffer row (0 for padding and spare rows)
   int32_t* tile_slot;           // [num_rows / tile] cache slot of each row tile's expert
@@ -51,12 +58,55 @@ __device__ __forceinline__ bool route_ok(const TablesArgs& a, int32_t r, int32_t
   return v && e >= 0 && e < a.n_experts;
 }
 
+// Routes [lo, hi) a lane visits kUnroll x 32 at a time: f(r, e, ok) for each, in route order per lane.
+template <class F>
+__device__ __forceinline__ void each_route(const TablesArgs& a, int32_t lo, int32_t hi, int lane, F f) {
+  for (int32_t b = lo; b < hi; b += 32 * kUnroll) {
+    int32_t e[kUnroll];
+    bool ok[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int32_t r = b + u * 32 + lane;
+      e[u] = r < hi ? a.ids[r] : -1;
+      ok[u] = r < hi && route_ok(a, r, e[u]);
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) f(b + u * 32 + lane, e[u], ok[u]);
+  }
+}
+
+__device__ __forceinline__ int32_t block_lo(const TablesArgs& a, int b) { return min(a.routes, b * a.chunk); }
+
+// 1. Block b's routes per expert into scratch[b * E ..]; the input-row table zeroed, grid-strided.
+__global__ void __launch_bounds__(kRankThreads) count_kernel(TablesArgs a) {
+  extern __shared__ int32_t hist[];  // [E]
+  const int E = a.n_experts, tid = threadIdx.x;
+  for (int e = tid; e < E; e += kRankThreads) hist[e] = 0;
+  const bool aligned = (reinterpret_cast<uintptr_t>(a.token_of_input_row) & 15) == 0;
+  const int32_t quads = aligned ? a.in_rows / 4 : 0, stride = a.blocks * kRankThreads;
+  int4* q = reinterpret_cast<int4*>(a.token_of_input_row);
+  for (int32_t i = blockIdx.x * kRankThreads + tid; i < quads; i += stride) q[i] = make_int4(0, 0, 0, 0);
+  for (int32_t i = quads * 4 + blockIdx.x * kRankThreads + tid; i < a.in_rows; i += stride)
+    a.token_of_input_row[i] = 0;
+  __syncthreads();
+  const int32_t lo = block_lo(a, blockIdx.x), hi = min(a.routes, lo + a.chunk);
+  const int warp = tid >> 5, lane = tid & 31;
+  const int32_t sub = (hi - lo + kRankWarps - 1) / kRankWarps;  // each warp a contiguous part
+  const int32_t wlo = min(hi, lo + warp * sub), whi = min(hi, wlo + sub);
+  each_route(a, wlo, whi, lane, [&](int32_t, int32_t e, bool ok) {
+    if (ok) atomicAdd(&hist[e], 1);
+  });
+  __syncthreads();
+  for (int e = tid; e < E; e += kRankThreads) a.scratch[blockIdx.x * E + e] = hist[e];
+}
+
 // Exclusive scans over the experts of the group sizes padded to `tile` and to kInputAlign rows, each
 // thread a contiguous run of experts; returns both totals (every thread).
 __device__ int2 scan_group_starts(const TablesArgs& a, const int32_t* sizes, int32_t* pstart, int32_t* istart) {
+  constexpr int kWarps = kLayoutThreads / 32;
   __shared__ int32_t warp_sum[2][kWarps];
   const int E = a.n_experts, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int per = (E + kThreads - 1) / kThreads;
+  const int per = (E + kLayoutThreads - 1) / kLayoutThreads;
   const int s0 = min(E, tid * per), s1 = min(E, s0 + per);
   int32_t own_p = 0, own_i = 0;
   for (int e = s0; e < s1; ++e) {
@@ -119,45 +169,18 @@ __device__ void tile_tables(const TablesArgs& a, int32_t m, int32_t total, const
   }
 }
 
-__global__ void __launch_bounds__(kThreads, 1) route_tables_kernel(TablesArgs a) {
+// 2. One block: counts -> each block's first rank per expert; group starts; the row-tile tables.
+__global__ void __launch_bounds__(kLayoutThreads, 1) layout_kernel(TablesArgs a) {
   extern __shared__ int32_t smem[];
-  const int E = a.n_experts, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  int32_t* base_rank = smem;                // [kWarps][E]: pass 1 counts, then each warp's next rank
-  int32_t* sizes = base_rank + kWarps * E;  // [E]
-  int32_t* pstart = sizes + E;              // [E] first padded row of each group
-  int32_t* istart = pstart + E;             // [E] first input row of each group
-  const int32_t chunk = (a.routes + kWarps - 1) / kWarps;
-  const int32_t lo = min(a.routes, warp * chunk), hi = min(a.routes, lo + chunk);  // R < 2^30: no overflow
-  int32_t* mine = base_rank + warp * E;
-
-  for (int i = tid; i < kWarps * E; i += kThreads) base_rank[i] = 0;
-  {  // padding and spare rows read token 0; 16-byte stores where the buffer is 16-byte aligned
-    const bool aligned = (reinterpret_cast<uintptr_t>(a.token_of_input_row) & 15) == 0;
-    const int32_t quads = aligned ? a.in_rows / 4 : 0;
-    int4* q = reinterpret_cast<int4*>(a.token_of_input_row);
-    for (int32_t i = tid; i < quads; i += kThreads) q[i] = make_int4(0, 0, 0, 0);
-    for (int32_t i = quads * 4 + tid; i < a.in_rows; i += kThreads) a.token_of_input_row[i] = 0;
-  }
-  __syncthreads();
-  for (int32_t b = lo; b < hi; b += 32 * kUnroll) {  // pass 1: count
-    int32_t e[kUnroll];
-    bool ok[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int32_t r = b + u * 32 + lane;
-      e[u] = r < hi ? a.ids[r] : -1;
-      ok[u] = r < hi && route_ok(a, r, e[u]);
-    }
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u)
-      if (ok[u]) atomicAdd(&mine[e[u]], 1);
-  }
-  __syncthreads();
-  for (int e = tid; e < E; e += kThreads) {  // counts -> each warp's first rank; the group sizes
+  const int E = a.n_experts, tid = threadIdx.x;
+  int32_t* sizes = smem;        // [E]
+  int32_t* pstart = sizes + E;  // [E] first padded row of each group
+  int32_t* istart = pstart + E; // [E] first input row of each group
+  for (int e = tid; e < E; e += kLayoutThreads) {
     int32_t run = 0;
-    for (int w = 0; w < kWarps; ++w) {
-      const int32_t c = base_rank[w * E + e];
-      base_rank[w * E + e] = run;
+    for (int b = 0; b < a.blocks; ++b) {
+      const int32_t c = a.scratch[b * E + e];
+      a.scratch[b * E + e] = run;
       run += c;
     }
     sizes[e] = run;
@@ -165,37 +188,55 @@ __global__ void __launch_bounds__(kThreads, 1) route_tables_kernel(TablesArgs a)
   __syncthreads();
   const int2 totals = scan_group_starts(a, sizes, pstart, istart);
   __syncthreads();
-  const int32_t n_tiles = totals.x / a.tile;
-  if (tid == 0) a.n_launch[0] = max(n_tiles, 1);
-  for (int32_t m = tid; m < a.num_rows / a.tile; m += kThreads) tile_tables(a, m, totals.x, sizes, pstart, istart);
+  int32_t* g_pstart = a.scratch + a.blocks * E;
+  for (int e = tid; e < E; e += kLayoutThreads) g_pstart[e] = pstart[e], g_pstart[E + e] = istart[e];
+  if (tid == 0) a.n_launch[0] = max(totals.x / a.tile, 1);
+  for (int32_t m = tid; m < a.num_rows / a.tile; m += kLayoutThreads) tile_tables(a, m, totals.x, sizes, pstart, istart);
+}
 
-  const unsigned below = (1u << lane) - 1u;
-  for (int32_t b = lo; b < hi; b += 32 * kUnroll) {  // pass 2: rank, in route order
-    int32_t e[kUnroll];
-    bool ok[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int32_t r = b + u * 32 + lane;
-      e[u] = r < hi ? a.ids[r] : -1;
-      ok[u] = r < hi && route_ok(a, r, e[u]);
-    }
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int32_t r = b + u * 32 + lane;
-      const unsigned peers = __match_any_sync(0xffffffffu, ok[u] ? e[u] : -1 - lane);
-      const int32_t rank = ok[u] ? mine[e[u]] + __popc(peers & below) : 0;
-      __syncwarp();
-      if (ok[u] && (peers & below) == 0) mine[e[u]] += __popc(peers);
-      __syncwarp();
-      if (r >= hi) continue;
-      if (ok[u]) {
-        a.row_of_route[r] = pstart[e[u]] + rank;
-        a.token_of_input_row[istart[e[u]] + rank] = r / a.top_k;
-      } else {
-        a.row_of_route[r] = a.num_rows;
-      }
+// 3. Block b ranks its routes: each warp's first rank per expert, then 32 routes at a time in order.
+__global__ void __launch_bounds__(kRankThreads) rank_kernel(TablesArgs a) {
+  extern __shared__ int32_t smem[];
+  const int E = a.n_experts, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  int32_t* next = smem;                       // [kRankWarps][E]: counts, then each warp's next rank
+  int32_t* pstart = next + kRankWarps * E;    // [E]
+  int32_t* istart = pstart + E;               // [E]
+  const int32_t* g_pstart = a.scratch + a.blocks * E;
+  for (int i = tid; i < kRankWarps * E; i += kRankThreads) next[i] = 0;
+  for (int e = tid; e < E; e += kRankThreads) pstart[e] = g_pstart[e], istart[e] = g_pstart[E + e];
+  __syncthreads();
+  const int32_t lo = block_lo(a, blockIdx.x), hi = min(a.routes, lo + a.chunk);
+  const int32_t sub = (hi - lo + kRankWarps - 1) / kRankWarps;
+  const int32_t wlo = min(hi, lo + warp * sub), whi = min(hi, wlo + sub);
+  int32_t* mine = next + warp * E;
+  each_route(a, wlo, whi, lane, [&](int32_t, int32_t e, bool ok) {
+    if (ok) atomicAdd(&mine[e], 1);
+  });
+  __syncthreads();
+  for (int e = tid; e < E; e += kRankThreads) {
+    int32_t run = a.scratch[blockIdx.x * E + e];
+    for (int w = 0; w < kRankWarps; ++w) {
+      const int32_t c = next[w * E + e];
+      next[w * E + e] = run;
+      run += c;
     }
   }
+  __syncthreads();
+  const unsigned below = (1u << lane) - 1u;
+  each_route(a, wlo, whi, lane, [&](int32_t r, int32_t e, bool ok) {
+    const unsigned peers = __match_any_sync(0xffffffffu, ok ? e : -1 - lane);
+    const int32_t rank = ok ? mine[e] + __popc(peers & below) : 0;
+    __syncwarp();
+    if (ok && (peers & below) == 0) mine[e] += __popc(peers);
+    __syncwarp();
+    if (r >= whi) return;
+    if (ok) {
+      a.row_of_route[r] = pstart[e] + rank;
+      a.token_of_input_row[istart[e] + rank] = r / a.top_k;
+    } else {
+      a.row_of_route[r] = a.num_rows;
+    }
+  });
 }
 
 std::string tag(const std::string& what) { return "route_tables: " + what; }
@@ -205,9 +246,10 @@ ffi::Error RouteTablesImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> ids, ffi::
                            ffi::Result<ffi::Buffer<ffi::S32>> token_of_input_row, ffi::Result<ffi::Buffer<ffi::S32>> tile_slot,
                            ffi::Result<ffi::Buffer<ffi::S32>> tile_row0, ffi::Result<ffi::Buffer<ffi::S32>> tile_rows,
                            ffi::Result<ffi::Buffer<ffi::S32>> n_launch, ffi::Result<ffi::Buffer<ffi::S32>> walk0,
-                           ffi::Result<ffi::Buffer<ffi::S32>> walk1, int64_t top_k, int64_t tile, int64_t num_rows,
-                           int64_t n_slots, int64_t valid_per_route, int64_t walk0_blocks, int64_t walk0_band,
-                           int64_t walk1_blocks, int64_t walk1_band) {
+                           ffi::Result<ffi::Buffer<ffi::S32>> walk1, ffi::Result<ffi::Buffer<ffi::S32>> scratch,
+                           int64_t top_k, int64_t tile, int64_t num_rows, int64_t n_slots, int64_t valid_per_route,
+                           int64_t walk0_blocks, int64_t walk0_band, int64_t walk1_blocks, int64_t walk1_band,
+                           int64_t grid) {
   const int64_t R = static_cast<int64_t>(ids.element_count());
   const int64_t E = static_cast<int64_t>(slot_of_expert.element_count());
   if (E < 1 || E > kMaxExperts)
@@ -231,6 +273,9 @@ ffi::Error RouteTablesImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> ids, ffi::
     return ffi::Error::InvalidArgument(tag("result sizes do not match the routes and the row tiles"));
   if (num_rows < (R + std::min(E, R) * (tile - 1)) / tile * tile)
     return ffi::Error::InvalidArgument(tag("num_rows " + std::to_string(num_rows) + " is below the padded bound"));
+  if (grid < 1 || grid > kMaxBlocks || static_cast<int64_t>(scratch->element_count()) != (grid + 2) * E)
+    return ffi::Error::InvalidArgument(tag("grid " + std::to_string(grid) + " (1 to " + std::to_string(kMaxBlocks) +
+                                           ") and a scratch of (grid + 2) * E"));
   TablesArgs a{};
   ffi::Result<ffi::Buffer<ffi::S32>>* walks[2] = {&walk0, &walk1};
   const int64_t blocks[2] = {walk0_blocks, walk1_blocks}, bands[2] = {walk0_band, walk1_band};
@@ -261,15 +306,15 @@ ffi::Error RouteTablesImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> ids, ffi::
   a.tile_row0 = tile_row0->typed_data();
   a.tile_rows = tile_rows->typed_data();
   a.n_launch = n_launch->typed_data();
-  const size_t smem = sizeof(int32_t) * static_cast<size_t>((kWarps + 3) * E);
-  cudaError_t err = cudaSuccess;
-  if (smem > 48 * 1024)  // above the default dynamic shared memory: opt in (Hopper has 227 KiB)
-    err = cudaFuncSetAttribute(route_tables_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                               static_cast<int>(smem));
-  if (err == cudaSuccess) {
-    route_tables_kernel<<<1, kThreads, smem, stream>>>(a);
-    err = cudaGetLastError();
-  }
+  a.scratch = scratch->typed_data();
+  a.blocks = static_cast<int32_t>(grid);
+  a.chunk = static_cast<int32_t>((R + grid - 1) / grid);
+  // shared memory: E, 3 E and 10 E int32 (40 KiB at 1,024 experts: under the 48 KiB default)
+  const size_t e_bytes = sizeof(int32_t) * static_cast<size_t>(E);
+  count_kernel<<<grid, kRankThreads, e_bytes, stream>>>(a);
+  layout_kernel<<<1, kLayoutThreads, 3 * e_bytes, stream>>>(a);
+  rank_kernel<<<grid, kRankThreads, (kRankWarps + 2) * e_bytes, stream>>>(a);
+  const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return ffi::Error::Internal(tag(std::string("launch: ") + cudaGetErrorString(err)));
   return ffi::Error::Success();
 }
@@ -290,6 +335,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FtjaxRouteTables, RouteTablesImpl,
                                   .Ret<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
                                   .Attr<int64_t>("top_k")
                                   .Attr<int64_t>("tile")
                                   .Attr<int64_t>("num_rows")
@@ -298,7 +344,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FtjaxRouteTables, RouteTablesImpl,
                                   .Attr<int64_t>("walk0_blocks")
                                   .Attr<int64_t>("walk0_band")
                                   .Attr<int64_t>("walk1_blocks")
-                                  .Attr<int64_t>("walk1_band"),
+                                  .Attr<int64_t>("walk1_band")
+                                  .Attr<int64_t>("grid"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 void* route_tables_handler() { return reinterpret_cast<void*>(FtjaxRouteTables); }

@@ -5,7 +5,8 @@ token (kernel 1's row gather), per row tile its cache slot, first input row and 
 launch's row-tile count, and each kernel's tile walk (`routing.tile_walk`). XLA builds them from
 `routing.plan_routes` in ~28 small kernels (a radix sort, scatters, cumsums; ~80 us of GPU work and
 as many launch gaps per call at 8K tokens on the H200, session 20); the ``ftjax_route_tables`` FFI
-target (`cpp/route_tables_cuda.cu`) builds the same tables, bit for bit, in one launch.
+target (`cpp/route_tables_cuda.cu`) builds the same tables, bit for bit, in three launches (count per
+block of routes, layout, rank per block).
 
 ``impl``: ``"jnp"`` (everywhere), ``"cuda"`` (a CUDA build of the host module with a GPU, up to
 `CUDA_MAX_EXPERTS` experts; ValueError otherwise) or ``"auto"`` (CUDA where it can run).
@@ -23,7 +24,9 @@ from jax import lax
 from ftjax.pallas import routing
 
 IMPLS = ("auto", "cuda", "jnp")
-CUDA_MAX_EXPERTS = 1024  # the kernel's per-warp counts are 32 x E int32 of shared memory
+CUDA_MAX_EXPERTS = 1024  # the rank kernel's per-warp counts are 8 x E int32 of shared memory
+MAX_BLOCKS = 256  # the CUDA form's grid: a block per ROUTES_PER_BLOCK routes, at most this many
+ROUTES_PER_BLOCK = 2048
 
 
 class RouteTables(NamedTuple):
@@ -111,14 +114,16 @@ def _cuda_tables(expert_ids, token_valid, slot_of_expert, *, n_slots, tile, walk
         return jax.ShapeDtypeStruct(shape, jnp.int32)
 
     walk_shapes = [i32(n_row_tiles * n_blocks) if band is not None else i32(1) for n_blocks, band in walks]
+    grid = min(MAX_BLOCKS, max(1, -(-routes // ROUTES_PER_BLOCK)))
     call = jax.ffi.ffi_call("ftjax_route_tables", [i32(routes), i32(in_rows), i32(n_row_tiles), i32(n_row_tiles),
-                                                   i32(n_row_tiles), i32(1), *walk_shapes])
+                                                   i32(n_row_tiles), i32(1), *walk_shapes,
+                                                   i32((grid + 2) * num_experts)])  # the last: scratch
     (w0_blocks, w0_band), (w1_blocks, w1_band) = walks
     out = call(expert_ids.astype(jnp.int32).reshape(-1), token_valid.astype(bool).reshape(-1),
                slot_of_expert.astype(jnp.int32),
                top_k=np.int64(top_k), tile=np.int64(tile), num_rows=np.int64(num_rows),
                n_slots=np.int64(n_slots), valid_per_route=np.int64(token_valid.ndim == 2),
                walk0_blocks=np.int64(w0_blocks), walk0_band=np.int64(w0_band or 0),
-               walk1_blocks=np.int64(w1_blocks), walk1_band=np.int64(w1_band or 0))
-    walk_tables = tuple(None if band is None else table for (_, band), table in zip(walks, out[6:]))
+               walk1_blocks=np.int64(w1_blocks), walk1_band=np.int64(w1_band or 0), grid=np.int64(grid))
+    walk_tables = tuple(None if band is None else table for (_, band), table in zip(walks, out[6:8]))
     return RouteTables(*out[:6], walk_tables)
