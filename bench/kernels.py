@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import time
 from pathlib import Path
 
@@ -144,6 +145,13 @@ def gpu_kernel_us(profile_dir):
 
     ks = [e for p in Path(profile_dir).rglob("perfetto_trace.json.gz") for e in gpu_kernels(load(p))]
     return sum(e["dur"] for e in ks if "mosaic" in e["name"]), sum(e["dur"] for e in ks)
+
+
+def fresh_dir(path):
+    """``path``, emptied: the kernel split sums every trace under a dir, and a warm machine keeps the
+    dirs of earlier runs (session 21: a trace-routed run summed an earlier uniform run's kernels)."""
+    shutil.rmtree(path, ignore_errors=True)
+    return path
 
 
 def prefill_kernel_us(profile_dir):
@@ -361,7 +369,8 @@ def bench_prefill_pipeline(args, ceiling, rows):
                                in_step_ratio=flops * args.chain / step_ms / 1e9 / ceiling)
                     split += f"  in-step {row['in_step_ms']:7.3f} ms {row['in_step_ratio']:5.2f}"
                 if args.profile:
-                    pdir = args.profile / f"pipeline-{shape}-{dtype}-T{T}-{name.replace(' ', '_')}"
+                    pdir = fresh_dir(args.profile / f"pipeline-{shape}-{dtype}-T{T}-{args.routing}-"
+                                                    f"{name.replace(' ', '_')}")
                     with jax.profiler.trace(str(pdir), create_perfetto_trace=True):
                         jax.block_until_ready(fn(*route, *banks, slots))
                     split += kernel_split(row, prefill_kernel_us(pdir), flops, ceiling)
@@ -503,7 +512,7 @@ def main():
                                             iters=1 if args.smoke else max(args.iters, 8))
                 split = ""
                 if args.profile:  # the Mosaic GPU kernels alone vs every GPU kernel of the call
-                    pdir = args.profile / f"prefill-{shape}-{dtype}-T{T}"
+                    pdir = fresh_dir(args.profile / f"prefill-{shape}-{dtype}-T{T}-{args.routing}")
                     with jax.profiler.trace(str(pdir), create_perfetto_trace=True):
                         jax.block_until_ready(fn(*route, *banks, slots))
                     kern_us, all_us = gpu_kernel_us(pdir)
