@@ -32,7 +32,9 @@ Plan (one screen):
   that fusion cost 5.7 ms of glue at 8K tokens on the H200, session 10). Only the plan's fields used
   here pass the barrier, so XLA drops the rest (the padded layout's per-row route map), and the
   route sort runs on uint16 keys: the call at 8K tokens (Qwen shape) ran 38 GPU events in session
-  16, 32 in session 20 (the sort's 6 radix kernels, 33 us, became 4, 19 us). The idle time of a single
+  16, 32 in session 20 (the sort's 6 radix kernels, 33 us, became 4, 19 us), 9 with the route tables
+  by CUDA (`plan_impl="auto"`, session 21: 21 us for the tables, the call 0.44-0.46 -> 0.47-0.49 of
+  the matmul ceiling at 8K, 0.56 -> 0.60-0.61 at 16K). The idle time of a single
   call (0.55 ms of 1.8 at 8K, Qwen shape) stayed without the cond: it is mostly the host's launch
   and wait; dispatched back to back a call took 1.38 ms against 1.27 ms of GPU work
   (`bench/kernels.py` b2b column).
