@@ -60,6 +60,23 @@ def time_back_to_back_ms(fn, *args, iters):
     return float(np.median(rounds))
 
 
+def time_steady_ms(fn, *args, iters):
+    """Steady-state wall time per call: rounds of ``iters`` and of ``2 * iters`` calls back to back, the
+    difference over ``iters`` (median of 3 pairs), so what a round pays once (the first call's dispatch,
+    the final wait) drops out. A model's prefill runs its layers in one executable: this, not a short
+    round's average, is the per-layer figure (session 21: rounds of 2-5 calls left ~0.1 ms per call of
+    round overhead in a 1.1 ms Qwen-shape call, by the b2b and in-step columns, not yet measured this way)."""
+    jax.block_until_ready(fn(*args))
+
+    def round_ms(n):
+        t0 = time.perf_counter()
+        jax.block_until_ready([fn(*args) for _ in range(n)])
+        return (time.perf_counter() - t0) * 1e3
+
+    diffs = [(round_ms(2 * iters) - round_ms(iters)) / iters for _ in range(3)]
+    return float(np.median(diffs))
+
+
 def dense_ceiling_tflops(n=8192, iters=10):
     """A plain bf16 matmul [n, n] @ [n, n]: the better of one call at a time (best of ``iters``) and
     ``iters`` calls back to back (timed as the prefill's b2b column, so neither ratio gains from
@@ -71,7 +88,8 @@ def dense_ceiling_tflops(n=8192, iters=10):
     fn = jax.jit(lambda a, b: a @ b)
     for _ in range(3):
         jax.block_until_ready([fn(a, b) for _ in range(iters)])
-    ms = min(_time_ms(fn, a, b, iters=iters, best=True), time_back_to_back_ms(fn, a, b, iters=iters))
+    ms = min(_time_ms(fn, a, b, iters=iters, best=True), time_back_to_back_ms(fn, a, b, iters=iters),
+             time_steady_ms(fn, a, b, iters=iters))
     return 2 * n ** 3 / ms / 1e9
 
 
@@ -331,7 +349,8 @@ def bench_prefill_pipeline(args, ceiling, rows):
     --chain N also per layer of N layers in one executable (`chained_layers`)."""
     T = max(args.tokens)
     print(f"\nprefill pipelines, {T} tokens, routing: {routing_label(args)}"
-          + f" (matmul ceiling {ceiling:.0f} TFLOP/s; b2b = calls back to back"
+          + f" (matmul ceiling {ceiling:.0f} TFLOP/s; b2b = per call of {args.iters} calls back to back; steady = "
+          + f"per call, rounds of {2 * args.iters} less rounds of {args.iters} calls"
           + (f"; in-step = per layer of {args.chain} layers in one jitted call, each layer's output its "
              f"next input" if args.chain else "") + ")")
     for shape in args.shapes:
@@ -361,7 +380,9 @@ def bench_prefill_pipeline(args, ceiling, rows):
                     first_out = out
                 row["max_abs_diff_vs_first"] = float(jnp.max(jnp.abs(out - first_out)))
                 del out
-                split = f"  diff {row['max_abs_diff_vs_first']:.1e}"
+                steady = time_steady_ms(fn, *route, *banks, slots, iters=args.iters)
+                row.update(steady_ms=steady, steady_ratio=flops / steady / 1e9 / ceiling)
+                split = f"  steady {steady:7.3f} ms {row['steady_ratio']:5.2f}  diff {row['max_abs_diff_vs_first']:.1e}"
                 if args.chain:
                     chain = chained_layers(lambda *a, _c=cfg: base(*a, **_c), args.chain, args.experts)
                     step_ms = time_back_to_back_ms(chain, *route, *banks, slots, iters=max(2, args.iters // 2))
