@@ -64,8 +64,8 @@ def time_steady_ms(fn, *args, iters):
     """Steady-state wall time per call: rounds of ``iters`` and of ``2 * iters`` calls back to back, the
     difference over ``iters`` (median of 3 pairs), so what a round pays once (the first call's dispatch,
     the final wait) drops out. A model's prefill runs its layers in one executable: this, not a short
-    round's average, is the per-layer figure (session 21: rounds of 2-5 calls left ~0.1 ms per call of
-    round overhead in a 1.1 ms Qwen-shape call, by the b2b and in-step columns, not yet measured this way)."""
+    round's average, is the per-layer figure (session 21: the Qwen-shape call at 8K took 1.16-1.22 ms per
+    call in rounds of 5 against 1.05 ms of GPU work; how much of that a round pays once was not measured)."""
     jax.block_until_ready(fn(*args))
 
     def round_ms(n):
