@@ -13,7 +13,7 @@ and zero for invalid tokens.
 Plan (one screen):
   1. `route_tables`: the routes sorted by expert into groups padded to ``tile_m`` rows
      (``R_pad``, a static bound: ``T*k + min(E, T*k) * (tile_m - 1)`` rounded down to a tile),
-     and the kernels' tables, by `routing.plan_routes` in XLA or by one CUDA kernel (``plan_impl``);
+     and the kernels' tables, by `routing.plan_routes` in XLA or by one CUDA call (``plan_impl``);
      `routing.gather_input_rows` builds kernel 1's input ``x_rows``: the same groups aligned to
      8 rows only (~T*k rows; row tile m reads from ``plan.tile_row0[m]`` on, and the rows it
      reads past its group's routes only feed padding rows of ``act``). At 8K tokens, 256
@@ -451,7 +451,7 @@ def prefill_experts(x, expert_ids, gate_weights, token_valid, gate_up, down, slo
     (neighbouring CTAs share a weight block, `routing.tile_walk`); a pair: (gate+up, down);
     ``"auto"`` (default): 2 for a kernel of 16+ output blocks, else None (`prefill_options.walk_bands`).
     ``plan_impl``: who builds the route tables (`route_tables`): ``"jnp"`` (XLA), ``"cuda"`` (one
-    kernel of the host module's CUDA build) or ``"auto"`` (default: CUDA where it can run).
+    call of the host module's CUDA build, three small kernels) or ``"auto"`` (default: CUDA where it can run).
     """
     check_routing(x, expert_ids, gate_weights, token_valid, slot_of_expert)
     hidden, inter = x.shape[1], down.shape[-1]

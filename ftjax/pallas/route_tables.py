@@ -1,4 +1,4 @@
-"""The tables the prefill kernels read, from the router output: jnp (`routing`) or one CUDA kernel.
+"""The tables the prefill kernels read, from the router output: jnp (`routing`) or one CUDA call.
 
 `prefill_gemm` needs, per call: each route's padded row (the combine's gather), each input row's
 token (kernel 1's row gather), per row tile its cache slot, first input row and route count, the
