@@ -5,26 +5,16 @@ Everything listens on 127.0.0.1 with an ephemeral port.
 """
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from ftjax.demo import DemoSpec, ensure_demo_model
 from ftjax.tokenizer import Tokenizer
 
 from fake_engine import make_fake_engine
+from serve_helpers import REAL_MAX_LEN, REAL_SLOTS, STUBS_ERROR
 
-from ftjax.serve.stubs import ServeUnavailableError, load
-
-try:
-    load()
-    STUBS_ERROR = None
-except ServeUnavailableError as e:  # grpc missing, or ftjax built without grpcio-tools
-    STUBS_ERROR = str(e)
+if STUBS_ERROR is not None:
     collect_ignore_glob = ["test_serve_*.py"]  # they need a server; test_grpc_stubs.py reports the skip
-
-REAL_MAX_LEN = 128
-REAL_SLOTS = 4
 
 
 @pytest.fixture(scope="session")
@@ -62,18 +52,6 @@ def client(fake_server):
 
     with Client(fake_server.target, timeout=30) as c:
         yield c
-
-
-def wait_idle(client, timeout: float = 2.0) -> dict:
-    """Stats once no slot is active and nothing is queued; fails after ``timeout`` seconds."""
-    end = time.monotonic() + timeout
-    while True:
-        s = client.stats()
-        if s["active_slots"] == 0 and s["queued"] == 0:
-            return s
-        if time.monotonic() > end:
-            raise AssertionError(f"slots still busy after {timeout}s: {s}")
-        time.sleep(0.01)
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,5 @@
 """The generated stubs are importable (built from protos/ at install); a clear skip reason if not."""
-from conftest import STUBS_ERROR
+from serve_helpers import STUBS_ERROR
 
 import pytest
 

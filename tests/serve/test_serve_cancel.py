@@ -9,7 +9,7 @@ import grpc
 import pytest
 
 from ftjax.serve import AsyncClient
-from conftest import wait_idle
+from serve_helpers import wait_idle
 
 LONG = {"max_tokens": 80, "temperature": 0}  # 80 steps x 20 ms: far longer than the tests wait
 

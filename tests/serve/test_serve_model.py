@@ -8,7 +8,7 @@ import grpc
 
 from ftjax.engine import SamplingParams
 from ftjax.serve import Client
-from conftest import REAL_SLOTS, wait_idle
+from serve_helpers import REAL_SLOTS, wait_idle
 
 PROMPTS = ["The lighthouse keeper", "Once upon a time there was a clockmaker", "In the morning",
            "The river ran", "She opened the door and"]

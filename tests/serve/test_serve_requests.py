@@ -9,7 +9,7 @@ import grpc
 import pytest
 
 from ftjax.serve.client import chat_request, generate_request, pb, pb_grpc
-from conftest import wait_idle
+from serve_helpers import wait_idle
 
 USER = [{"role": "user", "content": "Hello there"}]
 
