@@ -78,9 +78,9 @@ def time_steady_ms(fn, *args, iters):
 
 
 def dense_ceiling_tflops(n=8192, iters=10):
-    """A plain bf16 matmul [n, n] @ [n, n]: the better of one call at a time (best of ``iters``) and
-    ``iters`` calls back to back (timed as the prefill's b2b column, so neither ratio gains from
-    launch overhead the ceiling paid), after 3 warm-up rounds (the figure moved 564-689 TFLOP/s
+    """A plain bf16 matmul [n, n] @ [n, n]: the best of one call at a time (best of ``iters``),
+    ``iters`` calls back to back and the steady form (timed as the prefill's b2b and steady columns,
+    so no ratio gains from launch overhead the ceiling paid), after 3 warm-up rounds (the figure moved 564-689 TFLOP/s
     across the device calls of session 11, clocks unexamined)."""
     ka, kb = jax.random.split(jax.random.key(0))
     a = jax.random.normal(ka, (n, n), jnp.bfloat16)
@@ -312,7 +312,7 @@ def kernel_split(row, kernel_us, flops, ceiling):
 
 PIPELINE_CONFIGS = {  # (name, kwargs): the per-tile ring against a CTA's tiles as one pipeline
     "default": {},  # per-tile, 3 stages, input rows by XLA's take, walk_band "auto", plan_impl "auto"
-    "jnp plan": dict(plan_impl="jnp"),  # the route tables by XLA (`routing.plan_routes`), not one CUDA kernel
+    "jnp plan": dict(plan_impl="jnp"),  # the route tables by XLA (`routing.plan_routes`), not one CUDA call
     "per-tile s3": dict(stages=3, cross_tile=False, walk_band=None),  # the default before session 20
     "per-tile s3 tma-gather": dict(stages=3, cross_tile=False, gather="tma", walk_band=None),
     # the tiles walked per expert band (neighbouring CTAs share a weight block, `routing.tile_walk`)

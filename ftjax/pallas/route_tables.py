@@ -72,6 +72,8 @@ def route_tables(expert_ids, token_valid, slot_of_expert, *, n_slots: int, tile:
     """The prefill kernels' tables for ``expert_ids [T, k]``, ``token_valid [T]`` or ``[T, k]``,
     ``slot_of_expert [E]``; ``walks``: per kernel ``(n_blocks, band)``, band None for no walk table.
     ``impl``: "jnp" or "cuda" (`resolve_impl` first for "auto")."""
+    if len(walks) != 2:
+        raise ValueError(f"walks must be two (n_blocks, band) pairs, got {walks!r}")
     if impl == "cuda":
         return _cuda_tables(expert_ids, token_valid, slot_of_expert, n_slots=n_slots, tile=tile, walks=walks)
     if impl != "jnp":
@@ -107,8 +109,6 @@ def _cuda_tables(expert_ids, token_valid, slot_of_expert, *, n_slots, tile, walk
     num_rows = routing.padded_rows_bound(routes, num_experts, tile)
     in_rows = routing.padded_rows_bound(routes, num_experts, routing.INPUT_ALIGN) + tile
     n_row_tiles = num_rows // tile
-    if len(walks) != 2:
-        raise ValueError(f"walks must be two (n_blocks, band) pairs, got {walks!r}")
 
     def i32(*shape):
         return jax.ShapeDtypeStruct(shape, jnp.int32)

@@ -34,6 +34,9 @@ def test_impl_choice_and_errors():
         assert rt.resolve_impl("auto", 8) == "jnp"
         with pytest.raises(ValueError, match="needs a CUDA build"):
             rt.resolve_impl("cuda", 8)
+    with pytest.raises(ValueError, match="two \\(n_blocks, band\\) pairs"):
+        rt.route_tables(jnp.zeros((2, 2), jnp.int32), jnp.ones(2, bool), jnp.zeros(4, jnp.int32),
+                        n_slots=4, tile=8, walks=((1, None),), impl="jnp")
     with pytest.raises(ValueError, match="resolve 'auto' first"):
         rt.route_tables(jnp.zeros((2, 2), jnp.int32), jnp.ones(2, bool), jnp.zeros(4, jnp.int32),
                         n_slots=4, tile=8, impl="auto")
