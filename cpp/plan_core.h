@@ -65,13 +65,18 @@ struct PlanArgs {
   int32_t all_units;                   // plan.py ALL_UNITS
 };
 
-// Scratch of one call (shared memory on the GPU): E + 4 x min(T*k, E) + 3 x F int32, then optionally
-// copies of the router ids (R = T*k more) and of last_use (S more). The GPU copies the ids where they
-// fit (the routes' phase then reads shared memory only: their slots come from the per-expert arrays,
-// not from slot_of again) and last_use where it fits and the call can fill (F > 0: the evictable count
-// and the victims' reductions then read the copy).
+// Scratch of one call (shared memory on the GPU): 3 E + 4 x min(T*k, E) + 3 x F int32, then optionally
+// the per-route copies (4 R more: the router ids, the gate weights, each route's slot and units) and the
+// per-slot copies (2 S more: last_use and owner_of). The GPU makes the per-route copies where they fit
+// (the routes' phases then read shared memory only) and the per-slot ones where they fit and the call can
+// fill (F > 0: the evictable count, the victims' reductions and the evicted owners then read the copies).
+// Every global load the plan depends on is issued in its first pass (the ids, each routed expert's slot
+// and recency, the gate weights, the per-slot copies): a block's phase that waits on global memory costs
+// ~0.7 us on the H200, and the phases after the first one read shared memory only.
 struct PlanScratch {
   int32_t* pos;        // [E] 1 + the expert's index in uniq, 0: not routed
+  int32_t* slot_e;     // [E] slot_of of each routed expert, before the call (read in the first pass)
+  int32_t* rec_e;      // [E] recency of each routed expert, before the call
   int32_t* uniq;       // [U] ascending present ids, then E
   int32_t* slot_u;     // [U] slot before the call
   int32_t* rec_u;      // [U] recency before the call
@@ -79,31 +84,48 @@ struct PlanScratch {
   int32_t* fill_list;  // [F] flat ids to fill, in fill order
   int32_t* fill_u;     // [F] their index in uniq
   int32_t* victims;    // [F]
-  int32_t* ids_copy;   // [R] or nullptr: the router ids are read in place
+  int32_t* ids_copy;   // [R] or nullptr: the per-route arrays are read and written in place
+  float* gw;           // [R] the gate weights (per-route copies only)
+  int32_t* rs;         // [R] each route's slot after the call (per-route copies only)
+  int32_t* ru;         // [R] each route's units (per-route copies only)
   int32_t* lu;         // [S] last_use: the copy, or the state itself
+  int32_t* own;        // [S] owner_of: the copy, or the state itself
   bool lu_copy;
 };
 
 inline int64_t plan_scratch_ints(int64_t routes, int64_t n_experts, int64_t fill_capacity, int64_t slots,
                                  bool ids_copy, bool lu_copy) {
   const int64_t U = routes < n_experts ? routes : n_experts;
-  return n_experts + 4 * U + 3 * fill_capacity + (ids_copy ? routes : 0) + (lu_copy ? slots : 0);
+  return 3 * n_experts + 4 * U + 3 * fill_capacity + (ids_copy ? 4 * routes : 0) + (lu_copy ? 2 * slots : 0);
 }
 
 FTJAX_PLAN_FN inline PlanScratch plan_scratch(int32_t* base, int64_t routes, int64_t n_experts, int64_t F,
-                                              int32_t* last_use, bool ids_copy, bool lu_copy) {
+                                              int64_t slots, int32_t* last_use, int32_t* owner_of, bool ids_copy,
+                                              bool lu_copy) {
   const int64_t U = routes < n_experts ? routes : n_experts;
   PlanScratch s;
   s.pos = base;
-  s.uniq = s.pos + n_experts;
+  s.slot_e = s.pos + n_experts;
+  s.rec_e = s.slot_e + n_experts;
+  s.uniq = s.rec_e + n_experts;
   s.slot_u = s.uniq + U;
   s.rec_u = s.slot_u + U;
   s.slot_new = s.rec_u + U;
   s.fill_list = s.slot_new + U;
   s.fill_u = s.fill_list + F;
   s.victims = s.fill_u + F;
-  s.ids_copy = ids_copy ? s.victims + F : nullptr;
-  s.lu = lu_copy ? s.victims + F + (ids_copy ? routes : 0) : last_use;
+  int32_t* next = s.victims + F;
+  s.ids_copy = s.rs = s.ru = nullptr;
+  s.gw = nullptr;
+  if (ids_copy) {
+    s.ids_copy = next;
+    s.rs = next + routes;
+    s.ru = next + 2 * routes;
+    s.gw = reinterpret_cast<float*>(next + 3 * routes);  // (only ever accessed as float)
+    next += 4 * routes;
+  }
+  s.lu = lu_copy ? next : last_use;
+  s.own = lu_copy ? next + slots : owner_of;
   s.lu_copy = lu_copy;
   return s;
 }
@@ -167,6 +189,7 @@ FTJAX_PLAN_FN void plan_core(const Team& t, const PlanArgs& a, const PlanScratch
   const int32_t num_units = split ? a.split_inter : a.all_units;
   auto clamp_flat = [&](int64_t f) { return f < 0 ? int64_t{0} : (f >= N ? N - 1 : f); };  // jnp's gather
   auto route_valid = [&](int64_t r) { return a.token_valid[r / a.top_k] != 0; };
+  auto route_id = [&](int64_t r) { return s.ids_copy ? s.ids_copy[r] : a.ids[r]; };
   int32_t* lu = s.lu;
 
   // The LRU clock: layer 0 rebases it (plan.rebase_clock) once it passes rebase_at.
@@ -176,16 +199,22 @@ FTJAX_PLAN_FN void plan_core(const Team& t, const PlanArgs& a, const PlanScratch
   if (shift) t.each(N, [&](int64_t i) { a.recency[i] = back(a.recency[i]); });
   const int32_t step = step0 - shift + 1;
 
-  // One pass over the inputs: the router ids (kept), the layer's routed experts, the histogram, and
-  // last_use (into the copy, rebased).
+  // One pass issues every global load the plan depends on: the router ids (kept), the gate weights, the
+  // layer's routed experts with their slots and recency, the histogram, and last_use / owner_of (into the
+  // copies, last_use rebased). (The recency read here follows the rebase: a barrier lies between.)
   t.each(E, [&](int64_t e) { s.pos[e] = 0; });
   t.sync();
   t.each(R, [&](int64_t r) {
     const int32_t id = a.ids[r];
     if (s.ids_copy) s.ids_copy[r] = id;
+    if (s.gw && a.gate_weights) s.gw[r] = a.gate_weights[r];
     const bool v = route_valid(r);
-    if (v && id >= 0 && id < E) s.pos[id] = 1;
     const int64_t f = base + id;
+    if (v && id >= 0 && id < E) {  // (routes of one expert store the same values)
+      s.pos[id] = 1;
+      s.slot_e[id] = a.slot_of[f];
+      s.rec_e[id] = a.recency[f];
+    }
     if (v && (id < 0 || id >= E)) a.cpu_units[r] = a.slot_of[clamp_flat(f)];  // its slot before the call
     if (v && f >= 0 && f < N) t.add_i32(&a.hist[f], 1);
   });
@@ -194,11 +223,17 @@ FTJAX_PLAN_FN void plan_core(const Team& t, const PlanArgs& a, const PlanScratch
   constexpr int kChunk = 8;
   if (s.lu_copy || shift)
     t.each((S + kChunk - 1) / kChunk, [&](int64_t c) {
-      int32_t v[kChunk];
+      int32_t v[kChunk], o[kChunk];
       const int64_t i0 = c * kChunk, n = S - i0 < kChunk ? S - i0 : kChunk;
-      for (int q = 0; q < kChunk; ++q) v[q] = q < n ? a.last_use[i0 + q] : 0;
+      for (int q = 0; q < kChunk; ++q) {
+        v[q] = q < n ? a.last_use[i0 + q] : 0;
+        o[q] = (s.lu_copy && q < n) ? a.owner_of[i0 + q] : 0;
+      }
       for (int q = 0; q < kChunk; ++q)
-        if (q < n) lu[i0 + q] = back(v[q]);
+        if (q < n) {
+          lu[i0 + q] = back(v[q]);
+          if (s.lu_copy) s.own[i0 + q] = o[q];
+        }
     });
   t.sync();
   const int64_t n_uniq = t.compact(E, [&](int64_t e) { return s.pos[e] != 0; },
@@ -206,21 +241,23 @@ FTJAX_PLAN_FN void plan_core(const Team& t, const PlanArgs& a, const PlanScratch
   t.each(U - n_uniq, [&](int64_t j) { s.uniq[n_uniq + j] = static_cast<int32_t>(E); });
   t.sync();
 
-  // Hits and misses (the one read of slot_of and recency per routed expert); the hits are used in this
-  // step (never victims).
+  // Hits and misses (from the first pass's reads); the hits are used in this step (never victims).
   t.each(U, [&](int64_t i) {
     const bool valid = s.uniq[i] < E;
-    const int64_t uf = base + (valid ? s.uniq[i] : E - 1);
-    const int32_t slot = valid ? a.slot_of[uf] : -1;
+    const int32_t slot = valid ? s.slot_e[s.uniq[i]] : -1;
     if (valid) s.pos[s.uniq[i]] = static_cast<int32_t>(i) + 1;
     s.slot_u[i] = slot;
     s.slot_new[i] = slot;
-    s.rec_u[i] = a.recency[uf];
+    s.rec_u[i] = valid ? s.rec_e[s.uniq[i]] : 0;
     if (a.update && slot >= 0) lu[slot] = step;
   });
   t.sync();
-  const int32_t m = static_cast<int32_t>(t.sum(U, [&](int64_t i) { return s.uniq[i] < E && s.slot_u[i] < 0; }));
-  const int32_t hits = static_cast<int32_t>(t.sum(U, [&](int64_t i) { return s.slot_u[i] >= 0; }));
+  // misses in the high half, hits in the low one: one reduction
+  const int64_t counted = t.sum(U, [&](int64_t i) {
+    return s.slot_u[i] >= 0 ? int64_t{1} : (s.uniq[i] < E ? int64_t{1} << 32 : int64_t{0});
+  });
+  const int32_t m = static_cast<int32_t>(counted >> 32);
+  const int32_t hits = static_cast<int32_t>(counted & 0xffffffff);
 
   int32_t n_fill = 0, units = num_units;
   bool deferred = false;
@@ -267,7 +304,7 @@ FTJAX_PLAN_FN void plan_core(const Team& t, const PlanArgs& a, const PlanScratch
         return;
       }
       const int32_t id = s.fill_list[j], v = s.victims[j];
-      const int32_t old = a.owner_of[v];
+      const int32_t old = s.own[v];  // (the victims differ: no other fill touches this entry)
       if (old >= 0) a.slot_of[old] = -1;  // evicted ids are resident, filled ids missed: disjoint
       a.slot_of[id] = v;
       a.owner_of[v] = id;
@@ -289,7 +326,7 @@ FTJAX_PLAN_FN void plan_core(const Team& t, const PlanArgs& a, const PlanScratch
   // the clamped flat id, before and after the updates (the jnp plan's gather), like the reference.
   const bool split_call = defer && split && F > 0;
   auto slots_of = [&](int64_t r, int32_t* before, int32_t* after) {
-    const int32_t id = s.ids_copy ? s.ids_copy[r] : a.ids[r];
+    const int32_t id = route_id(r);
     if (!route_valid(r)) {
       *before = -1;
       *after = -1;
@@ -313,28 +350,37 @@ FTJAX_PLAN_FN void plan_core(const Team& t, const PlanArgs& a, const PlanScratch
     }
     a.route_slot[r] = slot;
     a.route_units[r] = ru;
-  });
-  t.sync();
-  auto on_cpu = [&](int64_t r) { return route_valid(r) && (a.route_slot[r] < 0 || a.route_units[r] < num_units); };
-  const int64_t n_cpu = t.compact(R, on_cpu, [&](int64_t q, int64_t r) { a.cpu_routes[q] = static_cast<int32_t>(r); });
-  t.compact(R, [&](int64_t r) { return !on_cpu(r); },
-            [&](int64_t q, int64_t r) { a.cpu_routes[n_cpu + q] = static_cast<int32_t>(r); });
-  t.sync();
-  t.each(R, [&](int64_t j) {
-    const int32_t r = a.cpu_routes[j];
-    a.cpu_units[j] = a.route_slot[r] >= 0 ? a.route_units[r] : 0;
-    if (a.task_token) {
-      a.task_token[j] = static_cast<int32_t>(r / a.top_k);
-      a.task_flat[j] = static_cast<int32_t>(base) + (s.ids_copy ? s.ids_copy[r] : a.ids[r]);
-      a.task_weight[j] = a.gate_weights[r];
+    if (s.rs) {
+      s.rs[r] = slot;
+      s.ru[r] = ru;
     }
   });
-  // Recency of the routed experts; last_use back from the copy; counters; the clock.
+  t.sync();
+  // The CPU routes first, then the rest (stable), each route's entries written where the compaction puts
+  // it: cpu_routes, cpu_units and the task arrays (cpu_units, the slot before the call of an out-of-range
+  // id until here, was last read above).
+  auto slot_at = [&](int64_t r) { return s.rs ? s.rs[r] : a.route_slot[r]; };
+  auto units_at = [&](int64_t r) { return s.ru ? s.ru[r] : a.route_units[r]; };
+  auto on_cpu = [&](int64_t r) { return route_valid(r) && (slot_at(r) < 0 || units_at(r) < num_units); };
+  auto emit = [&](int64_t j, int64_t r) {
+    a.cpu_routes[j] = static_cast<int32_t>(r);
+    a.cpu_units[j] = slot_at(r) >= 0 ? units_at(r) : 0;
+    if (a.task_token) {
+      a.task_token[j] = static_cast<int32_t>(r / a.top_k);
+      a.task_flat[j] = static_cast<int32_t>(base) + route_id(r);
+      a.task_weight[j] = s.gw ? s.gw[r] : a.gate_weights[r];
+    }
+  };
+  const int64_t n_cpu = t.compact(R, on_cpu, emit);
+  t.compact(R, [&](int64_t r) { return !on_cpu(r); }, [&](int64_t q, int64_t r) { emit(n_cpu + q, r); });
+  // Recency of the routed experts; last_use back from the copy; counters; the clock (stores and atomic
+  // adds: nothing in the call waits for them).
   t.each(U, [&](int64_t i) {
     if (s.uniq[i] < E) a.recency[base + s.uniq[i]] = step;
   });
-  if (s.lu_copy) t.each(S, [&](int64_t i) { a.last_use[i] = lu[i]; });  // (stores: nothing waits for them)
+  if (s.lu_copy) t.each(S, [&](int64_t i) { a.last_use[i] = lu[i]; });
   const int32_t cpu_experts = deferred ? m : m - n_fill;
+  const int32_t fill_units = split_call && deferred ? units : num_units;
   t.each(1, [&](int64_t) {
     *a.n_cpu_routes = static_cast<int32_t>(n_cpu);
     *a.n_fill = n_fill;
@@ -342,12 +388,12 @@ FTJAX_PLAN_FN void plan_core(const Team& t, const PlanArgs& a, const PlanScratch
     *a.misses = m;
     *a.cpu_experts = cpu_experts;
     *a.deferred = deferred;
-    *a.fill_units = split_call && deferred ? units : num_units;
+    *a.fill_units = fill_units;
     const int32_t counts[kPlanStats] = {hits, m, n_fill, cpu_experts, deferred ? n_fill : 0, 1};
-    for (int i = 0; i < kPlanStats; ++i) a.stats[i][a.layer] += counts[i];
+    for (int i = 0; i < kPlanStats; ++i) t.add_i32(&a.stats[i][a.layer], counts[i]);
     if (a.bg_n && F > 0) {
       a.bg_n[a.layer] = deferred ? n_fill : 0;
-      if (a.bg_from) a.bg_from[a.layer] = deferred ? *a.fill_units : 0;
+      if (a.bg_from) a.bg_from[a.layer] = deferred ? fill_units : 0;
     }
     *a.step = step;
   });

@@ -129,12 +129,13 @@ ffi::Error PlanCpuImpl(ffi::RemainingArgs args, ffi::RemainingRets rets, FTJAX_P
   if (err.failure()) return err;
   const int64_t R = a.tokens * a.top_k;
   // One thread gains nothing from the copies the GPU makes, but CI then runs the code paths the GPU runs:
-  // last_use copied when the call can fill (as there), the ids copied unless there are more routes than
-  // experts (so both the copy and the in-place read run in the tests).
+  // the per-slot copies when the call can fill (as there), the per-route copies unless there are more
+  // routes than experts (so both the copies and the in-place reads run in the tests).
   const bool ids_copy = R <= a.n_experts, lu_copy = a.fill_capacity > 0;
   thread_local std::vector<int32_t> scratch;
   scratch.resize(static_cast<size_t>(plan_scratch_ints(R, a.n_experts, a.fill_capacity, a.n_slots, ids_copy, lu_copy)));
-  const PlanScratch sc = plan_scratch(scratch.data(), R, a.n_experts, a.fill_capacity, a.last_use, ids_copy, lu_copy);
+  const PlanScratch sc = plan_scratch(scratch.data(), R, a.n_experts, a.fill_capacity, a.n_slots,
+                                      a.last_use, a.owner_of, ids_copy, lu_copy);
   if (team_threads <= 1) {
     plan_core(SerialTeam{}, a, sc);
     return ffi::Error::Success();

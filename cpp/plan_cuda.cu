@@ -18,7 +18,7 @@ namespace ftjax {
 namespace {
 
 constexpr int kPlanThreads = 512;  // 16 warps
-constexpr size_t kPlanMaxSmem = 200 * 1024;  // the scratch without copies: 8 E int32 at most, up to 6,400 experts (plan_fused.py)
+constexpr size_t kPlanMaxSmem = 200 * 1024;  // the scratch without copies: 10 E int32 at most, up to 5,120 experts (plan_fused.py)
 
 // One thread block: `each` strides over the threads; reductions and the stable compaction go through
 // warp votes and shuffles and a 32-entry shared array (`red`), every thread getting the result.
@@ -92,7 +92,8 @@ __global__ void __launch_bounds__(kPlanThreads) plan_kernel(PlanArgs a, bool ids
   extern __shared__ int32_t smem[];
   __shared__ long long red[32];
   const int64_t R = a.tokens * a.top_k;
-  plan_core(BlockTeam{red}, a, plan_scratch(smem, R, a.n_experts, a.fill_capacity, a.last_use, ids_copy, lu_copy));
+  plan_core(BlockTeam{red}, a, plan_scratch(smem, R, a.n_experts, a.fill_capacity, a.n_slots, a.last_use, a.owner_of,
+                                                 ids_copy, lu_copy));
 }
 
 ffi::Error PlanCudaImpl(cudaStream_t stream, ffi::RemainingArgs args, ffi::RemainingRets rets, FTJAX_PLAN_ATTR_PARAMS) {
@@ -100,8 +101,8 @@ ffi::Error PlanCudaImpl(cudaStream_t stream, ffi::RemainingArgs args, ffi::Remai
   ffi::Error err = plan_ffi::bind(args, rets, FTJAX_PLAN_ATTR_VALUES, &a);
   if (err.failure()) return err;
   const int64_t R = a.tokens * a.top_k;
-  // The router ids, then last_use, copied into shared memory where they fit (plan_core.h PlanScratch);
-  // otherwise read in place.
+  // The per-route copies, then the per-slot ones (last_use, owner_of), in shared memory where they fit
+  // (plan_core.h PlanScratch); otherwise read in place.
   const auto bytes = [&](bool ids, bool lu) {
     return sizeof(int32_t) * plan_scratch_ints(R, a.n_experts, a.fill_capacity, a.n_slots, ids, lu);
   };

@@ -16,7 +16,7 @@ from ftjax.experts.cache import STAT_KEYS
 from ftjax.host.ffi import register_targets
 
 RULE_CODES = {"balance": 0, "all": 1, "none": 2}  # cpp/plan_core.h PlanRule
-MAX_EXPERTS = 6400  # 8 E int32 of scratch at most within cpp/plan_cuda.cu kPlanMaxSmem (200 KiB)
+MAX_EXPERTS = 5120  # 10 E int32 of scratch at most within cpp/plan_cuda.cu kPlanMaxSmem (200 KiB)
 
 
 def plan_layer_fused(cache: dict, layer: int, expert_ids: jax.Array, token_valid: jax.Array, *, num_experts: int,
