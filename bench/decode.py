@@ -40,7 +40,7 @@ from ftjax.experts.decode import BACKGROUND_YIELD_MODES, OffloadExperts
 from ftjax.experts.plan import PLAN_IMPLS, VICTIM_METHODS
 from ftjax.experts.resident import ResidentExperts
 from ftjax.experts.traces import ReplayRouting, synthetic_trace
-from ftjax.host import GPU_SPIN_US, calibrate, configure_workers, measure, worker_info
+from ftjax.host import GPU_SPIN_US, calibrate, configure_workers, measure, tune_workers_for_gpu, worker_info
 from ftjax.models import get_family, make_step_fns
 from ftjax.models.params import param_shapes, unflatten
 
@@ -357,6 +357,7 @@ def main(argv=None) -> int:
     print(f"B_DRAM {b_dram:.1f} GB/s | in use: B_P {band.b_pcie_gbps:.1f} GB/s, B_H {band.b_host_gbps:.1f} GB/s "
           f"({'concurrent' if band.concurrent else 'standalone'}, {band.source}), q* fraction {band.fill_fraction:.3f}")
 
+    tune_workers_for_gpu()  # what every CUDA lru-split backend below does first: print the pool they run with
     print(f"CPU worker pool: {worker_info()}")
     print(f"XLA command-buffer update mode: {ftjax.XLA_UPDATE_MODE or 'XLA default'} (ftjax.xla_flags); "
           f"stable step buffers: {'yes' if args.stable_io else 'no (--no-stable-io)'}; plan impl {args.plan_impl}, "

@@ -344,10 +344,14 @@ def chained_layers(fn, n_layers, num_experts):
 
 
 def bench_prefill_pipeline(args, ceiling, rows):
-    """Per-tile vs cross-tile pipelines at max(--tokens), every --shapes / --dtypes, b2b; with
-    --profile also the gate+up and down kernels' own times (ratios to the same ceiling); with
+    """The prefill configurations (`PIPELINE_CONFIGS`) at each --tokens, every --shapes / --dtypes: b2b and
+    steady; with --profile also the gate+up and down kernels' own times (ratios to the same ceiling); with
     --chain N also per layer of N layers in one executable (`chained_layers`)."""
-    T = max(args.tokens)
+    for T in args.tokens:
+        _prefill_pipeline_at(args, T, ceiling, rows)
+
+
+def _prefill_pipeline_at(args, T, ceiling, rows):
     print(f"\nprefill pipelines, {T} tokens, routing: {routing_label(args)}"
           + f" (matmul ceiling {ceiling:.0f} TFLOP/s; b2b = per call of {args.iters} calls back to back; steady = "
           + f"per call, rounds of {2 * args.iters} less rounds of {args.iters} calls"
@@ -476,7 +480,7 @@ def main():
     ap.add_argument("--tune-tokens", type=int, nargs="+", default=[1, 8], help="token counts the sweep covers")
     ap.add_argument("--tune-prefill", metavar="HxI", help="sweep the prefill tiles at this shape, max(--tokens)")
     ap.add_argument("--pipelines", action="store_true",
-                    help="per-tile vs cross-tile prefill pipelines at max(--tokens), then stop")
+                    help="the prefill configurations (--configs) at each --tokens, then stop")
     ap.add_argument("--configs", nargs="+", choices=list(PIPELINE_CONFIGS), metavar="NAME",
                     help="with --pipelines: only these configurations (default: all; names in PIPELINE_CONFIGS)")
     ap.add_argument("--chain", type=int, default=0, metavar="N",
