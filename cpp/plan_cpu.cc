@@ -129,9 +129,10 @@ ffi::Error PlanCpuImpl(ffi::RemainingArgs args, ffi::RemainingRets rets, FTJAX_P
   if (err.failure()) return err;
   const int64_t R = a.tokens * a.top_k;
   // One thread gains nothing from the copies the GPU makes, but CI then runs the code paths the GPU runs:
-  // the per-slot copies when the call can fill (as there), the per-route copies unless there are more
-  // routes than experts (so both the copies and the in-place reads run in the tests).
-  const bool ids_copy = R <= a.n_experts, lu_copy = a.fill_capacity > 0;
+  // the per-route copies unless there are more routes than experts, the per-slot copies when the call can
+  // fill on one thread (as on the GPU where they fit) and never on a team (the GPU's form for caches too
+  // large for shared memory: last_use and owner_of read and written in place by a call that fills).
+  const bool ids_copy = R <= a.n_experts, lu_copy = a.fill_capacity > 0 && team_threads <= 1;
   thread_local std::vector<int32_t> scratch;
   scratch.resize(static_cast<size_t>(plan_scratch_ints(R, a.n_experts, a.fill_capacity, a.n_slots, ids_copy, lu_copy)));
   const PlanScratch sc = plan_scratch(scratch.data(), R, a.n_experts, a.fill_capacity, a.n_slots,

@@ -149,7 +149,9 @@ def test_fused_plan_equals_the_jnp_plan(case, cpu):
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_fused_plan_on_a_team_of_threads_equals_the_jnp_plan(case, threads, cpu):
     """The GPU kernel's parallel form (strided phases, barriers, per-thread partials, compactions chunk by
-    chunk) on host threads: a missing barrier or a phase reading another thread's unfinished writes shows here."""
+    chunk) on host threads: a missing barrier or a phase reading another thread's unfinished writes shows here.
+    A team reads and writes last_use and owner_of in place (no per-slot copies): the GPU's form for a cache too
+    large for shared memory."""
     run_lockstep(case, cpu, steps=12, team_threads=threads)
 
 
