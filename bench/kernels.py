@@ -311,7 +311,7 @@ def kernel_split(row, kernel_us, flops, ceiling):
 
 
 PIPELINE_CONFIGS = {  # (name, kwargs): the per-tile ring against a CTA's tiles as one pipeline
-    "default": {},  # per-tile, 3 stages, input rows by XLA's take, walk_band "auto", plan_impl "auto"
+    "default": {},  # gate+up per-tile 3 stages, down cross-tile 4 (bf16; session 22), XLA take, walk "auto", plan "auto"
     "jnp plan": dict(plan_impl="jnp"),  # the route tables by XLA (`routing.plan_routes`), not one CUDA call
     "per-tile s3": dict(stages=3, cross_tile=False, walk_band=None),  # the default before session 20
     "per-tile s3 tma-gather": dict(stages=3, cross_tile=False, gather="tma", walk_band=None),

@@ -76,7 +76,7 @@ bf16 tile into its own swizzled SMEM tile, fences (``commit_smem``: proxy fence 
 barrier) and issues WGMMA from it. Needs ``H % 256 == 0``, ``I % 256 == 0`` and
 ``tile_n`` a multiple of 64 with ``2 * tile_n <= 256`` (one TMA copy of scales).
 
-Defaults (H100/H200, 227 KiB SMEM): ``tile_m=128, tile_k=64, stages=3``; kernel 1 ``tile_n=64``
+Defaults (H100/H200, 227 KiB SMEM): ``tile_m=128, tile_k=64``, stages 3 (bf16 down: 4); kernel 1 ``tile_n=64``
 (CTA 128 x 128 act columns = 256 weight rows, 2 x 64 fp32 accumulator registers per thread),
 kernel 2 ``tile_n=128`` (CTA 128 x 256). Both use 48 KiB per stage in bf16 and 28 KiB in int4
 (plus a 32 KiB dequant buffer), and a 32 KiB epilogue. ``tile_m=64`` halves the padding waste
@@ -85,8 +85,11 @@ kernel 2 ``tile_n=128`` (CTA 128 x 256). Both use 48 KiB per stage in bf16 and 2
 ``cross_tile=True`` runs a CTA's tiles as one pipeline of pipelines (the next tile's first copies
 during this tile's last steps and epilogue); it needs the stage count to divide the step counts, so
 not 3 stages at power-of-two sizes. On the H200 (session 16) it lifted the Qwen down kernel by
-0.02-0.06 of the ceiling over the same stages, but the calls stayed within ~2-3% of per-tile 3 stages,
-which stays the default (``cross_tile=None`` picks cross-tile only where the stages divide the steps).
+0.02-0.06 of the ceiling over the same stages, but the calls stayed within ~2-3% of per-tile 3 stages
+(``cross_tile=None`` picks cross-tile only where the stages divide the steps). Since session 22 the bf16
+default is per kernel, ``stages=(3, 4)``: gate+up per-tile with 3 stages, down (8 steps at the Qwen3.6
+shape, 32 at the DeepSeek-like one) cross-tile with 4; its down kernel ran 3-11% faster and the Qwen call at
+8K 4% (b2b) / 6% (steady) faster, the others within +-1.5% (sessions 20 and 22). int4 keeps 3 and 3.
 
 Cost model (for the benchmark): `prefill_flops` counts the useful FLOPs, ``6 * T*k * H * I``
 (three matmuls of 2 flops per MAC). `prefill_bytes` counts the minimum HBM traffic: the weights
@@ -428,7 +431,7 @@ def _input_rows(x, tables, *, gather, num_sms, interpret):
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def prefill_experts(x, expert_ids, gate_weights, token_valid, gate_up, down, slot_of_expert, *,
-                    tile_m=128, tile_n_gate_up=64, tile_n_down=128, tile_k=64, stages=3,
+                    tile_m=128, tile_n_gate_up=64, tile_n_down=128, tile_k=64, stages=(3, 4),
                     num_sms=None, interpret=False, cross_tile=None, gather="xla", walk_band="auto",
                     plan_impl="auto"):
     """Mosaic GPU prefill expert MLP, bf16 weights; same contract as `reference_prefill_experts`.
@@ -438,7 +441,8 @@ def prefill_experts(x, expert_ids, gate_weights, token_valid, gate_up, down, slo
     gate_up [S, 2I, H] and down [S, H, I] bf16; slot_of_expert [E] int32. Returns [T, H] fp32.
     Needs ``I % (2 * tile_n_gate_up) == 0``, ``H % (2 * tile_n_down) == 0`` and both divisible by
     ``tile_k`` (ValueError otherwise). ``num_sms`` CTAs (default: this GPU's SM count, else 132);
-    ``interpret=True`` runs Mosaic GPU interpret mode on the CPU. ``stages``: the SMEM ring's depth.
+    ``interpret=True`` runs Mosaic GPU interpret mode on the CPU. ``stages``: the SMEM ring's depth, one
+    value or a ``(gate_up, down)`` pair (default 3 for gate+up, 4 for down: see the module docstring).
     ``cross_tile`` (default: per kernel, where its reduction's steps, ``H / tile_k`` for gate+up and
     ``I / tile_k`` for down, are a multiple of its stages and this jax supports it) runs each CTA's
     tiles as one pipeline, so the next tile's first copies overlap this tile's last steps and
