@@ -488,7 +488,8 @@ def prefill_experts_int4(x, expert_ids, gate_weights, token_valid, gate_up_packe
     """Mosaic GPU prefill expert MLP, int4 group-32 weights (host pool layout, `ftjax.host.quant`).
 
     gate_up_packed uint8 [S, 2I, H/2], gate_up_scales bf16 [S, 2I, H/32], down_packed uint8
-    [S, H, I/2], down_scales bf16 [S, H, I/32]; the rest as `prefill_experts`. Also needs
+    [S, H, I/2], down_scales bf16 [S, H, I/32]; the rest as `prefill_experts` (but ``stages`` 3 for both
+    kernels by default: the int4 down kernel with 4 stages was not timed). Also needs
     ``H % 256 == 0`` and ``I % 256 == 0``. Same contract as `reference_prefill_experts_int4`.
     """
     check_routing(x, expert_ids, gate_weights, token_valid, slot_of_expert)
