@@ -461,7 +461,8 @@ def main():
     ap.add_argument("--top-k", type=int, default=8)
     ap.add_argument("--dtypes", nargs="+", default=["bf16", "int4"])
     ap.add_argument("--tile-m", type=int, default=128)
-    ap.add_argument("--stages", type=int, default=3)
+    ap.add_argument("--stages", type=int, default=None,
+                    help="both prefill kernels' SMEM ring depth (default: each kernel's own, bf16 3 / 4, int4 3 / 3)")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--ragged", action="store_true", help="also time the lax.ragged_dot baseline")
     ap.add_argument("--routing", choices=["uniform", "trace"], default="uniform",
@@ -497,7 +498,7 @@ def main():
     args = ap.parse_args()
 
     cross = {"auto": None, "on": True, "off": False}[args.cross_tile]
-    kw = dict(tile_m=args.tile_m, stages=args.stages, cross_tile=cross)
+    kw = dict(tile_m=args.tile_m, cross_tile=cross, **({} if args.stages is None else {"stages": args.stages}))
     if args.smoke:
         args.tokens, args.shapes, args.experts, args.slots, args.iters = [40], ["256x256"], 8, 8, 1
         args.decode_tokens, args.slots_decode, args.decode_calls = [1], 16, 2
