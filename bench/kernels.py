@@ -356,7 +356,7 @@ def _prefill_pipeline_at(args, T, ceiling, rows):
           + f" (matmul ceiling {ceiling:.0f} TFLOP/s; b2b = per call of {args.iters} calls back to back; steady = "
           + f"per call, rounds of {2 * args.iters} less rounds of {args.iters} calls"
           + (f"; in-step = per layer of {args.chain} layers in one jitted call, each layer's output its "
-             f"next input" if args.chain else "") + ")")
+             f"next input, b2b and steady" if args.chain else "") + ")")
     for shape in args.shapes:
         H, I = map(int, shape.split("x"))
         flops = pg.prefill_flops(T, args.top_k, H, I)
@@ -372,7 +372,7 @@ def _prefill_pipeline_at(args, T, ceiling, rows):
                 row = dict(kind="prefill_pipeline", H=H, I=I, T=T, dtype=dtype, config=name, routing=args.routing,
                            **cfg)
                 try:
-                    fn = jax.jit(lambda *a, _c=cfg: base(*a, **_c))
+                    fn = jax.jit(lambda *a, _c={**args.smoke_tiles, **cfg}: base(*a, **_c))
                     ms = time_back_to_back_ms(fn, *route, *banks, slots, iters=args.iters)
                 except (ValueError, jax.errors.JaxRuntimeError) as e:
                     rows.append(dict(row, error=str(e)[:160]))
@@ -388,11 +388,16 @@ def _prefill_pipeline_at(args, T, ceiling, rows):
                 row.update(steady_ms=steady, steady_ratio=flops / steady / 1e9 / ceiling)
                 split = f"  steady {steady:7.3f} ms {row['steady_ratio']:5.2f}  diff {row['max_abs_diff_vs_first']:.1e}"
                 if args.chain:
-                    chain = chained_layers(lambda *a, _c=cfg: base(*a, **_c), args.chain, args.experts)
+                    chain = chained_layers(lambda *a, _c={**args.smoke_tiles, **cfg}: base(*a, **_c), args.chain,
+                                           args.experts)
                     step_ms = time_back_to_back_ms(chain, *route, *banks, slots, iters=max(2, args.iters // 2))
+                    chain_steady = time_steady_ms(chain, *route, *banks, slots, iters=max(2, args.iters // 2))
                     row.update(in_step_ms=step_ms / args.chain,
-                               in_step_ratio=flops * args.chain / step_ms / 1e9 / ceiling)
-                    split += f"  in-step {row['in_step_ms']:7.3f} ms {row['in_step_ratio']:5.2f}"
+                               in_step_ratio=flops * args.chain / step_ms / 1e9 / ceiling,
+                               in_step_steady_ms=chain_steady / args.chain,
+                               in_step_steady_ratio=flops * args.chain / chain_steady / 1e9 / ceiling)
+                    split += (f"  in-step {row['in_step_ms']:7.3f} ms {row['in_step_ratio']:5.2f}"
+                              f" (steady {row['in_step_steady_ms']:7.3f} ms {row['in_step_steady_ratio']:5.2f})")
                 if args.profile:
                     pdir = fresh_dir(args.profile / f"pipeline-{shape}-{dtype}-T{T}-{args.routing}-"
                                                     f"{name.replace(' ', '_')}")
@@ -499,11 +504,13 @@ def main():
 
     cross = {"auto": None, "on": True, "off": False}[args.cross_tile]
     kw = dict(tile_m=args.tile_m, cross_tile=cross, **({} if args.stages is None else {"stages": args.stages}))
+    args.smoke_tiles = {}  # --pipelines: the configurations' own tiles on the GPU; interpreted small ones in --smoke
     if args.smoke:
         args.tokens, args.shapes, args.experts, args.slots, args.iters = [40], ["256x256"], 8, 8, 1
         args.decode_tokens, args.slots_decode, args.decode_calls = [1], 16, 2
         kw = dict(tile_m=64, tile_n_gate_up=64, tile_n_down=64, stages=2, num_sms=2,
                   interpret=True, cross_tile=cross)
+        args.smoke_tiles = {k: v for k, v in kw.items() if k != "cross_tile"}
     ceiling = 1.0 if args.smoke else dense_ceiling_tflops()
     copy_gbps = 1.0 if args.smoke else copy_ceiling_gbps()
     read_gbps = 1.0 if args.smoke else read_ceiling_gbps()
