@@ -88,7 +88,7 @@ not 3 stages at power-of-two sizes. On the H200 (session 16) it lifted the Qwen 
 0.02-0.06 of the ceiling over the same stages, but the calls stayed within ~2-3% of per-tile 3 stages
 (``cross_tile=None`` picks cross-tile only where the stages divide the steps). Since session 22 the bf16
 default is per kernel, ``stages=(3, 4)``: gate+up per-tile with 3 stages, down (8 steps at the Qwen3.6
-shape, 32 at the DeepSeek-like one) cross-tile with 4; its down kernel ran 3-11% faster and the Qwen call at
+shape, 32 at the DeepSeek-like one) cross-tile with 4; its down kernel ran 1-11% faster and the Qwen call at
 8K 4% (b2b) / 6% (steady) faster, the others within +-1.5% (sessions 20 and 22). int4 keeps 3 and 3.
 
 Cost model (for the benchmark): `prefill_flops` counts the useful FLOPs, ``6 * T*k * H * I``
