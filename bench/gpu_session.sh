@@ -19,6 +19,8 @@
 # split and per layer of $CHAIN layers in one jitted call; $PIPE_TOKENS, $WALK_CONFIGS, $WALK_DTYPES,
 # $PREFILL_ROUTING uniform or trace),
 # prefill-trace (the Qwen shape's prefill call op by op, 8K and 16K).
+# Session 23 steps: prefill-fused (kernel 1 with the x-row gather fused in, a CUDA call: GPU tests, default vs
+# fused at $PIPE_TOKENS, default 8K and 16K).
 # Session 21 steps: prefill-plan (the route tables by one CUDA call vs XLA's plan: GPU tests, pipelines at 8K / 16K).
 # Session 13 steps: tests-plan (the fused plan's GPU tests + the CUDA offload tests, ~2.5 min), decode-plan-b1 /
 # -b4 (lru-split with the fused plan vs the jnp plan, lru-fill; ~4.5 min).
@@ -105,6 +107,11 @@ for s in "${steps[@]}"; do
          --dtypes ${WALK_DTYPES:-bf16} --tokens ${PIPE_TOKENS:-8192} --iters 5 --chain ${CHAIN:-4} --profile /tmp/pwalk \
          --routing ${PREFILL_ROUTING:-uniform} \
          --configs "${cfgs[@]}" --out "$OUT/prefill_walk.json" ;;
+    prefill-fused)  # kernel 1 with the row gather fused (CUDA, gate_up_cuda): its GPU tests, then default vs fused (~4 min)
+       run prefill_fused_tests 180 python3 -m pytest -q -m gpu tests/pallas/test_gate_up_cuda.py
+       run prefill_fused 300 python3 bench/kernels.py --only prefill --pipelines --shapes 2048x512 4096x2048 \
+         --dtypes bf16 --tokens ${PIPE_TOKENS:-8192 16384} --iters 5 --chain ${CHAIN:-2} --profile /tmp/pfused \
+         --configs "default" "fused gather" --out "$OUT/prefill_fused.json" ;;
     prefill-plan)  # the route tables by one CUDA call vs XLA: GPU tests, then the pipelines at 8K and 16K (~4 min)
        run prefill_plan_tests 240 python3 -m pytest -q -m gpu tests/pallas/test_route_tables.py tests/pallas/test_prefill_gemm.py
        for t in 8192 16384; do

@@ -315,6 +315,8 @@ PIPELINE_CONFIGS = {  # (name, kwargs): the per-tile ring against a CTA's tiles 
     "jnp plan": dict(plan_impl="jnp"),  # the route tables by XLA (`routing.plan_routes`), not one CUDA call
     "per-tile s3": dict(stages=3, cross_tile=False, walk_band=None),  # the default before session 20
     "per-tile s3 tma-gather": dict(stages=3, cross_tile=False, gather="tma", walk_band=None),
+    # kernel 1 as a CUDA call reading x through the tables (`gate_up_cuda`, sm_90): no x-row gather
+    "fused gather": dict(gather="fused"),
     # the tiles walked per expert band (neighbouring CTAs share a weight block, `routing.tile_walk`)
     "per-tile s3 walk2": dict(stages=3, cross_tile=False, walk_band=2),
     "per-tile s3 walk3": dict(stages=3, cross_tile=False, walk_band=3),

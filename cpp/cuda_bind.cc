@@ -119,6 +119,9 @@ void add_cuda_handlers(nb::dict& h) {
   h["ftjax_bg_fork_nocb"] = nb::capsule(bg_fork_handler());
   h["ftjax_plan_layer"] = nb::capsule(plan_cuda_handler());
   h["ftjax_route_tables"] = nb::capsule(route_tables_handler());
+#ifdef FTJAX_WITH_SM90A
+  h["ftjax_prefill_gate_up"] = nb::capsule(prefill_gate_up_handler());
+#endif
 }
 
 void bind_cuda(nb::module_& m) {

@@ -24,6 +24,7 @@ void* bg_wait_handler();
 void* bg_fork_handler();
 void* plan_cuda_handler();  // the fused plan of one MoE layer call (plan_cuda.cu)
 void* route_tables_handler();  // the prefill route plan (route_tables_cuda.cu)
+void* prefill_gate_up_handler();  // prefill gate+up with the row gather fused (prefill_gate_up_cuda.cu, sm_90a)
 int64_t create_background(int64_t layers, int64_t max_fill);  // -> id
 bool background_error(int64_t id);                            // a wait timed out
 void clear_background_error(int64_t id);                      // (a fresh state: its waits have not)

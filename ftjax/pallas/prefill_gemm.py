@@ -106,6 +106,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from ftjax.pallas import gate_up_cuda
 from ftjax.pallas import route_tables
 from ftjax.pallas import routing
 from ftjax.pallas import row_gather
@@ -404,11 +405,14 @@ def _prefill(x, expert_ids, gate_weights, token_valid, slot_of_expert, gu_weight
     tables = route_tables.route_tables(expert_ids, token_valid, slot_of_expert, n_slots=gu_weights[0].shape[0],
                                        tile=tile_m, walks=tuple(zip(blocks, walk_band)), impl=impl)
     common = dict(tile_m=tile_m, tile_k=tile_k, num_sms=num_sms, interpret=interpret)
-    x_rows = _input_rows(x.astype(jnp.bfloat16), tables, gather=gather, num_sms=num_sms,
-                         interpret=interpret)
-    act = _grouped_matmul(x_rows, tables.tile_slot, tables.tile_row0, tables.tile_rows, tables.n_launch,
-                          gu_weights, n_out=inter, swiglu=True, tile_n=tile_n_gate_up, walk=tables.walks[0],
-                          stages=stages[0], cross_tile=cross_tile[0], **common)
+    if gather == "fused" and x.shape[0] > 0:  # kernel 1 reads x through the tables (CUDA, sm_90a)
+        act = gate_up_cuda.gate_up(x, tables, gu_weights[0], num_sms=num_sms)
+    else:
+        x_rows = _input_rows(x.astype(jnp.bfloat16), tables, gather=gather, num_sms=num_sms,
+                             interpret=interpret)
+        act = _grouped_matmul(x_rows, tables.tile_slot, tables.tile_row0, tables.tile_rows, tables.n_launch,
+                              gu_weights, n_out=inter, swiglu=True, tile_n=tile_n_gate_up,
+                              walk=tables.walks[0], stages=stages[0], cross_tile=cross_tile[0], **common)
     padded_row0 = jnp.arange(tables.tile_row0.shape[0], dtype=jnp.int32) * tile_m
     out = _grouped_matmul(act, tables.tile_slot, padded_row0, tables.tile_rows, tables.n_launch, d_weights,
                           n_out=hidden, swiglu=False, tile_n=tile_n_down, walk=tables.walks[1],
@@ -448,8 +452,10 @@ def prefill_experts(x, expert_ids, gate_weights, token_valid, gate_up, down, slo
     tiles as one pipeline, so the next tile's first copies overlap this tile's last steps and
     epilogue; ``True`` where that cannot be raises ValueError, ``False`` drains the ring at every
     tile. Both also take a ``(gate_up, down)`` pair, one setting per kernel. ``gather``: kernel 1's
-    input rows by XLA's take (``"xla"``) or by TMA row copies (``"tma"``, where a row is one TMA
-    box, `row_gather`; measured slower in the call).
+    input rows by XLA's take (``"xla"``), by TMA row copies (``"tma"``, where a row is one TMA
+    box, `row_gather`; measured slower in the call), or none: ``"fused"`` runs kernel 1 as a CUDA call
+    that reads the rows of ``x`` itself (`gate_up_cuda`: sm_90 GPUs, tile_m 128, tile_n_gate_up 64;
+    ``stages`` and ``cross_tile`` then apply to the down kernel only; ValueError where it cannot run).
     ``walk_band``: the order of the persistent grid's tiles. None: output-column blocks fastest
     (neighbouring CTAs share a row tile); an int B: per expert, bands of B row tiles fastest
     (neighbouring CTAs share a weight block, `routing.tile_walk`); a pair: (gate+up, down);

@@ -92,7 +92,7 @@ def check_routing(x, expert_ids, gate_weights, token_valid, slot_of_expert):
         raise ValueError(f"slot_of_expert must be [E], got {slot_of_expert.shape}")
 
 
-GATHERS = ("tma", "xla")
+GATHERS = ("tma", "xla", "fused")
 
 
 def has_pipeline_of_pipelines() -> bool:
@@ -146,6 +146,11 @@ def resolve_tiles(hidden, inter, *, int4, tile_m, tile_n_gate_up, tile_n_down, t
         raise ValueError(f"plan_impl must be one of {PLAN_IMPLS}, got {plan_impl!r}")
     if gather not in GATHERS:
         raise ValueError(f"gather must be one of {GATHERS}, got {gather!r}")
+    if gather == "fused":
+        from ftjax.pallas import gate_up_cuda
+
+        gate_up_cuda.check(hidden=hidden, inter=inter, tile_m=tile_m, tile_n_gate_up=tile_n_gate_up,
+                           int4=int4, interpret=interpret)
     walk_band = walk_bands(walk_band, (inter // (2 * tile_n_gate_up), hidden // (2 * tile_n_down)))
     stages, cross_tile = per_kernel(stages, "stages"), per_kernel(cross_tile, "cross_tile")
     if not all(isinstance(st, int) and not isinstance(st, bool) for st in stages):

@@ -1,0 +1,99 @@
+"""The prefill's gate+up kernel with the input-row gather fused in, as a CUDA FFI call (Hopper), beside its
+jnp reference. The prefill's ``gather="fused"``.
+
+`prefill_gemm` computes kernel 1 (gate+up with SwiGLU) on ``x_rows``, a copy of ``x`` in expert order
+(`routing.gather_input_rows`): at 8K tokens (Qwen3.6 shape, 256 experts top-8) ~0.27 GB written by XLA's
+take and read back by the Mosaic GPU kernel, which is DRAM-bound there (session 16). Hopper's TMA has no row
+gather, and a TMA box per row and 64-column slice ran 3.88x slower (session 11), so this kernel is CUDA
+(`cpp/prefill_gate_up_cuda.cu`, sm_90a): its producer warpgroup reads each row tile's rows straight from
+``x`` through ``token_of_input_row`` by cp.async into the 128-byte-swizzled layout that WGMMA reads, and
+two consumer warpgroups run one m64n256k16 WGMMA per 16 reduction columns (128 gate + 128 up weight rows per
+work item). Same tables, same output layout (`act [R_pad, I]` bf16, rows past a tile's routes undefined) as
+the Mosaic kernel, so the down kernel and the combine are unchanged.
+
+Needs a CUDA build of the host module with the sm_90a part, an sm_90 GPU (H100 / H200), bf16 weights,
+128-row tiles, ``H % 64 == 0`` and ``I % 128 == 0`` (`check`).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+TARGET = "ftjax_prefill_gate_up"
+TILE_M = 128  # rows per row tile (the route tables' tile)
+BLOCK_N = 128  # act columns per work item
+TILE_K = 64  # reduction columns per pipeline stage
+
+
+def reference_gate_up(x, token_of_input_row, tile_slot, tile_row0, tile_rows, w, *, tile=TILE_M):
+    """``act [M * tile, I]`` fp32: row tile m's rows ``silu(x_r @ Wg^T) * (x_r @ Wu^T)`` with ``x_r`` the
+    tokens of input rows ``tile_row0[m] ..`` and ``W = w[tile_slot[m]]``; rows past ``tile_rows[m]``
+    zero (the kernel leaves them undefined)."""
+    inter = w.shape[1] // 2
+    hi = lax.Precision.HIGHEST
+    rows = tile_row0[:, None] + jnp.arange(tile, dtype=jnp.int32)[None, :]  # [M, tile]
+    tokens = token_of_input_row[jnp.clip(rows, 0, token_of_input_row.shape[0] - 1)]
+    xr = x.astype(jnp.float32)[tokens]  # [M, 128, H]
+    wt = w.astype(jnp.float32)[tile_slot]  # [M, 2I, H]
+    gu = jnp.einsum("mrh,mih->mri", xr, wt, precision=hi)
+    act = jax.nn.silu(gu[..., :inter]) * gu[..., inter:]
+    live = jnp.arange(tile)[None, :, None] < tile_rows[:, None, None]
+    return jnp.where(live, act, 0.0).reshape(-1, inter)
+
+
+def built() -> bool:
+    """Whether this build of the host module has the target (a CUDA build with the sm_90a part)."""
+    from ftjax import _host
+
+    return TARGET in _host.ffi_handlers().get("CUDA", {})
+
+
+def available() -> bool:
+    """Whether the call can run here: the target built, JAX's GPU backend, an sm_90 device."""
+    from ftjax.host import cuda
+
+    if not (built() and cuda.available()):
+        return False
+    return str(getattr(jax.devices()[0], "compute_capability", "")) == "9.0"
+
+
+def check(*, hidden: int, inter: int, tile_m: int, tile_n_gate_up: int, int4: bool, interpret: bool) -> None:
+    """Raise ValueError naming why ``gather="fused"`` cannot run with these options here."""
+    reasons = []
+    if int4:
+        reasons.append("it takes bf16 weights only (use prefill_experts, not the int4 entry)")
+    if tile_m != TILE_M:
+        reasons.append(f"it needs tile_m={TILE_M}, got {tile_m}")
+    if 2 * tile_n_gate_up != BLOCK_N:
+        reasons.append(f"it computes {BLOCK_N} act columns per work item: tile_n_gate_up must be "
+                       f"{BLOCK_N // 2}, got {tile_n_gate_up}")
+    if hidden % TILE_K or inter % BLOCK_N:
+        reasons.append(f"it needs H % {TILE_K} == 0 and I % {BLOCK_N} == 0, got H {hidden}, I {inter}")
+    if interpret:
+        reasons.append("it is a CUDA kernel: no interpret mode")
+    elif not available():
+        reasons.append("it needs a CUDA build of ftjax._host with the sm_90a part and an sm_90 GPU "
+                       "(H100 / H200) on JAX's GPU backend")
+    if reasons:
+        raise ValueError("gather='fused': " + "; ".join(reasons) + "; use gather='xla'")
+
+
+def gate_up(x, tables, w, *, num_sms: int):
+    """Kernel 1 of the prefill on ``x [T, H]`` bf16 (T >= 1) with the route tables (`route_tables`, tile
+    128) and ``w [S, 2I, H]`` bf16 -> ``act [R_pad, I]`` bf16 (`check` first)."""
+    from ftjax.host.ffi import register_targets
+
+    register_targets()
+    n_row_tiles = tables.tile_slot.shape[0]
+    inter = w.shape[1] // 2
+    n_blocks = inter // BLOCK_N
+    walk = tables.walks[0]
+    use_walk = walk is not None
+    if walk is None:
+        walk = jnp.zeros((1,), jnp.int32)
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((n_row_tiles * TILE_M, inter), jnp.bfloat16))
+    return call(x.astype(jnp.bfloat16), tables.token_of_input_row, tables.tile_slot, tables.tile_row0,
+                tables.tile_rows, tables.n_launch, walk, w.astype(jnp.bfloat16),
+                n_blocks=np.int64(n_blocks), use_walk=np.int64(use_walk), grid=np.int64(num_sms))
