@@ -109,6 +109,8 @@ for s in "${steps[@]}"; do
          --configs "${cfgs[@]}" --out "$OUT/prefill_walk.json" ;;
     prefill-fused)  # kernel 1 with the row gather fused (CUDA, gate_up_cuda): its GPU tests, then default vs fused (~4 min)
        run prefill_fused_tests 180 python3 -m pytest -q -m gpu tests/pallas/test_gate_up_cuda.py
+       run gate_up_fused 200 python3 bench/gate_up_fused.py --shapes 2048x512 4096x2048 --tokens ${PIPE_TOKENS:-8192 16384} \
+         --out "$OUT/gate_up_fused.json"
        run prefill_fused 300 python3 bench/kernels.py --only prefill --pipelines --shapes 2048x512 4096x2048 \
          --dtypes bf16 --tokens ${PIPE_TOKENS:-8192 16384} --iters 5 --chain ${CHAIN:-2} --profile /tmp/pfused \
          --configs "default" "fused gather" --out "$OUT/prefill_fused.json" ;;

@@ -18,6 +18,7 @@
 // consumer warp. The epilogue applies SwiGLU in registers and stores bf16 act rows. A consumer whose 64 rows
 // hold no route (tile_rows) skips its WGMMAs and its stores (half of a group's last tile, often), but keeps
 // the barrier protocol.
+#include <cuda.h>  // CUtensorMap and its enums (types only: the encoder comes through the runtime's entry point)
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -50,9 +51,9 @@ struct GateUpArgs {
   const int32_t* tile_rows;        // [M]
   const int32_t* n_launch;         // [1]
   const int32_t* walk;             // [M * n_blocks] or nullptr
-  const __nv_bfloat16* w;          // [S, 2I, H]
   __nv_bfloat16* act;              // [M * 128, I]
   int32_t tokens, hidden, inter, slots, in_rows, row_tiles, n_blocks;
+  float x_keep;  // fraction of the x-row reads marked L2 evict_last (0: no hint)
 };
 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -86,8 +87,32 @@ __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
 }
 
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+
+// One TMA box [rows, 64 columns] of the 2D weight view at (column c, row r) into SMEM, counted on `bar`.
+__device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map, int32_t c, int32_t r,
+                                            uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];"
+      ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(c), "r"(r), "r"(bar)
+      : "memory");
+}
+
+__device__ __forceinline__ uint64_t l2_evict_last_policy(float fraction) {
+  uint64_t policy;
+  asm volatile("createpolicy.fractional.L2::evict_last.L2::evict_unchanged.b64 %0, %1;" : "=l"(policy) : "f"(fraction));
+  return policy;
+}
+
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+}
+
+__device__ __forceinline__ void cp_async16_hint(uint32_t dst, const void* src, uint64_t policy) {
+  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "l"(policy)
+               : "memory");
 }
 
 // One arrival on `bar` once every cp.async this thread issued so far has landed (counted in the init count).
@@ -104,7 +129,14 @@ __device__ __forceinline__ uint64_t sw128_desc(uint32_t addr) {
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
-__device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory"); }
+
+// Keeps the compiler from moving the accumulators while a WGMMA that writes them is in flight.
+__device__ __forceinline__ void fence_operands(float (&d)[128]) {
+#pragma unroll
+  for (int i = 0; i < 128; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
 
 // cp.async writes go through the generic proxy, WGMMA reads through the async proxy.
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
@@ -156,7 +188,8 @@ __device__ __forceinline__ void item_tile(const GateUpArgs& a, int32_t item, int
 __device__ __forceinline__ float swiglu(float g, float u) { return g / (1.0f + expf(-g)) * u; }
 #endif  // FTJAX_SM90A_DEVICE
 
-__global__ void __launch_bounds__(kThreads, 1) prefill_gate_up_gather_kernel(const GateUpArgs a) {
+__global__ void __launch_bounds__(kThreads, 1)
+    prefill_gate_up_gather_kernel(const GateUpArgs a, const __grid_constant__ CUtensorMap w_map) {
 #ifdef FTJAX_SM90A_DEVICE
   constexpr int kProducerRegs = 56, kConsumerRegs = 224;  // 128 x 56 + 256 x 224 <= 64 Ki registers
   __shared__ __align__(8) uint64_t full_bar[kStages], empty_bar[kStages];
@@ -165,7 +198,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_gate_up_gather_kernel(con
   const int tid = threadIdx.x, wg = tid / 128, t = tid % 128;
   if (tid == 0) {
     for (int s = 0; s < kStages; ++s) {
-      mbar_init(smem_addr(&full_bar[s]), 128);  // every producer thread's cp.async completion
+      mbar_init(smem_addr(&full_bar[s]), 129);  // every producer thread's cp.async, + thread 0's TMA bytes
       mbar_init(smem_addr(&empty_bar[s]), 8);   // every consumer warp
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
@@ -180,6 +213,8 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_gate_up_gather_kernel(con
     const int chunk = t & 7, rbase = t >> 3;  // 8 threads per 128-byte row: row rbase + 16 i, chunk `chunk`
     const uint32_t sw = static_cast<uint32_t>((chunk ^ (rbase & 7)) << 4);
     const size_t h = static_cast<size_t>(a.hidden);
+    const bool keep = a.x_keep > 0.0f;
+    const uint64_t policy = l2_evict_last_policy(keep ? fminf(a.x_keep, 1.0f) : 1.0f);
     for (int32_t item = blockIdx.x; item < n_items; item += gridDim.x) {
       int32_t mi, ni;
       item_tile(a, item, mi, ni);
@@ -191,21 +226,26 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_gate_up_gather_kernel(con
         const int32_t tok = min(max(a.token_of_input_row[r], 0), a.tokens - 1);
         rows[i] = a.x + static_cast<size_t>(tok) * h + chunk * 8;
       }
-      const __nv_bfloat16* gate =
-          a.w + (static_cast<size_t>(slot) * 2 * a.inter + ni * kBlockN + rbase) * h + chunk * 8;
-      const __nv_bfloat16* up = gate + static_cast<size_t>(a.inter) * h;
+      const int32_t gate_row = slot * 2 * a.inter + ni * kBlockN, up_row = gate_row + a.inter;
       for (int32_t k = 0; k < k_steps; ++k) {
+        const uint32_t full = smem_addr(&full_bar[stage]);
         mbar_wait(smem_addr(&empty_bar[stage]), phase ^ 1);
-        const uint32_t sa = ring + stage * kStageBytes + rbase * 128 + sw;
-        const uint32_t sg = ring + stage * kStageBytes + kABytes + rbase * 128 + sw;
+        const uint32_t base = ring + stage * kStageBytes;
+        if (t == 0) {  // the weight tile: 128 gate rows, then the 128 up rows of the same act columns
+          mbar_arrive_expect_tx(full, kWBytes);
+          tma_load_2d(base + kABytes, &w_map, k * kTileK, gate_row, full);
+          tma_load_2d(base + kABytes + kWBytes / 2, &w_map, k * kTileK, up_row, full);
+        }
+        const uint32_t sa = base + rbase * 128 + sw;
         const size_t col = static_cast<size_t>(k) * kTileK;
+        if (keep) {
 #pragma unroll
-        for (int i = 0; i < 8; ++i) cp_async16(sa + i * 16 * 128, rows[i] + col);
+          for (int i = 0; i < 8; ++i) cp_async16_hint(sa + i * 16 * 128, rows[i] + col, policy);
+        } else {
 #pragma unroll
-        for (int i = 0; i < 8; ++i) cp_async16(sg + i * 16 * 128, gate + i * 16 * h + col);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) cp_async16(sg + (kBlockN + i * 16) * 128, up + i * 16 * h + col);
-        cp_async_arrive(smem_addr(&full_bar[stage]));
+          for (int i = 0; i < 8; ++i) cp_async16(sa + i * 16 * 128, rows[i] + col);
+        }
+        cp_async_arrive(full);
         if (++stage == kStages) stage = 0, phase ^= 1;
       }
     }
@@ -213,6 +253,10 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_gate_up_gather_kernel(con
   } else {  // consumers: rows 64 * cw .. of each tile
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kConsumerRegs));
     const int cw = wg - 1, warp = t / 32, lane = t % 32;
+    const auto release = [&](int st) {  // one arrival per consumer warp on the stage's empty barrier
+      __syncwarp();
+      if (lane == 0) mbar_arrive(smem_addr(&empty_bar[st]));
+    };
     float acc[128];
     for (int32_t item = blockIdx.x; item < n_items; item += gridDim.x) {
       int32_t mi, ni;
@@ -220,21 +264,31 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_gate_up_gather_kernel(con
       const bool live = a.tile_rows[mi] > cw * 64;
 #pragma unroll
       for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
-      for (int32_t k = 0; k < k_steps; ++k) {
-        mbar_wait(smem_addr(&full_bar[stage]), phase);
-        if (live) {
+      if (live) {  // the whole k-loop per branch: no WGMMA group in flight across a divergent branch
+        for (int32_t k = 0; k < k_steps; ++k) {
+          mbar_wait(smem_addr(&full_bar[stage]), phase);
           fence_proxy_async();
+          fence_operands(acc);
           wgmma_fence();
           const uint64_t da = sw128_desc(ring + stage * kStageBytes + cw * 64 * 128);
           const uint64_t db = sw128_desc(ring + stage * kStageBytes + kABytes);
 #pragma unroll
           for (int kk = 0; kk < kTileK / 16; ++kk) wgmma_m64n256k16(acc, da + 2 * kk, db + 2 * kk, 1);
           wgmma_commit();
-          wgmma_wait_all();
+          wgmma_wait<1>();  // the previous step's group is done: its stage can go back
+          fence_operands(acc);
+          if (k > 0) release(stage == 0 ? kStages - 1 : stage - 1);
+          if (++stage == kStages) stage = 0, phase ^= 1;
         }
-        __syncwarp();
-        if (lane == 0) mbar_arrive(smem_addr(&empty_bar[stage]));
-        if (++stage == kStages) stage = 0, phase ^= 1;
+        wgmma_wait<0>();
+        fence_operands(acc);
+        release(stage == 0 ? kStages - 1 : stage - 1);
+      } else {  // rows without routes: keep the barrier protocol, compute nothing
+        for (int32_t k = 0; k < k_steps; ++k) {
+          mbar_wait(smem_addr(&full_bar[stage]), phase);
+          release(stage);
+          if (++stage == kStages) stage = 0, phase ^= 1;
+        }
       }
       if (live) {
         const int32_t row = mi * kTileM + cw * 64 + warp * 16 + lane / 4;
@@ -257,6 +311,45 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_gate_up_gather_kernel(con
 
 std::string tag(const std::string& what) { return "prefill_gate_up: " + what; }
 
+using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                   const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                   CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+// The driver's tensor-map encoder through the runtime (the module does not link libcuda); null if absent.
+EncodeTiledFn tensor_map_encoder() {
+  static const EncodeTiledFn fn = [] {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+#if CUDART_VERSION >= 12050
+    const cudaError_t e = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &q);
+#else
+    const cudaError_t e = cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &p, cudaEnableDefault, &q);
+#endif
+    return e == cudaSuccess && q == cudaDriverEntryPointSuccess ? reinterpret_cast<EncodeTiledFn>(p) : nullptr;
+  }();
+  return fn;
+}
+
+// The weights as a 2D [S * 2I rows, H] bf16 view, boxes of 128 rows x 64 columns in the 128-byte swizzle.
+bool weight_map(CUtensorMap* map, const void* w, int64_t rows, int64_t hidden, std::string* why) {
+  const EncodeTiledFn encode = tensor_map_encoder();
+  if (encode == nullptr) {
+    *why = "the driver has no cuTensorMapEncodeTiled";
+    return false;
+  }
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(hidden), static_cast<cuuint64_t>(rows)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(hidden) * 2};
+  const cuuint32_t box[2] = {kTileK, kBlockN}, elem[2] = {1, 1};
+  const CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(w), dims, strides, box, elem,
+                            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS) {
+    *why = "cuTensorMapEncodeTiled failed (" + std::to_string(static_cast<int>(r)) + ")";
+    return false;
+  }
+  return true;
+}
+
 // The kernel is sm_90a code only (WGMMA, setmaxnreg): other devices get an error, never a launch.
 bool device_is_sm90(std::string* name) {
   int dev = 0, major = 0, minor = 0;
@@ -272,7 +365,7 @@ ffi::Error PrefillGateUpImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<
                              ffi::Buffer<ffi::S32> tile_slot, ffi::Buffer<ffi::S32> tile_row0,
                              ffi::Buffer<ffi::S32> tile_rows, ffi::Buffer<ffi::S32> n_launch,
                              ffi::Buffer<ffi::S32> walk, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> act,
-                             int64_t n_blocks, int64_t use_walk, int64_t grid) {
+                             int64_t n_blocks, int64_t use_walk, int64_t grid, float x_keep) {
   std::string cc = "unknown";
   if (!device_is_sm90(&cc))
     return ffi::Error::InvalidArgument(tag("needs an sm_90 GPU (H100 / H200), this one is " + cc));
@@ -296,8 +389,13 @@ ffi::Error PrefillGateUpImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<
                                            ") and output blocks do not match 128-row tiles"));
   if (use_walk && static_cast<int64_t>(walk.element_count()) != M * n_blocks)
     return ffi::Error::InvalidArgument(tag("the walk table must hold row tiles x output blocks entries"));
-  if (T * H >= (int64_t{1} << 40) || M * kTileM >= (int64_t{1} << 30) || grid < 1 || grid > 4096)
-    return ffi::Error::InvalidArgument(tag("sizes out of range (grid " + std::to_string(grid) + ")"));
+  if (T * H >= (int64_t{1} << 40) || M * kTileM >= (int64_t{1} << 30) || S * 2 * I >= (int64_t{1} << 31) ||
+      grid < 1 || grid > 4096 || !(x_keep >= 0.0f && x_keep <= 1.0f))
+    return ffi::Error::InvalidArgument(tag("sizes out of range (grid " + std::to_string(grid) + ", x_keep " +
+                                           std::to_string(x_keep) + ")"));
+  CUtensorMap w_map;
+  std::string why;
+  if (!weight_map(&w_map, w.untyped_data(), S * 2 * I, H, &why)) return ffi::Error::Internal(tag(why));
   static std::atomic<bool> attr_set{false};
   if (!attr_set.load(std::memory_order_acquire)) {
     const cudaError_t e =
@@ -313,7 +411,6 @@ ffi::Error PrefillGateUpImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<
   a.tile_rows = tile_rows.typed_data();
   a.n_launch = n_launch.typed_data();
   a.walk = use_walk ? walk.typed_data() : nullptr;
-  a.w = static_cast<const __nv_bfloat16*>(w.untyped_data());
   a.act = static_cast<__nv_bfloat16*>(act->untyped_data());
   a.tokens = static_cast<int32_t>(T);
   a.hidden = static_cast<int32_t>(H);
@@ -322,7 +419,8 @@ ffi::Error PrefillGateUpImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<
   a.in_rows = static_cast<int32_t>(token_of_input_row.element_count());
   a.row_tiles = static_cast<int32_t>(M);
   a.n_blocks = static_cast<int32_t>(n_blocks);
-  prefill_gate_up_gather_kernel<<<static_cast<unsigned>(grid), kThreads, kSmemBytes, stream>>>(a);
+  a.x_keep = x_keep;
+  prefill_gate_up_gather_kernel<<<static_cast<unsigned>(grid), kThreads, kSmemBytes, stream>>>(a, w_map);
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return ffi::Error::Internal(tag(std::string("launch: ") + cudaGetErrorString(err)));
   return ffi::Error::Success();
@@ -344,7 +442,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FtjaxPrefillGateUp, PrefillGateUpImpl,
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<int64_t>("n_blocks")
                                   .Attr<int64_t>("use_walk")
-                                  .Attr<int64_t>("grid"),
+                                  .Attr<int64_t>("grid")
+                                  .Attr<float>("x_keep"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 void* prefill_gate_up_handler() { return reinterpret_cast<void*>(FtjaxPrefillGateUp); }

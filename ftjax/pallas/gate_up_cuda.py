@@ -80,15 +80,30 @@ def check(*, hidden: int, inter: int, tile_m: int, tile_n_gate_up: int, int4: bo
         raise ValueError("gather='fused': " + "; ".join(reasons) + "; use gather='xla'")
 
 
-def gate_up(x, tables, w, *, num_sms: int):
+L2_KEEP_BYTES = 24 << 20  # x-row bytes marked L2 evict_last by default (of the H100 / H200's 50 MiB of L2)
+
+
+def default_x_keep(x_shape, itemsize=2) -> float:
+    """The fraction of x's row reads marked L2 evict_last by default: ``L2_KEEP_BYTES / x bytes``, at most 1."""
+    nbytes = int(np.prod(x_shape)) * itemsize
+    return min(1.0, L2_KEEP_BYTES / max(nbytes, 1))
+
+
+def gate_up(x, tables, w, *, num_sms: int, x_keep: float | None = None):
     """Kernel 1 of the prefill on ``x [T, H]`` bf16 (T >= 1) with the route tables (`route_tables`, tile
-    128) and ``w [S, 2I, H]`` bf16 -> ``act [R_pad, I]`` bf16 (`check` first)."""
+    128) and ``w [S, 2I, H]`` bf16 -> ``act [R_pad, I]`` bf16 (`check` first).
+
+    ``x_keep``: the fraction of the x-row reads marked L2 ``evict_last`` (each row is read by ``k`` row
+    tiles at different times, while the weights stream through L2); None: `default_x_keep`; 0: no hint.
+    """
     from ftjax.host.ffi import register_targets
 
     register_targets()
     n_row_tiles = tables.tile_slot.shape[0]
     inter = w.shape[1] // 2
     n_blocks = inter // BLOCK_N
+    if x_keep is not None and not 0.0 <= x_keep <= 1.0:
+        raise ValueError(f"x_keep must be in [0, 1], got {x_keep}")
     walk = tables.walks[0]
     use_walk = walk is not None
     if walk is None:
@@ -96,4 +111,5 @@ def gate_up(x, tables, w, *, num_sms: int):
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((n_row_tiles * TILE_M, inter), jnp.bfloat16))
     return call(x.astype(jnp.bfloat16), tables.token_of_input_row, tables.tile_slot, tables.tile_row0,
                 tables.tile_rows, tables.n_launch, walk, w.astype(jnp.bfloat16),
-                n_blocks=np.int64(n_blocks), use_walk=np.int64(use_walk), grid=np.int64(num_sms))
+                n_blocks=np.int64(n_blocks), use_walk=np.int64(use_walk), grid=np.int64(num_sms),
+                x_keep=np.float32(default_x_keep(x.shape) if x_keep is None else x_keep))

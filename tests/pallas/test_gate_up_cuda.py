@@ -63,6 +63,11 @@ def test_fused_gather_options_raise(kwargs, match):
         jax.eval_shape(fn, *shapes)
 
 
+def test_default_x_keep():
+    assert gate_up_cuda.default_x_keep((8192, 2048)) == 0.75  # 32 MiB of bf16 rows, 24 MiB kept
+    assert gate_up_cuda.default_x_keep((100, 2048)) == 1.0
+
+
 def test_fused_gather_refuses_int4():
     with pytest.raises(ValueError, match=r"it takes bf16 weights only"):
         gate_up_cuda.check(hidden=256, inter=256, tile_m=128, tile_n_gate_up=64, int4=True, interpret=True)
@@ -113,14 +118,15 @@ CASES = {
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("band", [None, 2], ids=["rows", "band2"])
+@pytest.mark.parametrize("band, x_keep", [(None, None), (2, 0.0), (None, 1.0)], ids=["rows", "band2-nohint", "keep1"])
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
-def test_kernel_matches_reference_on_gpu(case, band):
+def test_kernel_matches_reference_on_gpu(case, band, x_keep):
     x, ids, _, valid, slots, gate_up, _ = _problem(5, **case)
     inter = case["I"]
     tables = route_tables.route_tables(ids, valid, slots, n_slots=gate_up.shape[0], tile=128,
-                                       walks=((inter // 128, band), (1, None)), impl="auto")
-    act = jax.jit(functools.partial(gate_up_cuda.gate_up, num_sms=132))(x, tables, gate_up)
+                                       walks=((inter // 128, band), (1, None)),
+                                       impl=route_tables.resolve_impl("auto", case["E"]))
+    act = jax.jit(functools.partial(gate_up_cuda.gate_up, num_sms=132, x_keep=x_keep))(x, tables, gate_up)
     ref = jax.jit(gate_up_cuda.reference_gate_up)(x, tables.token_of_input_row, tables.tile_slot,
                                                   tables.tile_row0, tables.tile_rows, gate_up)
     _check_act(act, ref, _live_rows(tables, 128))
