@@ -8,7 +8,7 @@ per second to the dense bf16 matmul ceiling measured in the same run; the route 
 the timed calls (both forms read the same tables). Routing: uniform random top-k (synthetic, no skew) or
 the synthetic trace (``--routing trace``), as `bench/kernels.py`.
 
-    python bench/gate_up_fused.py --shapes 2048x512 4096x2048 --tokens 8192 16384 --keep 0 0.375 0.75 1
+    python bench/gate_up_fused.py --shapes 2048x512 4096x2048 --tokens 8192 16384 --keep 0 0.5 1
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def main():
     ap.add_argument("--tokens", nargs="+", type=int, default=[8192, 16384])
     ap.add_argument("--experts", type=int, default=256)
     ap.add_argument("--top-k", type=int, default=8)
-    ap.add_argument("--keep", nargs="+", type=float, default=[0.0, 0.375, 0.75, 1.0],
+    ap.add_argument("--keep", nargs="+", type=float, default=[0.0, 1.0],
                     help="x_keep values of the fused kernel (its default is also run)")
     ap.add_argument("--routing", choices=("uniform", "trace"), default="uniform")
     ap.add_argument("--iters", type=int, default=10)
@@ -78,11 +78,18 @@ def main():
             x_rows = jax.block_until_ready(jax.jit(routing.gather_input_rows)(x, tables))
             forms = [("mosaic (take + kernel)", jax.jit(mosaic), (x, tables, gate_up)),
                      ("mosaic kernel alone", jax.jit(mosaic_no_gather), (x_rows, tables, gate_up))]
-            keeps = [None] + [k for k in args.keep]
-            for keep in keeps:
+            for keep in [None] + list(args.keep):
                 name = f"fused x_keep {'default ' + format(gate_up_cuda.default_x_keep(x.shape), '.3f') if keep is None else keep}"
                 fn = jax.jit(functools.partial(gate_up_cuda.gate_up, num_sms=num_sms, x_keep=keep))
                 forms.append((name, fn, (x, tables, gate_up)))
+            forms.append(("fused, 3 stages", jax.jit(functools.partial(gate_up_cuda.gate_up, num_sms=num_sms,
+                                                                       stages=3)), (x, tables, gate_up)))
+            # the same kernel on the gathered rows read in order (token of input row i = i): what the row
+            # gather itself costs the kernel
+            in_order = tables._replace(token_of_input_row=jnp.arange(x_rows.shape[0], dtype=jnp.int32))
+            forms.append(("fused on x_rows in order", jax.jit(functools.partial(gate_up_cuda.gate_up, num_sms=num_sms,
+                                                                                x_keep=0.0)),
+                          (x_rows, in_order, gate_up)))
             rows_of = jnp.arange(tables.tile_rows.shape[0] * 128)
             live = (rows_of % 128 < tables.tile_rows[rows_of // 128]) & (rows_of // 128 < tables.n_launch[0])
             ref = None

@@ -114,6 +114,10 @@ for s in "${steps[@]}"; do
        run prefill_fused 300 python3 bench/kernels.py --only prefill --pipelines --shapes 2048x512 4096x2048 \
          --dtypes bf16 --tokens ${PIPE_TOKENS:-8192 16384} --iters 5 --chain ${CHAIN:-2} --profile /tmp/pfused \
          --configs "default" "fused gather" --out "$OUT/prefill_fused.json" ;;
+    gate-up-fused)  # the fused kernel 1's GPU tests, then kernel 1 alone: Mosaic vs fused forms (~3 min)
+       run prefill_fused_tests 180 python3 -m pytest -q -m gpu tests/pallas/test_gate_up_cuda.py
+       run gate_up_fused 240 python3 bench/gate_up_fused.py --shapes 2048x512 4096x2048 --tokens ${PIPE_TOKENS:-8192 16384} \
+         --out "$OUT/gate_up_fused.json" ;;
     prefill-plan)  # the route tables by one CUDA call vs XLA: GPU tests, then the pipelines at 8K and 16K (~4 min)
        run prefill_plan_tests 240 python3 -m pytest -q -m gpu tests/pallas/test_route_tables.py tests/pallas/test_prefill_gemm.py
        for t in 8192 16384; do

@@ -13,7 +13,7 @@
 // three warpgroups: a producer (every thread issues cp.async for a stage: the A tile [128 rows, 64] gathered
 // from x, the weight tile [256 rows, 64] = 128 gate rows and the 128 up rows of the same act columns) and two
 // consumers, each 64 of the tile's rows against all 256 weight rows (one m64n256k16 WGMMA per 16 columns of
-// the reduction: gate in accumulator columns 0..127, up in 128..255). kStages-deep ring; full barriers take
+// the reduction: gate in accumulator columns 0..127, up in 128..255). 3- or 4-stage ring; full barriers take
 // the producer threads' cp.async completions (cp.async.mbarrier.arrive.noinc), empty barriers one arrival per
 // consumer warp. The epilogue applies SwiGLU in registers and stores bf16 act rows. A consumer whose 64 rows
 // hold no route (tile_rows) skips its WGMMAs and its stores (half of a group's last tile, often), but keeps
@@ -36,12 +36,12 @@ namespace {
 constexpr int kTileM = 128;   // rows per row tile (the route tables' tile)
 constexpr int kBlockN = 128;  // act columns per work item: 128 gate + 128 up weight rows
 constexpr int kTileK = 64;    // reduction columns per stage: one 128-byte swizzle row
-constexpr int kStages = 4;
+constexpr int kMaxStages = 4;  // the ring's depth is a template argument: 3 or 4 stages
 constexpr int kThreads = 384;  // producer warpgroup + two consumer warpgroups
 constexpr int kABytes = kTileM * kTileK * 2;        // 16 KiB
 constexpr int kWBytes = 2 * kBlockN * kTileK * 2;   // 32 KiB
 constexpr int kStageBytes = kABytes + kWBytes;      // 48 KiB
-constexpr int kSmemBytes = kStages * kStageBytes + 1024;  // + alignment slack for the 1024-byte swizzle atoms
+constexpr int smem_bytes(int stages) { return stages * kStageBytes + 1024; }  // + slack: swizzle atoms on 1 KiB
 
 struct GateUpArgs {
   const __nv_bfloat16* x;          // [T, H]
@@ -185,9 +185,10 @@ __device__ __forceinline__ void item_tile(const GateUpArgs& a, int32_t item, int
   ni = code % a.n_blocks;
 }
 
-__device__ __forceinline__ float swiglu(float g, float u) { return g / (1.0f + expf(-g)) * u; }
+__device__ __forceinline__ float swiglu(float g, float u) { return __fdividef(g, 1.0f + __expf(-g)) * u; }
 #endif  // FTJAX_SM90A_DEVICE
 
+template <int kStages>
 __global__ void __launch_bounds__(kThreads, 1)
     prefill_gate_up_gather_kernel(const GateUpArgs a, const __grid_constant__ CUtensorMap w_map) {
 #ifdef FTJAX_SM90A_DEVICE
@@ -365,7 +366,7 @@ ffi::Error PrefillGateUpImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<
                              ffi::Buffer<ffi::S32> tile_slot, ffi::Buffer<ffi::S32> tile_row0,
                              ffi::Buffer<ffi::S32> tile_rows, ffi::Buffer<ffi::S32> n_launch,
                              ffi::Buffer<ffi::S32> walk, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> act,
-                             int64_t n_blocks, int64_t use_walk, int64_t grid, float x_keep) {
+                             int64_t n_blocks, int64_t use_walk, int64_t grid, float x_keep, int64_t stages) {
   std::string cc = "unknown";
   if (!device_is_sm90(&cc))
     return ffi::Error::InvalidArgument(tag("needs an sm_90 GPU (H100 / H200), this one is " + cc));
@@ -390,19 +391,12 @@ ffi::Error PrefillGateUpImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<
   if (use_walk && static_cast<int64_t>(walk.element_count()) != M * n_blocks)
     return ffi::Error::InvalidArgument(tag("the walk table must hold row tiles x output blocks entries"));
   if (T * H >= (int64_t{1} << 40) || M * kTileM >= (int64_t{1} << 30) || S * 2 * I >= (int64_t{1} << 31) ||
-      grid < 1 || grid > 4096 || !(x_keep >= 0.0f && x_keep <= 1.0f))
+      grid < 1 || grid > 4096 || !(x_keep >= 0.0f && x_keep <= 1.0f) || (stages != 3 && stages != kMaxStages))
     return ffi::Error::InvalidArgument(tag("sizes out of range (grid " + std::to_string(grid) + ", x_keep " +
-                                           std::to_string(x_keep) + ")"));
+                                           std::to_string(x_keep) + ", stages " + std::to_string(stages) + ")"));
   CUtensorMap w_map;
   std::string why;
   if (!weight_map(&w_map, w.untyped_data(), S * 2 * I, H, &why)) return ffi::Error::Internal(tag(why));
-  static std::atomic<bool> attr_set{false};
-  if (!attr_set.load(std::memory_order_acquire)) {
-    const cudaError_t e =
-        cudaFuncSetAttribute(prefill_gate_up_gather_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
-    if (e != cudaSuccess) return ffi::Error::Internal(tag(std::string("shared memory: ") + cudaGetErrorString(e)));
-    attr_set.store(true, std::memory_order_release);
-  }
   GateUpArgs a{};
   a.x = static_cast<const __nv_bfloat16*>(x.untyped_data());
   a.token_of_input_row = token_of_input_row.typed_data();
@@ -420,8 +414,16 @@ ffi::Error PrefillGateUpImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<
   a.row_tiles = static_cast<int32_t>(M);
   a.n_blocks = static_cast<int32_t>(n_blocks);
   a.x_keep = x_keep;
-  prefill_gate_up_gather_kernel<<<static_cast<unsigned>(grid), kThreads, kSmemBytes, stream>>>(a, w_map);
-  const cudaError_t err = cudaGetLastError();
+  const auto launch = [&](auto kernel, int bytes) {
+    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+    if (e == cudaSuccess) {
+      kernel<<<static_cast<unsigned>(grid), kThreads, bytes, stream>>>(a, w_map);
+      e = cudaGetLastError();
+    }
+    return e;
+  };
+  const cudaError_t err = stages == 3 ? launch(prefill_gate_up_gather_kernel<3>, smem_bytes(3))
+                                      : launch(prefill_gate_up_gather_kernel<4>, smem_bytes(4));
   if (err != cudaSuccess) return ffi::Error::Internal(tag(std::string("launch: ") + cudaGetErrorString(err)));
   return ffi::Error::Success();
 }
@@ -443,7 +445,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FtjaxPrefillGateUp, PrefillGateUpImpl,
                                   .Attr<int64_t>("n_blocks")
                                   .Attr<int64_t>("use_walk")
                                   .Attr<int64_t>("grid")
-                                  .Attr<float>("x_keep"),
+                                  .Attr<float>("x_keep")
+                                  .Attr<int64_t>("stages"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 void* prefill_gate_up_handler() { return reinterpret_cast<void*>(FtjaxPrefillGateUp); }
