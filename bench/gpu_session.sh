@@ -114,6 +114,14 @@ for s in "${steps[@]}"; do
        run prefill_fused 300 python3 bench/kernels.py --only prefill --pipelines --shapes 2048x512 4096x2048 \
          --dtypes bf16 --tokens ${PIPE_TOKENS:-8192 16384} --iters 5 --chain ${CHAIN:-2} --profile /tmp/pfused \
          --configs "default" "fused gather" --out "$OUT/prefill_fused.json" ;;
+    ncu-gate-up)  # Nsight Compute: kernel 1 of the Qwen shape at 8K, Mosaic (gathered rows) then fused (CUDA) (~2 min)
+       NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+       if [ -z "$NCU" ]; then echo "no ncu on this machine" | tee "$OUT/ncu_gate_up.log"; else
+         run ncu_gate_up 200 "$NCU" -k regex:prefill_gate_up -c 2 --section SpeedOfLight --section ComputeWorkloadAnalysis \
+           --section MemoryWorkloadAnalysis --section WarpStateStats \
+           --metrics dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sector_hit_rate.pct \
+           python3 bench/prefill_counters.py --shape 2048x512 --gathers xla fused
+       fi ;;
     gate-up-fused)  # the fused kernel 1's GPU tests, then kernel 1 alone: Mosaic vs fused forms (~3 min)
        run prefill_fused_tests 180 python3 -m pytest -q -m gpu tests/pallas/test_gate_up_cuda.py
        run gate_up_fused 240 python3 bench/gate_up_fused.py --shapes 2048x512 4096x2048 --tokens ${PIPE_TOKENS:-8192 16384} \

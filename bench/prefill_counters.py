@@ -25,6 +25,8 @@ def main():
     ap.add_argument("--experts", type=int, default=256)
     ap.add_argument("--top-k", type=int, default=8)
     ap.add_argument("--one-expert", action="store_true", help="every route to expert 0")
+    ap.add_argument("--gathers", nargs="+", default=["xla"], choices=("xla", "tma", "fused"),
+                    help="prefill_experts(gather=...) forms to run, in order (one call each)")
     args = ap.parse_args()
     H, I = map(int, args.shape.split("x"))
     T, k, E = args.tokens, args.top_k, args.experts
@@ -38,7 +40,8 @@ def main():
     down = (jax.random.normal(ks[4], (E, H, I), jnp.float32) * 0.02).astype(jnp.bfloat16)
     slots = jnp.arange(E, dtype=jnp.int32)
     valid = jnp.ones((T,), bool)
-    y = jax.block_until_ready(pg.prefill_experts(x, ids, w, valid, gate_up, down, slots))
+    for gather in args.gathers:  # under ncu -c N the first N matching kernels are counted, in this order
+        y = jax.block_until_ready(pg.prefill_experts(x, ids, w, valid, gate_up, down, slots, gather=gather))
     hit = int(jnp.unique(ids).size)
     plan = routing.plan_routes(ids, valid, E, 128)
     n_tiles = int(plan.n_tiles)
