@@ -35,6 +35,8 @@ def main():
     ap.add_argument("--top-k", type=int, default=8)
     ap.add_argument("--keep", nargs="+", type=float, default=[0.0, 1.0],
                     help="x_keep values of the fused kernel (its default is also run)")
+    ap.add_argument("--promotions", nargs="*", default=["none", "128"], choices=tuple(gate_up_cuda.W_PROMOTIONS),
+                    help="weights' TMA L2 promotions to run beside the default")
     ap.add_argument("--routing", choices=("uniform", "trace"), default="uniform")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--out", default=None, help="JSON rows")
@@ -82,6 +84,9 @@ def main():
                 name = f"fused x_keep {'default ' + format(gate_up_cuda.default_x_keep(x.shape), '.3f') if keep is None else keep}"
                 fn = jax.jit(functools.partial(gate_up_cuda.gate_up, num_sms=num_sms, x_keep=keep))
                 forms.append((name, fn, (x, tables, gate_up)))
+            for promo in args.promotions:
+                forms.append((f"fused, weights L2 promotion {promo}", jax.jit(functools.partial(
+                    gate_up_cuda.gate_up, num_sms=num_sms, w_promotion=promo)), (x, tables, gate_up)))
             forms.append(("fused, 3 stages", jax.jit(functools.partial(gate_up_cuda.gate_up, num_sms=num_sms,
                                                                        stages=3)), (x, tables, gate_up)))
             # the same kernel on the gathered rows read in order (token of input row i = i): what the row

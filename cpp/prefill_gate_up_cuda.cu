@@ -332,7 +332,8 @@ EncodeTiledFn tensor_map_encoder() {
 }
 
 // The weights as a 2D [S * 2I rows, H] bf16 view, boxes of 128 rows x 64 columns in the 128-byte swizzle.
-bool weight_map(CUtensorMap* map, const void* w, int64_t rows, int64_t hidden, std::string* why) {
+bool weight_map(CUtensorMap* map, const void* w, int64_t rows, int64_t hidden, CUtensorMapL2promotion promotion,
+                std::string* why) {
   const EncodeTiledFn encode = tensor_map_encoder();
   if (encode == nullptr) {
     *why = "the driver has no cuTensorMapEncodeTiled";
@@ -342,8 +343,8 @@ bool weight_map(CUtensorMap* map, const void* w, int64_t rows, int64_t hidden, s
   const cuuint64_t strides[1] = {static_cast<cuuint64_t>(hidden) * 2};
   const cuuint32_t box[2] = {kTileK, kBlockN}, elem[2] = {1, 1};
   const CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(w), dims, strides, box, elem,
-                            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+                            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, promotion,
+                            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS) {
     *why = "cuTensorMapEncodeTiled failed (" + std::to_string(static_cast<int>(r)) + ")";
     return false;
@@ -366,7 +367,7 @@ ffi::Error PrefillGateUpImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<
                              ffi::Buffer<ffi::S32> tile_slot, ffi::Buffer<ffi::S32> tile_row0,
                              ffi::Buffer<ffi::S32> tile_rows, ffi::Buffer<ffi::S32> n_launch,
                              ffi::Buffer<ffi::S32> walk, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> act,
-                             int64_t n_blocks, int64_t use_walk, int64_t grid, float x_keep, int64_t stages) {
+                             int64_t n_blocks, int64_t use_walk, int64_t grid, float x_keep, int64_t stages, int64_t w_promotion) {
   std::string cc = "unknown";
   if (!device_is_sm90(&cc))
     return ffi::Error::InvalidArgument(tag("needs an sm_90 GPU (H100 / H200), this one is " + cc));
@@ -396,7 +397,11 @@ ffi::Error PrefillGateUpImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<
                                            std::to_string(x_keep) + ", stages " + std::to_string(stages) + ")"));
   CUtensorMap w_map;
   std::string why;
-  if (!weight_map(&w_map, w.untyped_data(), S * 2 * I, H, &why)) return ffi::Error::Internal(tag(why));
+  // the weights' L2 fetch size per TMA row (0: none, 1: 64 B, 2: 128 B, 3: 256 B: CUtensorMapL2promotion)
+  if (w_promotion < 0 || w_promotion > 3)
+    return ffi::Error::InvalidArgument(tag("w_promotion must be 0..3, got " + std::to_string(w_promotion)));
+  if (!weight_map(&w_map, w.untyped_data(), S * 2 * I, H, static_cast<CUtensorMapL2promotion>(w_promotion), &why))
+    return ffi::Error::Internal(tag(why));
   GateUpArgs a{};
   a.x = static_cast<const __nv_bfloat16*>(x.untyped_data());
   a.token_of_input_row = token_of_input_row.typed_data();
@@ -446,7 +451,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FtjaxPrefillGateUp, PrefillGateUpImpl,
                                   .Attr<int64_t>("use_walk")
                                   .Attr<int64_t>("grid")
                                   .Attr<float>("x_keep")
-                                  .Attr<int64_t>("stages"),
+                                  .Attr<int64_t>("stages")
+                                  .Attr<int64_t>("w_promotion"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 void* prefill_gate_up_handler() { return reinterpret_cast<void*>(FtjaxPrefillGateUp); }

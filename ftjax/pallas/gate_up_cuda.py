@@ -89,13 +89,18 @@ def default_x_keep(x_shape, itemsize=2) -> float:
     return min(1.0, L2_KEEP_BYTES / max(nbytes, 1))
 
 
-def gate_up(x, tables, w, *, num_sms: int, x_keep: float | None = None, stages: int = 4):
+W_PROMOTIONS = {"none": 0, "64": 1, "128": 2, "256": 3}  # the weights' TMA L2 promotion (CUtensorMapL2promotion)
+
+
+def gate_up(x, tables, w, *, num_sms: int, x_keep: float | None = None, stages: int = 4,
+            w_promotion: str = "256"):
     """Kernel 1 of the prefill on ``x [T, H]`` bf16 (T >= 1) with the route tables (`route_tables`, tile
     128) and ``w [S, 2I, H]`` bf16 -> ``act [R_pad, I]`` bf16 (`check` first).
 
     ``x_keep``: the fraction of the x-row reads marked L2 ``evict_last`` (each row is read by ``k`` row
     tiles at different times, while the weights stream through L2); None: `default_x_keep`; 0: no hint.
-    ``stages``: the SMEM ring's depth, 3 or 4 (48 KiB each).
+    ``stages``: the SMEM ring's depth, 3 or 4 (48 KiB each). ``w_promotion``: the L2 fetch size of the
+    weight tiles' TMA reads (``"none"``, ``"64"``, ``"128"``, ``"256"`` bytes).
     """
     from ftjax.host.ffi import register_targets
 
@@ -107,6 +112,8 @@ def gate_up(x, tables, w, *, num_sms: int, x_keep: float | None = None, stages: 
         raise ValueError(f"x_keep must be in [0, 1], got {x_keep}")
     if stages not in (3, 4):
         raise ValueError(f"stages must be 3 or 4, got {stages}")
+    if w_promotion not in W_PROMOTIONS:
+        raise ValueError(f"w_promotion must be one of {tuple(W_PROMOTIONS)}, got {w_promotion!r}")
     walk = tables.walks[0]
     use_walk = walk is not None
     if walk is None:
@@ -115,4 +122,5 @@ def gate_up(x, tables, w, *, num_sms: int, x_keep: float | None = None, stages: 
     return call(x.astype(jnp.bfloat16), tables.token_of_input_row, tables.tile_slot, tables.tile_row0,
                 tables.tile_rows, tables.n_launch, walk, w.astype(jnp.bfloat16),
                 n_blocks=np.int64(n_blocks), use_walk=np.int64(use_walk), grid=np.int64(num_sms),
-                x_keep=np.float32(default_x_keep(x.shape) if x_keep is None else x_keep), stages=np.int64(stages))
+                x_keep=np.float32(default_x_keep(x.shape) if x_keep is None else x_keep), stages=np.int64(stages),
+                w_promotion=np.int64(W_PROMOTIONS[w_promotion]))
