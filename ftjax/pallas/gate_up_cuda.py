@@ -61,6 +61,14 @@ def available() -> bool:
 
 def check(*, hidden: int, inter: int, tile_m: int, tile_n_gate_up: int, int4: bool, interpret: bool) -> None:
     """Raise ValueError naming why ``gather="fused"`` cannot run with these options here."""
+    reasons = why_not(hidden=hidden, inter=inter, tile_m=tile_m, tile_n_gate_up=tile_n_gate_up, int4=int4,
+                      interpret=interpret)
+    if reasons:
+        raise ValueError("gather='fused': " + "; ".join(reasons) + "; use gather='xla'")
+
+
+def why_not(*, hidden: int, inter: int, tile_m: int, tile_n_gate_up: int, int4: bool, interpret: bool) -> list:
+    """The reasons ``gather="fused"`` cannot run with these options here (empty: it can)."""
     reasons = []
     if int4:
         reasons.append("it takes bf16 weights only (use prefill_experts, not the int4 entry)")
@@ -76,8 +84,7 @@ def check(*, hidden: int, inter: int, tile_m: int, tile_n_gate_up: int, int4: bo
     elif not available():
         reasons.append("it needs a CUDA build of ftjax._host with the sm_90a part and an sm_90 GPU "
                        "(H100 / H200) on JAX's GPU backend")
-    if reasons:
-        raise ValueError("gather='fused': " + "; ".join(reasons) + "; use gather='xla'")
+    return reasons
 
 
 L2_KEEP_BYTES = 24 << 20  # x-row bytes marked L2 evict_last by default (of the H100 / H200's 50 MiB of L2)

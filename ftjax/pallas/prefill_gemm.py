@@ -21,7 +21,12 @@ Plan (one screen):
      copies them by one TMA load and store per row (`row_gather`) instead: twice as fast alone
      (137 against 279 us in `bench/prefill_glue.py`) but 1-3% slower in the prefill call on the
      H200, where XLA's take ran 117 us (session 16), so not the default.
-  2. kernel 1, gate+up grouped matmul with fused SwiGLU: ``act [R_pad, I]`` bf16.
+  2. kernel 1, gate+up grouped matmul with fused SwiGLU: ``act [R_pad, I]`` bf16. Where it can run
+     (an sm_90 GPU, bf16, the default tiles: ``gather="auto"``), steps 1's gather and 2 are one CUDA
+     call that reads the rows of ``x`` through ``token_of_input_row`` (`gate_up_cuda`, session 23): the
+     x-row copy (117 us at 8K tokens, Qwen3.6 shape) is gone, though that kernel ran ~9% slower than
+     the Mosaic kernel on the same rows; the call at 8K: 0.95 ms against 1.02 steady (0.59 vs 0.55
+     of the matmul ceiling).
   3. kernel 2, down grouped matmul: ``out [R_pad, H]`` bf16.
   4. `routing.combine_rows`: fp32 weighted gather-sum back to tokens.
   The kernels always get at least one row tile (``max(n_tiles, 1)``, slots clamped into the
@@ -436,7 +441,7 @@ def _input_rows(x, tables, *, gather, num_sms, interpret):
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def prefill_experts(x, expert_ids, gate_weights, token_valid, gate_up, down, slot_of_expert, *,
                     tile_m=128, tile_n_gate_up=64, tile_n_down=128, tile_k=64, stages=(3, 4),
-                    num_sms=None, interpret=False, cross_tile=None, gather="xla", walk_band="auto",
+                    num_sms=None, interpret=False, cross_tile=None, gather="auto", walk_band="auto",
                     plan_impl="auto"):
     """Mosaic GPU prefill expert MLP, bf16 weights; same contract as `reference_prefill_experts`.
 
@@ -455,7 +460,8 @@ def prefill_experts(x, expert_ids, gate_weights, token_valid, gate_up, down, slo
     input rows by XLA's take (``"xla"``), by TMA row copies (``"tma"``, where a row is one TMA
     box, `row_gather`; measured slower in the call), or none: ``"fused"`` runs kernel 1 as a CUDA call
     that reads the rows of ``x`` itself (`gate_up_cuda`: sm_90 GPUs, tile_m 128, tile_n_gate_up 64;
-    ``stages`` and ``cross_tile`` then apply to the down kernel only; ValueError where it cannot run).
+    ``stages`` and ``cross_tile`` then apply to the down kernel only; ValueError where it cannot run);
+    ``"auto"`` (default): ``"fused"`` where it can run, else ``"xla"`` (always ``"xla"`` for int4).
     ``walk_band``: the order of the persistent grid's tiles. None: output-column blocks fastest
     (neighbouring CTAs share a row tile); an int B: per expert, bands of B row tiles fastest
     (neighbouring CTAs share a weight block, `routing.tile_walk`); a pair: (gate+up, down);
@@ -489,7 +495,7 @@ def _as_int4(packed):
 def prefill_experts_int4(x, expert_ids, gate_weights, token_valid, gate_up_packed,
                          gate_up_scales, down_packed, down_scales, slot_of_expert, *,
                          tile_m=128, tile_n_gate_up=64, tile_n_down=128, tile_k=64, stages=3,
-                         num_sms=None, interpret=False, cross_tile=None, gather="xla",
+                         num_sms=None, interpret=False, cross_tile=None, gather="auto",
                          walk_band="auto", plan_impl="auto"):
     """Mosaic GPU prefill expert MLP, int4 group-32 weights (host pool layout, `ftjax.host.quant`).
 

@@ -92,7 +92,7 @@ def check_routing(x, expert_ids, gate_weights, token_valid, slot_of_expert):
         raise ValueError(f"slot_of_expert must be [E], got {slot_of_expert.shape}")
 
 
-GATHERS = ("tma", "xla", "fused")
+GATHERS = ("auto", "tma", "xla", "fused")
 
 
 def has_pipeline_of_pipelines() -> bool:
@@ -146,11 +146,15 @@ def resolve_tiles(hidden, inter, *, int4, tile_m, tile_n_gate_up, tile_n_down, t
         raise ValueError(f"plan_impl must be one of {PLAN_IMPLS}, got {plan_impl!r}")
     if gather not in GATHERS:
         raise ValueError(f"gather must be one of {GATHERS}, got {gather!r}")
-    if gather == "fused":
+    if gather in ("fused", "auto"):
         from ftjax.pallas import gate_up_cuda
 
-        gate_up_cuda.check(hidden=hidden, inter=inter, tile_m=tile_m, tile_n_gate_up=tile_n_gate_up,
-                           int4=int4, interpret=interpret)
+        fused = dict(hidden=hidden, inter=inter, tile_m=tile_m, tile_n_gate_up=tile_n_gate_up, int4=int4,
+                     interpret=interpret)
+        if gather == "fused":
+            gate_up_cuda.check(**fused)
+        else:  # "auto": fused where it can run (sm_90, bf16, the default tiles), else XLA's take
+            gather = "xla" if gate_up_cuda.why_not(**fused) else "fused"
     walk_band = walk_bands(walk_band, (inter // (2 * tile_n_gate_up), hidden // (2 * tile_n_down)))
     stages, cross_tile = per_kernel(stages, "stages"), per_kernel(cross_tile, "cross_tile")
     if not all(isinstance(st, int) and not isinstance(st, bool) for st in stages):

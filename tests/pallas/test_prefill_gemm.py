@@ -377,7 +377,7 @@ def _shapes(T=8, k=2, H=128, I=128, E=4, S=4):
                            r"warpgroup\), got 100"),
     ({}, dict(tile_k=48), r"tile_k must be one of 32, 64, 128, 256, got 48"),
     ({}, dict(stages=9, tile_m=256), r"needs \d+ bytes of SMEM"),
-    ({}, dict(gather="take"), r"gather must be one of \('tma', 'xla', 'fused'\), got 'take'"),
+    ({}, dict(gather="take"), r"gather must be one of \('auto', 'tma', 'xla', 'fused'\), got 'take'"),
     ({}, dict(walk_band=0), r"walk_band must be \"auto\", None, a positive int or a \(gate_up, "
                             r"down\) pair of None / positive ints, got 0"),
     ({}, dict(walk_band=True), r"walk_band must be \"auto\", .*, got True"),
