@@ -311,7 +311,10 @@ def kernel_split(row, kernel_us, flops, ceiling):
 
 
 PIPELINE_CONFIGS = {  # (name, kwargs): the per-tile ring against a CTA's tiles as one pipeline
-    "default": {},  # gate+up per-tile 3 stages, down cross-tile 4 (bf16; session 22), XLA take, walk "auto", plan "auto"
+    # gate+up fused with the row gather where it can run (CUDA, sm_90; session 23), else per-tile 3 stages on XLA's
+    # take; down cross-tile 4 (bf16; session 22); walk "auto", plan "auto"
+    "default": {},
+    "xla gather": dict(gather="xla"),  # the default before session 23: XLA's take, then the Mosaic gate+up kernel
     "jnp plan": dict(plan_impl="jnp"),  # the route tables by XLA (`routing.plan_routes`), not one CUDA call
     "per-tile s3": dict(stages=3, cross_tile=False, walk_band=None),  # the default before session 20
     "per-tile s3 tma-gather": dict(stages=3, cross_tile=False, gather="tma", walk_band=None),
