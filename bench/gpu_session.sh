@@ -67,7 +67,9 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/build.log"
 tok=.carry/qwen3-tokenizer
 for s in "${steps[@]}"; do
   case $s in
-    tests) run gpu_tests 420 python3 -m pytest -q -m gpu tests/host tests/experts tests/pallas ;;
+    # The whole GPU suite no longer fits one step: host + experts ran 93 tests in > 330 s and tests/pallas 32 in
+    # 200 s in session 23 (its 45 cases compile many kernels): `tests` then `tests-pallas`, one device call each.
+    tests) run gpu_tests 540 python3 -m pytest -q -m gpu tests/host tests/experts ;;
     host) run host_runtime 120 python3 bench/host_runtime.py --no-cpu --out "$OUT/host_runtime.json" ;;
     cpu) run cpu_tests 60 python3 -m pytest -q tests/host/test_kernels.py
          run cpu_kernels 240 python3 bench/host_runtime.py --no-gpu --calls 10 --prefetch ${PREFETCH:-0 512 2048 8192 16384} \
@@ -96,7 +98,7 @@ for s in "${steps[@]}"; do
          run "tune_prefill_$shape" 280 python3 bench/kernels.py --only prefill --shapes $shape --dtypes bf16 --tokens 8192 \
            --tune-prefill $shape --iters 3 --out "$OUT/tune_prefill_$shape.json"
        done ;;
-    tests-pallas) run gpu_tests_pallas 200 python3 -m pytest -q -m gpu tests/pallas ;;
+    tests-pallas) run gpu_tests_pallas 480 python3 -m pytest -q -m gpu tests/pallas ;;
     prefill-pipelines)  # prefill, 8K tokens, both shapes, bf16: per-tile vs cross-tile pipelines, b2b + kernel split (~4 min)
        run prefill_pipelines 300 python3 bench/kernels.py --only prefill --pipelines --shapes 2048x512 4096x2048 \
          --dtypes bf16 --tokens ${PIPE_TOKENS:-8192} --iters 5 --profile /tmp/ppipe --out "$OUT/prefill_pipelines.json" ;;
@@ -121,6 +123,15 @@ for s in "${steps[@]}"; do
            --section MemoryWorkloadAnalysis --section WarpStateStats \
            --metrics dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sector_hit_rate.pct \
            python3 bench/prefill_counters.py --shape 2048x512 --gathers xla fused
+       fi ;;
+    ncu-gate-up-forms)  # Nsight Compute: DRAM bytes of every kernel-1 form of bench/gate_up_fused.py, Qwen 8K (~3 min)
+       NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+       if [ -z "$NCU" ]; then echo "no ncu on this machine" | tee "$OUT/ncu_gate_up_forms.log"; else
+         run ncu_gate_up_forms 240 "$NCU" -k regex:prefill_gate_up --section SpeedOfLight \
+           --metrics dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sector_hit_rate.pct \
+           python3 bench/gate_up_fused.py --shapes 2048x512 --tokens 8192 --keep 0 1 --promotions none --once
+         # the forms in order: Mosaic (take + kernel), Mosaic alone, fused default, x_keep 0, x_keep 1, promotion
+         # none, SMEM epilogue, 3 stages, in-order rows
        fi ;;
     gate-up-fused)  # the fused kernel 1's GPU tests, then kernel 1 alone: Mosaic vs fused forms (~3 min)
        run prefill_fused_tests 180 python3 -m pytest -q -m gpu tests/pallas/test_gate_up_cuda.py

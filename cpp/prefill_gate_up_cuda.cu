@@ -6,23 +6,24 @@
 //
 // Why CUDA and not Mosaic GPU: Hopper's TMA has no row gather, and one TMA box per row and 64-column slice ran
 // 3.88x slower (session 11: the TMA unit's rate for 128-byte boxes). Here the rows come by cp.async (16 bytes
-// per thread, written into the 128-byte-swizzled layout that WGMMA reads), the weights too.
+// per thread, written into the 128-byte-swizzled layout that WGMMA reads); the weights by TMA.
 //
 // Layout: a persistent grid (one CTA per SM) walks the work items (row tile m, output block n) over the
 // device count n_launch[0] of row tiles, n fastest (or through a walk table, routing.tile_walk). A CTA is
-// three warpgroups: a producer (every thread issues cp.async for a stage: the A tile [128 rows, 64] gathered
-// from x, the weight tile [256 rows, 64] = 128 gate rows and the 128 up rows of the same act columns) and two
-// consumers, each 64 of the tile's rows against all 256 weight rows (one m64n256k16 WGMMA per 16 columns of
-// the reduction: gate in accumulator columns 0..127, up in 128..255). 3- or 4-stage ring; full barriers take
-// the producer threads' cp.async completions (cp.async.mbarrier.arrive.noinc), empty barriers one arrival per
-// consumer warp. The epilogue applies SwiGLU in registers and stores bf16 act rows. A consumer whose 64 rows
-// hold no route (tile_rows) skips its WGMMAs and its stores (half of a group's last tile, often), but keeps
-// the barrier protocol.
+// three warpgroups: a producer (per stage, every thread issues cp.async for its part of the A tile [128 rows,
+// 64] gathered from x, and thread 0 two TMA boxes: the weight tile [256 rows, 64] = 128 gate rows and the 128
+// up rows of the same act columns) and two consumers, each 64 of the tile's rows against all 256 weight rows
+// (one m64n256k16 WGMMA per 16 columns of the reduction: gate in accumulator columns 0..127, up in 128..255;
+// one WGMMA group left in flight). 3- or 4-stage ring; a full barrier takes the producer threads' cp.async
+// completions (cp.async.mbarrier.arrive.noinc) and the TMA's bytes, an empty barrier one arrival per consumer
+// warp. The epilogue applies SwiGLU in registers and stores bf16 act rows. A consumer whose 64 rows hold no
+// route (tile_rows) skips its WGMMAs and its stores (half of a group's last tile, often), but keeps the
+// barrier protocol. Measured on the H200 (session 23, bench/RESULTS.md): ~9% slower than the Mosaic kernel
+// on the gathered rows, but the prefill call without the row copy 3-9% faster back to back (Qwen3.6 shape).
 #include <cuda.h>  // CUtensorMap and its enums (types only: the encoder comes through the runtime's entry point)
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
-#include <atomic>
 #include <cstdint>
 #include <string>
 
@@ -41,7 +42,11 @@ constexpr int kThreads = 384;  // producer warpgroup + two consumer warpgroups
 constexpr int kABytes = kTileM * kTileK * 2;        // 16 KiB
 constexpr int kWBytes = 2 * kBlockN * kTileK * 2;   // 32 KiB
 constexpr int kStageBytes = kABytes + kWBytes;      // 48 KiB
-constexpr int smem_bytes(int stages) { return stages * kStageBytes + 1024; }  // + slack: swizzle atoms on 1 KiB
+constexpr int kEpilogueBytes = 64 * kBlockN * 2;  // a consumer's [64, 128] bf16 act tile (the SMEM epilogue)
+// the ring (+ the two consumers' epilogue tiles), + slack: the swizzle atoms sit on 1 KiB
+constexpr int smem_bytes(int stages, bool smem_epilogue) {
+  return stages * kStageBytes + (smem_epilogue ? 2 * kEpilogueBytes : 0) + 1024;
+}
 
 struct GateUpArgs {
   const __nv_bfloat16* x;          // [T, H]
@@ -127,6 +132,11 @@ __device__ __forceinline__ uint64_t sw128_desc(uint32_t addr) {
          (uint64_t{1} << 62);
 }
 
+// Barrier `id` (1, 2: one per consumer warpgroup; 0 is __syncthreads) over that warpgroup's 128 threads.
+__device__ __forceinline__ void named_barrier_sync(int id) {
+  asm volatile("bar.sync %0, 128;" ::"r"(id) : "memory");
+}
+
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 template <int N>
@@ -188,7 +198,7 @@ __device__ __forceinline__ void item_tile(const GateUpArgs& a, int32_t item, int
 __device__ __forceinline__ float swiglu(float g, float u) { return __fdividef(g, 1.0f + __expf(-g)) * u; }
 #endif  // FTJAX_SM90A_DEVICE
 
-template <int kStages>
+template <int kStages, bool kSmemEpilogue>
 __global__ void __launch_bounds__(kThreads, 1)
     prefill_gate_up_gather_kernel(const GateUpArgs a, const __grid_constant__ CUtensorMap w_map) {
 #ifdef FTJAX_SM90A_DEVICE
@@ -196,6 +206,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   __shared__ __align__(8) uint64_t full_bar[kStages], empty_bar[kStages];
   extern __shared__ uint8_t dyn_smem[];
   const uint32_t ring = (smem_addr(dyn_smem) + 1023u) & ~1023u;  // swizzle atoms sit on 1 KiB
+  uint8_t* epilogue = dyn_smem + (ring - smem_addr(dyn_smem)) + kStages * kStageBytes;  // kSmemEpilogue: 2 tiles
   const int tid = threadIdx.x, wg = tid / 128, t = tid % 128;
   if (tid == 0) {
     for (int s = 0; s < kStages; ++s) {
@@ -291,7 +302,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           if (++stage == kStages) stage = 0, phase ^= 1;
         }
       }
-      if (live) {
+      if (live && !kSmemEpilogue) {  // each thread's act pairs straight to global (16-byte runs per 4 lanes)
         const int32_t row = mi * kTileM + cw * 64 + warp * 16 + lane / 4;
         __nv_bfloat16* out = a.act + static_cast<size_t>(row) * a.inter + ni * kBlockN + 2 * (lane % 4);
         const size_t down8 = static_cast<size_t>(8) * a.inter;
@@ -303,6 +314,33 @@ __global__ void __launch_bounds__(kThreads, 1)
               __floats2bfloat162_rn(swiglu(g[0], u[0]), swiglu(g[1], u[1]));
           *reinterpret_cast<__nv_bfloat162*>(out + down8 + 8 * j) =
               __floats2bfloat162_rn(swiglu(g[2], u[2]), swiglu(g[3], u[3]));
+        }
+      }
+      if (live && kSmemEpilogue) {  // through this warpgroup's [64, 128] bf16 SMEM tile, then whole-row stores
+        // 16-byte chunk j of row r sits at chunk j ^ (r % 8): the writes (8 rows x 4 words per warp) and the
+        // reads (2 rows x 16 chunks per warp) both spread over every bank
+        uint8_t* tile = epilogue + cw * kEpilogueBytes;
+        named_barrier_sync(1 + cw);  // this warpgroup's reads of the previous tile are done
+        const int r0 = warp * 16 + lane / 4;
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+          const float* g = acc + 4 * j;
+          const float* u = acc + 64 + 4 * j;
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int r = r0 + 8 * h;
+            *reinterpret_cast<__nv_bfloat162*>(tile + r * 256 + ((j ^ (r & 7)) << 4) + (lane % 4) * 4) =
+                __floats2bfloat162_rn(swiglu(g[2 * h], u[2 * h]), swiglu(g[2 * h + 1], u[2 * h + 1]));
+          }
+        }
+        named_barrier_sync(1 + cw);  // the tile is written
+        const int c = t % 16;
+        __nv_bfloat16* out = a.act + static_cast<size_t>(mi * kTileM + cw * 64) * a.inter + ni * kBlockN + c * 8;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          const int r = t / 16 + 8 * i;
+          *reinterpret_cast<uint4*>(out + static_cast<size_t>(r) * a.inter) =
+              *reinterpret_cast<const uint4*>(tile + r * 256 + ((c ^ (r & 7)) << 4));
         }
       }
     }
@@ -367,7 +405,8 @@ ffi::Error PrefillGateUpImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<
                              ffi::Buffer<ffi::S32> tile_slot, ffi::Buffer<ffi::S32> tile_row0,
                              ffi::Buffer<ffi::S32> tile_rows, ffi::Buffer<ffi::S32> n_launch,
                              ffi::Buffer<ffi::S32> walk, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> act,
-                             int64_t n_blocks, int64_t use_walk, int64_t grid, float x_keep, int64_t stages, int64_t w_promotion) {
+                             int64_t n_blocks, int64_t use_walk, int64_t grid, float x_keep, int64_t stages,
+                             int64_t w_promotion, int64_t epilogue_smem) {
   std::string cc = "unknown";
   if (!device_is_sm90(&cc))
     return ffi::Error::InvalidArgument(tag("needs an sm_90 GPU (H100 / H200), this one is " + cc));
@@ -427,8 +466,13 @@ ffi::Error PrefillGateUpImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<
     }
     return e;
   };
-  const cudaError_t err = stages == 3 ? launch(prefill_gate_up_gather_kernel<3>, smem_bytes(3))
-                                      : launch(prefill_gate_up_gather_kernel<4>, smem_bytes(4));
+  cudaError_t err;
+  if (epilogue_smem)
+    err = stages == 3 ? launch(prefill_gate_up_gather_kernel<3, true>, smem_bytes(3, true))
+                      : launch(prefill_gate_up_gather_kernel<4, true>, smem_bytes(4, true));
+  else
+    err = stages == 3 ? launch(prefill_gate_up_gather_kernel<3, false>, smem_bytes(3, false))
+                      : launch(prefill_gate_up_gather_kernel<4, false>, smem_bytes(4, false));
   if (err != cudaSuccess) return ffi::Error::Internal(tag(std::string("launch: ") + cudaGetErrorString(err)));
   return ffi::Error::Success();
 }
@@ -452,7 +496,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FtjaxPrefillGateUp, PrefillGateUpImpl,
                                   .Attr<int64_t>("grid")
                                   .Attr<float>("x_keep")
                                   .Attr<int64_t>("stages")
-                                  .Attr<int64_t>("w_promotion"),
+                                  .Attr<int64_t>("w_promotion")
+                                  .Attr<int64_t>("epilogue_smem"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 void* prefill_gate_up_handler() { return reinterpret_cast<void*>(FtjaxPrefillGateUp); }

@@ -6,9 +6,9 @@ jnp reference. The prefill's ``gather="fused"``.
 take and read back by the Mosaic GPU kernel, which is DRAM-bound there (session 16). Hopper's TMA has no row
 gather, and a TMA box per row and 64-column slice ran 3.88x slower (session 11), so this kernel is CUDA
 (`cpp/prefill_gate_up_cuda.cu`, sm_90a): its producer warpgroup reads each row tile's rows straight from
-``x`` through ``token_of_input_row`` by cp.async into the 128-byte-swizzled layout that WGMMA reads, and
-two consumer warpgroups run one m64n256k16 WGMMA per 16 reduction columns (128 gate + 128 up weight rows per
-work item). Same tables, same output layout (`act [R_pad, I]` bf16, rows past a tile's routes undefined) as
+``x`` through ``token_of_input_row`` by cp.async into the 128-byte-swizzled layout that WGMMA reads (the
+weights by TMA), and two consumer warpgroups run one m64n256k16 WGMMA per 16 reduction columns (128 gate +
+128 up weight rows per work item). Same tables, same output layout (`act [R_pad, I]` bf16, rows past a tile's routes undefined) as
 the Mosaic kernel, so the down kernel and the combine are unchanged.
 
 Needs a CUDA build of the host module with the sm_90a part, an sm_90 GPU (H100 / H200), bf16 weights,
@@ -35,7 +35,7 @@ def reference_gate_up(x, token_of_input_row, tile_slot, tile_row0, tile_rows, w,
     hi = lax.Precision.HIGHEST
     rows = tile_row0[:, None] + jnp.arange(tile, dtype=jnp.int32)[None, :]  # [M, tile]
     tokens = token_of_input_row[jnp.clip(rows, 0, token_of_input_row.shape[0] - 1)]
-    xr = x.astype(jnp.float32)[tokens]  # [M, 128, H]
+    xr = x.astype(jnp.float32)[tokens]  # [M, tile, H]
     wt = w.astype(jnp.float32)[tile_slot]  # [M, 2I, H]
     gu = jnp.einsum("mrh,mih->mri", xr, wt, precision=hi)
     act = jax.nn.silu(gu[..., :inter]) * gu[..., inter:]
@@ -99,15 +99,21 @@ def default_x_keep(x_shape, itemsize=2) -> float:
 W_PROMOTIONS = {"none": 0, "64": 1, "128": 2, "256": 3}  # the weights' TMA L2 promotion (CUtensorMapL2promotion)
 
 
+EPILOGUES = ("direct", "smem")
+
+
 def gate_up(x, tables, w, *, num_sms: int, x_keep: float | None = None, stages: int = 4,
-            w_promotion: str = "256"):
+            w_promotion: str = "256", epilogue: str = "direct"):
     """Kernel 1 of the prefill on ``x [T, H]`` bf16 (T >= 1) with the route tables (`route_tables`, tile
     128) and ``w [S, 2I, H]`` bf16 -> ``act [R_pad, I]`` bf16 (`check` first).
 
     ``x_keep``: the fraction of the x-row reads marked L2 ``evict_last`` (each row is read by ``k`` row
     tiles at different times, while the weights stream through L2); None: `default_x_keep`; 0: no hint.
     ``stages``: the SMEM ring's depth, 3 or 4 (48 KiB each). ``w_promotion``: the L2 fetch size of the
-    weight tiles' TMA reads (``"none"``, ``"64"``, ``"128"``, ``"256"`` bytes).
+    weight tiles' TMA reads (``"none"``, ``"64"``, ``"128"``, ``"256"`` bytes). ``epilogue``: the act rows
+    stored by each thread straight from its accumulator registers (``"direct"``: 4-byte stores, 16-byte runs) or
+    through a per-warpgroup SMEM tile as whole 256-byte row pieces (``"smem"``: +32 KiB of SMEM; written in
+    session 23, not yet run on a GPU).
     """
     from ftjax.host.ffi import register_targets
 
@@ -121,6 +127,8 @@ def gate_up(x, tables, w, *, num_sms: int, x_keep: float | None = None, stages: 
         raise ValueError(f"stages must be 3 or 4, got {stages}")
     if w_promotion not in W_PROMOTIONS:
         raise ValueError(f"w_promotion must be one of {tuple(W_PROMOTIONS)}, got {w_promotion!r}")
+    if epilogue not in EPILOGUES:
+        raise ValueError(f"epilogue must be one of {EPILOGUES}, got {epilogue!r}")
     walk = tables.walks[0]
     use_walk = walk is not None
     if walk is None:
@@ -130,4 +138,4 @@ def gate_up(x, tables, w, *, num_sms: int, x_keep: float | None = None, stages: 
                 tables.tile_rows, tables.n_launch, walk, w.astype(jnp.bfloat16),
                 n_blocks=np.int64(n_blocks), use_walk=np.int64(use_walk), grid=np.int64(num_sms),
                 x_keep=np.float32(default_x_keep(x.shape) if x_keep is None else x_keep), stages=np.int64(stages),
-                w_promotion=np.int64(W_PROMOTIONS[w_promotion]))
+                w_promotion=np.int64(W_PROMOTIONS[w_promotion]), epilogue_smem=np.int64(epilogue == "smem"))

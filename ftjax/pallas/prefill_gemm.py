@@ -22,7 +22,7 @@ Plan (one screen):
      (137 against 279 us in `bench/prefill_glue.py`) but 1-3% slower in the prefill call on the
      H200, where XLA's take ran 117 us (session 16), so not the default.
   2. kernel 1, gate+up grouped matmul with fused SwiGLU: ``act [R_pad, I]`` bf16. Where it can run
-     (an sm_90 GPU, bf16, the default tiles: ``gather="auto"``), steps 1's gather and 2 are one CUDA
+     (an sm_90 GPU, bf16, the default tiles: ``gather="auto"``), step 1's gather and step 2 are one CUDA
      call that reads the rows of ``x`` through ``token_of_input_row`` (`gate_up_cuda`, session 23): the
      x-row copy (117 us at 8K tokens, Qwen3.6 shape) is gone, though that kernel ran ~9% slower than
      the Mosaic kernel on the same rows; the call at 8K: 0.95 ms against 1.02 steady (0.59 vs 0.55

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import jax
 
+from ftjax.pallas import gate_up_cuda
 from ftjax.pallas.int4 import GROUP as QUANT_GROUP
 from ftjax.pallas.route_tables import IMPLS as PLAN_IMPLS
 
@@ -147,8 +148,6 @@ def resolve_tiles(hidden, inter, *, int4, tile_m, tile_n_gate_up, tile_n_down, t
     if gather not in GATHERS:
         raise ValueError(f"gather must be one of {GATHERS}, got {gather!r}")
     if gather in ("fused", "auto"):
-        from ftjax.pallas import gate_up_cuda
-
         fused = dict(hidden=hidden, inter=inter, tile_m=tile_m, tile_n_gate_up=tile_n_gate_up, int4=int4,
                      interpret=interpret)
         if gather == "fused":

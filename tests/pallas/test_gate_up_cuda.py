@@ -118,16 +118,18 @@ CASES = {
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("band, x_keep, stages", [(None, None, 4), (2, 0.0, 4), (None, 1.0, 4), (None, None, 3)],
-                         ids=["rows", "band2-nohint", "keep1", "s3"])
+@pytest.mark.parametrize("band, x_keep, stages, epilogue", [
+    (None, None, 4, "direct"), (2, 0.0, 4, "direct"), (None, 1.0, 4, "direct"), (None, None, 3, "direct"),
+    (None, None, 4, "smem"), (2, None, 3, "smem")], ids=["rows", "band2-nohint", "keep1", "s3", "smem", "band2-s3-smem"])
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
-def test_kernel_matches_reference_on_gpu(case, band, x_keep, stages):
+def test_kernel_matches_reference_on_gpu(case, band, x_keep, stages, epilogue):
     x, ids, _, valid, slots, gate_up, _ = _problem(5, **case)
     inter = case["I"]
     tables = route_tables.route_tables(ids, valid, slots, n_slots=gate_up.shape[0], tile=128,
                                        walks=((inter // 128, band), (1, None)),
                                        impl=route_tables.resolve_impl("auto", case["E"]))
-    act = jax.jit(functools.partial(gate_up_cuda.gate_up, num_sms=132, x_keep=x_keep, stages=stages))(x, tables, gate_up)
+    act = jax.jit(functools.partial(gate_up_cuda.gate_up, num_sms=132, x_keep=x_keep, stages=stages,
+                                          epilogue=epilogue))(x, tables, gate_up)
     ref = jax.jit(gate_up_cuda.reference_gate_up)(x, tables.token_of_input_row, tables.tile_slot,
                                                   tables.tile_row0, tables.tile_rows, gate_up)
     _check_act(act, ref, _live_rows(tables, 128))
