@@ -460,7 +460,7 @@ def prefill_experts(x, expert_ids, gate_weights, token_valid, gate_up, down, slo
     input rows by XLA's take (``"xla"``), by TMA row copies (``"tma"``, where a row is one TMA
     box, `row_gather`; measured slower in the call), or none: ``"fused"`` runs kernel 1 as a CUDA call
     that reads the rows of ``x`` itself (`gate_up_cuda`: sm_90 GPUs, tile_m 128, tile_n_gate_up 64;
-    ``stages`` and ``cross_tile`` then apply to the down kernel only; ValueError where it cannot run);
+    ``stages``, ``cross_tile`` and ``tile_k`` then apply to the down kernel only; ValueError where it cannot run);
     ``"auto"`` (default): ``"fused"`` where it can run, else ``"xla"`` (always ``"xla"`` for int4).
     ``walk_band``: the order of the persistent grid's tiles. None: output-column blocks fastest
     (neighbouring CTAs share a row tile); an int B: per expert, bands of B row tiles fastest
