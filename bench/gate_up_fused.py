@@ -86,7 +86,8 @@ def main():
             forms = [("mosaic (take + kernel)", jax.jit(mosaic), (x, tables, gate_up)),
                      ("mosaic kernel alone", jax.jit(mosaic_no_gather), (x_rows, tables, gate_up))]
             for keep in [None] + list(args.keep):
-                name = f"fused x_keep {'default ' + format(gate_up_cuda.default_x_keep(x.shape), '.3f') if keep is None else keep}"
+                shown = f"default {gate_up_cuda.default_x_keep(x.shape):.3f}" if keep is None else keep
+                name = f"fused x_keep {shown}"
                 fn = jax.jit(functools.partial(gate_up_cuda.gate_up, num_sms=num_sms, x_keep=keep))
                 forms.append((name, fn, (x, tables, gate_up)))
             for promo in args.promotions:

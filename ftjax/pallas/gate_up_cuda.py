@@ -8,8 +8,8 @@ gather, and a TMA box per row and 64-column slice ran 3.88x slower (session 11),
 (`cpp/prefill_gate_up_cuda.cu`, sm_90a): its producer warpgroup reads each row tile's rows straight from
 ``x`` through ``token_of_input_row`` by cp.async into the 128-byte-swizzled layout that WGMMA reads (the
 weights by TMA), and two consumer warpgroups run one m64n256k16 WGMMA per 16 reduction columns (128 gate +
-128 up weight rows per work item). Same tables, same output layout (`act [R_pad, I]` bf16, rows past a tile's routes undefined) as
-the Mosaic kernel, so the down kernel and the combine are unchanged.
+128 up weight rows per work item). Same tables, same output layout (`act [R_pad, I]` bf16, rows past a tile's
+routes undefined) as the Mosaic kernel, so the down kernel and the combine are unchanged.
 
 Needs a CUDA build of the host module with the sm_90a part, an sm_90 GPU (H100 / H200), bf16 weights,
 128-row tiles, ``H % 64 == 0`` and ``I % 128 == 0`` (`check`).

@@ -120,7 +120,8 @@ CASES = {
 @gpu
 @pytest.mark.parametrize("band, x_keep, stages, epilogue", [
     (None, None, 4, "direct"), (2, 0.0, 4, "direct"), (None, 1.0, 4, "direct"), (None, None, 3, "direct"),
-    (None, None, 4, "smem"), (2, None, 3, "smem")], ids=["rows", "band2-nohint", "keep1", "s3", "smem", "band2-s3-smem"])
+    (None, None, 4, "smem"), (2, None, 3, "smem")],
+    ids=["rows", "band2-nohint", "keep1", "s3", "smem", "band2-s3-smem"])
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
 def test_kernel_matches_reference_on_gpu(case, band, x_keep, stages, epilogue):
     x, ids, _, valid, slots, gate_up, _ = _problem(5, **case)
