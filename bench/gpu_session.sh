@@ -67,8 +67,8 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/build.log"
 tok=.carry/qwen3-tokenizer
 for s in "${steps[@]}"; do
   case $s in
-    # The whole GPU suite no longer fits one step: host + experts ran 93 tests in > 330 s and tests/pallas 32 in
-    # 200 s in session 23 (its 45 cases compile many kernels): `tests` then `tests-pallas`, one device call each.
+    # The whole GPU suite no longer fits one step: in session 23 it ran 93 of its ~108 cases in 330 s, and
+    # tests/pallas alone 32 of its 45 in 200 s (they compile many kernels): `tests` then `tests-pallas`.
     tests) run gpu_tests 540 python3 -m pytest -q -m gpu tests/host tests/experts ;;
     host) run host_runtime 120 python3 bench/host_runtime.py --no-cpu --out "$OUT/host_runtime.json" ;;
     cpu) run cpu_tests 60 python3 -m pytest -q tests/host/test_kernels.py
