@@ -124,10 +124,12 @@ for s in "${steps[@]}"; do
            --metrics dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sector_hit_rate.pct \
            python3 bench/prefill_counters.py --shape 2048x512 --gathers xla fused
        fi ;;
-    ncu-gate-up-forms)  # Nsight Compute: DRAM bytes of every kernel-1 form of bench/gate_up_fused.py, Qwen 8K (~3 min)
+    ncu-gate-up-forms)  # Nsight Compute: DRAM bytes (and L2 traffic by source unit: cp.async vs TMA) of every
+                        # kernel-1 form of bench/gate_up_fused.py, Qwen 8K (~3 min)
        NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
        if [ -z "$NCU" ]; then echo "no ncu on this machine" | tee "$OUT/ncu_gate_up_forms.log"; else
          run ncu_gate_up_forms 240 "$NCU" -k regex:prefill_gate_up --section SpeedOfLight \
+           --section MemoryWorkloadAnalysis_Tables \
            --metrics dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sector_hit_rate.pct \
            python3 bench/gate_up_fused.py --shapes 2048x512 --tokens 8192 --keep 0 1 --promotions none --once
          # the forms in order: Mosaic (take + kernel), Mosaic alone, fused default, x_keep 0, x_keep 1, promotion
