@@ -39,6 +39,8 @@ def main():
                     help="x_keep values of the fused kernel (its default is also run)")
     ap.add_argument("--promotions", nargs="*", default=["none", "128"], choices=tuple(gate_up_cuda.W_PROMOTIONS),
                     help="weights' TMA L2 promotions to run beside the default")
+    ap.add_argument("--bands", nargs="*", type=int, default=[2],
+                    help="walk bands of the fused kernel's tiles to run beside the default walk")
     ap.add_argument("--routing", choices=("uniform", "trace"), default="uniform")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--once", action="store_true",
@@ -99,6 +101,14 @@ def main():
             forms.append(("fused on x_rows in order", jax.jit(functools.partial(gate_up_cuda.gate_up, num_sms=num_sms,
                                                                                 x_keep=0.0)),
                           (x_rows, in_order, gate_up)))
+            for band in args.bands:  # the tiles walked per expert band (`routing.tile_walk`): same tiles, other order
+                banded = tables._replace(walks=route_tables.route_tables(
+                    ids, valid, slots, n_slots=gate_up.shape[0], tile=128,
+                    walks=((inter // 128, band), (hidden // 256, None)),
+                    impl=route_tables.resolve_impl("auto", args.experts)).walks)
+                forms.append((f"fused, walk band {band}", jax.jit(functools.partial(gate_up_cuda.gate_up,
+                                                                                    num_sms=num_sms)),
+                              (x, banded, gate_up)))
             rows_of = jnp.arange(tables.tile_rows.shape[0] * 128)
             live = (rows_of % 128 < tables.tile_rows[rows_of // 128]) & (rows_of // 128 < tables.n_launch[0])
             ref = None
