@@ -63,6 +63,24 @@ def test_fused_gather_options_raise(kwargs, match):
         jax.eval_shape(fn, *shapes)
 
 
+def test_auto_gather_takes_the_fused_kernel_only_where_it_can_run(monkeypatch):
+    """``gather="auto"``: fused where `gate_up_cuda.why_not` finds nothing, else XLA's take."""
+    from ftjax.pallas import prefill_options
+
+    def gather(available, **kw):
+        monkeypatch.setattr(gate_up_cuda, "available", lambda: available)
+        opts = dict(int4=False, tile_m=128, tile_n_gate_up=64, tile_n_down=128, tile_k=64, stages=3, num_sms=132,
+                    interpret=False, cross_tile=False, gather="auto", walk_band="auto")
+        return prefill_options.resolve_tiles(2048, 512, **{**opts, **kw})[8]
+
+    assert gather(True) == "fused"
+    assert gather(False) == "xla"  # no sm_90 GPU / CUDA part
+    assert gather(True, int4=True) == "xla"
+    assert gather(True, tile_m=64) == "xla"
+    assert gather(True, interpret=True) == "xla"
+    assert gather(True, gather="xla") == "xla"
+
+
 def test_default_x_keep():
     assert gate_up_cuda.default_x_keep((8192, 2048)) == 0.75  # 32 MiB of bf16 rows, 24 MiB kept
     assert gate_up_cuda.default_x_keep((100, 2048)) == 1.0
