@@ -35,12 +35,16 @@ def main():
     ap.add_argument("--tokens", nargs="+", type=int, default=[8192, 16384])
     ap.add_argument("--experts", type=int, default=256)
     ap.add_argument("--top-k", type=int, default=8)
-    ap.add_argument("--keep", nargs="+", type=float, default=[0.0, 1.0],
+    ap.add_argument("--keep", nargs="*", type=float, default=[0.0, 1.0],
                     help="x_keep values of the fused kernel (its default is also run)")
     ap.add_argument("--promotions", nargs="*", default=["none", "128"], choices=tuple(gate_up_cuda.W_PROMOTIONS),
                     help="weights' TMA L2 promotions to run beside the default")
     ap.add_argument("--bands", nargs="*", type=int, default=[2],
                     help="walk bands of the fused kernel's tiles to run beside the default walk")
+    ap.add_argument("--epilogues", nargs="+", default=list(gate_up_cuda.EPILOGUES), choices=gate_up_cuda.EPILOGUES,
+                    help="the epilogue forms timed at every walk (--bands and the default walk)")
+    ap.add_argument("--silus", nargs="+", default=list(gate_up_cuda.SILUS), choices=gate_up_cuda.SILUS,
+                    help="the epilogue's sigmoid forms timed at every walk and epilogue")
     ap.add_argument("--routing", choices=("uniform", "trace"), default="uniform")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--once", action="store_true",
@@ -91,8 +95,6 @@ def main():
             for promo in args.promotions:
                 forms.append((f"fused, weights L2 promotion {promo}", jax.jit(functools.partial(
                     gate_up_cuda.gate_up, num_sms=num_sms, w_promotion=promo)), (x, tables, gate_up)))
-            forms.append(("fused, SMEM epilogue", jax.jit(functools.partial(gate_up_cuda.gate_up, num_sms=num_sms,
-                                                                            epilogue="smem")), (x, tables, gate_up)))
             forms.append(("fused, 3 stages", jax.jit(functools.partial(gate_up_cuda.gate_up, num_sms=num_sms,
                                                                        stages=3)), (x, tables, gate_up)))
             # the same kernel on the gathered rows read in order (token of input row i = i): what the row
@@ -101,14 +103,21 @@ def main():
             forms.append(("fused on x_rows in order", jax.jit(functools.partial(gate_up_cuda.gate_up, num_sms=num_sms,
                                                                                 x_keep=0.0)),
                           (x_rows, in_order, gate_up)))
-            for band in args.bands:  # the tiles walked per expert band (`routing.tile_walk`): same tiles, other order
-                banded = tables._replace(walks=route_tables.route_tables(
+            # the tiles walked per expert band (`routing.tile_walk`: same tiles, other order) x the epilogue's
+            # stores x its sigmoid (the default form is band "auto", direct, exp: already above)
+            for band in [None] + list(args.bands):
+                walked = tables if band is None else tables._replace(walks=route_tables.route_tables(
                     ids, valid, slots, n_slots=gate_up.shape[0], tile=128,
                     walks=((inter // 128, band), (hidden // 256, None)),
                     impl=route_tables.resolve_impl("auto", args.experts)).walks)
-                forms.append((f"fused, walk band {band}", jax.jit(functools.partial(gate_up_cuda.gate_up,
-                                                                                    num_sms=num_sms)),
-                              (x, banded, gate_up)))
+                for epilogue in args.epilogues:
+                    for silu in args.silus:
+                        if band is None and epilogue == "direct" and silu == "exp":
+                            continue
+                        name = f"fused, walk {band or 'auto'}, {epilogue}, {silu}"
+                        forms.append((name, jax.jit(functools.partial(gate_up_cuda.gate_up, num_sms=num_sms,
+                                                                      epilogue=epilogue, silu=silu)),
+                                      (x, walked, gate_up)))
             rows_of = jnp.arange(tables.tile_rows.shape[0] * 128)
             live = (rows_of % 128 < tables.tile_rows[rows_of // 128]) & (rows_of // 128 < tables.n_launch[0])
             ref = None

@@ -21,6 +21,8 @@
 # prefill-trace (the Qwen shape's prefill call op by op, 8K and 16K).
 # Session 23 steps: prefill-fused (kernel 1 with the x-row gather fused in, a CUDA call: GPU tests, default vs
 # fused at $PIPE_TOKENS, default 8K and 16K).
+# Session 24 steps: fused-forms (the fused kernel 1's walk bands x SMEM / direct epilogue x exp / tanh sigmoid, alone and
+# in the Qwen prefill; its GPU tests).
 # Session 21 steps: prefill-plan (the route tables by one CUDA call vs XLA's plan: GPU tests, pipelines at 8K / 16K).
 # Session 13 steps: tests-plan (the fused plan's GPU tests + the CUDA offload tests, ~2.5 min), decode-plan-b1 /
 # -b4 (lru-split with the fused plan vs the jnp plan, lru-fill; ~4.5 min).
@@ -116,6 +118,16 @@ for s in "${steps[@]}"; do
        run prefill_fused 300 python3 bench/kernels.py --only prefill --pipelines --shapes 2048x512 4096x2048 \
          --dtypes bf16 --tokens ${PIPE_TOKENS:-8192 16384} --iters 5 --chain ${CHAIN:-2} --profile /tmp/pfused \
          --configs "default" "fused gather" --out "$OUT/prefill_fused.json" ;;
+    fused-forms)  # kernel 1 alone: the fused kernel's walks x epilogues x sigmoids (Qwen 8K / 16K, DeepSeek-like 8K),
+                  # then the Qwen prefill with them, then the fused kernel's GPU tests (~9 min)
+       run fused_forms 220 python3 bench/gate_up_fused.py --shapes 2048x512 --tokens 8192 16384 --keep --promotions \
+         --bands 2 4 --iters 5 --out "$OUT/fused_forms_qwen.json"
+       run fused_forms 100 python3 bench/gate_up_fused.py --shapes 4096x2048 --tokens 8192 --keep --promotions \
+         --bands 4 --iters 5 --out "$OUT/fused_forms_ds.json"
+       run fused_forms_pipe 170 python3 bench/kernels.py --only prefill --pipelines --shapes 2048x512 \
+         --dtypes bf16 --tokens ${PIPE_TOKENS:-8192 16384} --iters 5 --chain ${CHAIN:-2} \
+         --configs "default" "fused walk2" "fused smem" "fused tanh" "fused walk2 smem tanh" --out "$OUT/fused_forms_pipe.json"
+       run fused_forms_tests 150 python3 -m pytest -q -m gpu tests/pallas/test_gate_up_cuda.py ;;
     ncu-gate-up)  # Nsight Compute: kernel 1 of the Qwen shape at 8K, Mosaic (gathered rows) then fused (CUDA) (~2 min)
        NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
        if [ -z "$NCU" ]; then echo "no ncu on this machine" | tee "$OUT/ncu_gate_up.log"; else

@@ -320,6 +320,12 @@ PIPELINE_CONFIGS = {  # (name, kwargs): the per-tile ring against a CTA's tiles 
     "per-tile s3 tma-gather": dict(stages=3, cross_tile=False, gather="tma", walk_band=None),
     # kernel 1 as a CUDA call reading x through the tables (`gate_up_cuda`, sm_90): no x-row gather
     "fused gather": dict(gather="fused"),
+    # the fused kernel 1's walk (expert bands of 2 row tiles), its epilogue stores and its sigmoid (session 24)
+    "fused walk2": dict(gather="fused", walk_band=(2, None)),
+    "fused smem": dict(gather="fused", fused_options=(("epilogue", "smem"),)),
+    "fused tanh": dict(gather="fused", fused_options=(("silu", "tanh"),)),
+    "fused walk2 smem tanh": dict(gather="fused", walk_band=(2, None),
+                                  fused_options=(("epilogue", "smem"), ("silu", "tanh"))),
     # the tiles walked per expert band (neighbouring CTAs share a weight block, `routing.tile_walk`)
     "per-tile s3 walk2": dict(stages=3, cross_tile=False, walk_band=2),
     "per-tile s3 walk3": dict(stages=3, cross_tile=False, walk_band=3),

@@ -106,10 +106,39 @@ W_PROMOTIONS = {"none": 0, "64": 1, "128": 2, "256": 3}  # the weights' TMA L2 p
 
 
 EPILOGUES = ("direct", "smem")
+SILUS = ("exp", "tanh")  # the epilogue's sigmoid: 1 / (1 + exp(-g)) (two MUFU ops) or 0.5 (1 + tanh(g / 2)) (one)
+
+
+OPTIONS = ("x_keep", "stages", "w_promotion", "epilogue", "silu")  # `gate_up`'s kernel options
+
+
+def check_options(*, x_keep=None, stages=4, w_promotion="256", epilogue="direct", silu="exp") -> None:
+    """Raise ValueError naming the first of `gate_up`'s kernel options out of its range."""
+    if x_keep is not None and not (isinstance(x_keep, (int, float)) and 0.0 <= x_keep <= 1.0):
+        raise ValueError(f"x_keep must be in [0, 1], got {x_keep}")
+    if stages not in (3, 4):
+        raise ValueError(f"stages must be 3 or 4, got {stages}")
+    if w_promotion not in W_PROMOTIONS:
+        raise ValueError(f"w_promotion must be one of {tuple(W_PROMOTIONS)}, got {w_promotion!r}")
+    if epilogue not in EPILOGUES:
+        raise ValueError(f"epilogue must be one of {EPILOGUES}, got {epilogue!r}")
+    if silu not in SILUS:
+        raise ValueError(f"silu must be one of {SILUS}, got {silu!r}")
+
+
+def kernel_options(options) -> dict:
+    """``options`` (None, a dict or ``(name, value)`` pairs: the prefill's hashable form) as `gate_up` keywords,
+    checked (ValueError for an unknown name or a value out of range)."""
+    opts = dict(options or ())
+    unknown = sorted(set(opts) - set(OPTIONS))
+    if unknown:
+        raise ValueError(f"unknown fused kernel option(s) {unknown}: the options are {OPTIONS}")
+    check_options(**opts)
+    return opts
 
 
 def gate_up(x, tables, w, *, num_sms: int, x_keep: float | None = None, stages: int = 4,
-            w_promotion: str = "256", epilogue: str = "direct"):
+            w_promotion: str = "256", epilogue: str = "direct", silu: str = "exp"):
     """Kernel 1 of the prefill on ``x [T, H]`` bf16 (T >= 1) with the route tables (`route_tables`, tile
     128) and ``w [S, 2I, H]`` bf16 -> ``act [R_pad, I]`` bf16 (`check` first).
 
@@ -118,8 +147,9 @@ def gate_up(x, tables, w, *, num_sms: int, x_keep: float | None = None, stages: 
     ``stages``: the SMEM ring's depth, 3 or 4 (48 KiB each). ``w_promotion``: the L2 fetch size of the
     weight tiles' TMA reads (``"none"``, ``"64"``, ``"128"``, ``"256"`` bytes). ``epilogue``: the act rows
     stored by each thread straight from its accumulator registers (``"direct"``: 4-byte stores, 16-byte runs) or
-    through a per-warpgroup SMEM tile as whole 256-byte row pieces (``"smem"``: +32 KiB of SMEM; written in
-    session 23, not yet run on a GPU).
+    through a per-warpgroup SMEM tile as whole 256-byte row pieces (``"smem"``: +32 KiB of SMEM). ``silu``: the
+    sigmoid in ``silu(g) = g * sigmoid(g)`` as ``1 / (1 + exp(-g))`` (``"exp"``: ex2 and rcp, two MUFU ops) or
+    ``0.5 (1 + tanh(g / 2))`` (``"tanh"``: one ``tanh.approx.f32``, absolute error ~5e-4 in the sigmoid).
     """
     from ftjax.host.ffi import register_targets
 
@@ -127,14 +157,7 @@ def gate_up(x, tables, w, *, num_sms: int, x_keep: float | None = None, stages: 
     n_row_tiles = tables.tile_slot.shape[0]
     inter = w.shape[1] // 2
     n_blocks = inter // BLOCK_N
-    if x_keep is not None and not 0.0 <= x_keep <= 1.0:
-        raise ValueError(f"x_keep must be in [0, 1], got {x_keep}")
-    if stages not in (3, 4):
-        raise ValueError(f"stages must be 3 or 4, got {stages}")
-    if w_promotion not in W_PROMOTIONS:
-        raise ValueError(f"w_promotion must be one of {tuple(W_PROMOTIONS)}, got {w_promotion!r}")
-    if epilogue not in EPILOGUES:
-        raise ValueError(f"epilogue must be one of {EPILOGUES}, got {epilogue!r}")
+    check_options(x_keep=x_keep, stages=stages, w_promotion=w_promotion, epilogue=epilogue, silu=silu)
     walk = tables.walks[0]
     use_walk = walk is not None
     if walk is None:
@@ -144,4 +167,5 @@ def gate_up(x, tables, w, *, num_sms: int, x_keep: float | None = None, stages: 
                 tables.tile_rows, tables.n_launch, walk, w.astype(jnp.bfloat16),
                 n_blocks=np.int64(n_blocks), use_walk=np.int64(use_walk), grid=np.int64(num_sms),
                 x_keep=np.float32(default_x_keep(x.shape) if x_keep is None else x_keep), stages=np.int64(stages),
-                w_promotion=np.int64(W_PROMOTIONS[w_promotion]), epilogue_smem=np.int64(epilogue == "smem"))
+                w_promotion=np.int64(W_PROMOTIONS[w_promotion]), epilogue_smem=np.int64(epilogue == "smem"),
+                silu_tanh=np.int64(silu == "tanh"))

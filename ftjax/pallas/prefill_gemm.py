@@ -401,7 +401,7 @@ def _grouped_matmul(a, tile_slot, tile_row0, tile_rows, n_tiles, weights, *, n_o
 
 
 def _prefill(x, expert_ids, gate_weights, token_valid, slot_of_expert, gu_weights, d_weights,
-             *, hidden, inter, tiles):
+             *, hidden, inter, tiles, fused_options=None):
     (tile_m, tile_n_gate_up, tile_n_down, tile_k, stages, num_sms, interpret, cross_tile, gather,
      walk_band, plan_impl) = tiles
     num_experts = slot_of_expert.shape[0]
@@ -411,7 +411,8 @@ def _prefill(x, expert_ids, gate_weights, token_valid, slot_of_expert, gu_weight
                                        tile=tile_m, walks=tuple(zip(blocks, walk_band)), impl=impl)
     common = dict(tile_m=tile_m, tile_k=tile_k, num_sms=num_sms, interpret=interpret)
     if gather == "fused" and x.shape[0] > 0:  # kernel 1 reads x through the tables (CUDA, sm_90a)
-        act = gate_up_cuda.gate_up(x, tables, gu_weights[0], num_sms=num_sms)
+        act = gate_up_cuda.gate_up(x, tables, gu_weights[0], num_sms=num_sms,
+                                   **gate_up_cuda.kernel_options(fused_options))
     else:
         x_rows = _input_rows(x.astype(jnp.bfloat16), tables, gather=gather, num_sms=num_sms,
                              interpret=interpret)
@@ -427,6 +428,7 @@ def _prefill(x, expert_ids, gate_weights, token_valid, slot_of_expert, gu_weight
 
 _STATIC = ("tile_m", "tile_n_gate_up", "tile_n_down", "tile_k", "stages", "num_sms", "interpret",
            "cross_tile", "gather", "walk_band", "plan_impl")
+_STATIC_BF16 = _STATIC + ("fused_options",)
 
 
 def _input_rows(x, tables, *, gather, num_sms, interpret):
@@ -438,11 +440,11 @@ def _input_rows(x, tables, *, gather, num_sms, interpret):
     return routing.gather_input_rows(x, tables)
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC)
+@functools.partial(jax.jit, static_argnames=_STATIC_BF16)
 def prefill_experts(x, expert_ids, gate_weights, token_valid, gate_up, down, slot_of_expert, *,
                     tile_m=128, tile_n_gate_up=64, tile_n_down=128, tile_k=64, stages=(3, 4),
                     num_sms=None, interpret=False, cross_tile=None, gather="auto", walk_band="auto",
-                    plan_impl="auto"):
+                    plan_impl="auto", fused_options=None):
     """Mosaic GPU prefill expert MLP, bf16 weights; same contract as `reference_prefill_experts`.
 
     x [T, H]; expert_ids [T, k] int32 in 0..E-1; gate_weights [T, k]; token_valid [T] bool (or
@@ -468,8 +470,11 @@ def prefill_experts(x, expert_ids, gate_weights, token_valid, gate_up, down, slo
     ``"auto"`` (default): 2 for a kernel of 16+ output blocks, else None (`prefill_options.walk_bands`).
     ``plan_impl``: who builds the route tables (`route_tables`): ``"jnp"`` (XLA), ``"cuda"`` (one
     call of the host module's CUDA build, three small kernels) or ``"auto"`` (default: CUDA where it can run).
+    ``fused_options``: where kernel 1 is the fused CUDA call, its kernel options (`gate_up_cuda.OPTIONS`) as
+    ``(name, value)`` pairs (hashable), e.g. ``(("epilogue", "smem"),)``; None: `gate_up_cuda.gate_up`'s defaults.
     """
     check_routing(x, expert_ids, gate_weights, token_valid, slot_of_expert)
+    gate_up_cuda.kernel_options(fused_options)  # checked even where kernel 1 is not the fused call
     hidden, inter = x.shape[1], down.shape[-1]
     if gate_up.shape[1:] != (2 * inter, hidden) or down.shape[1:] != (hidden, inter) \
             or gate_up.shape[0] != down.shape[0]:
@@ -482,7 +487,7 @@ def prefill_experts(x, expert_ids, gate_weights, token_valid, gate_up, down, slo
                               plan_impl=plan_impl)
     return _prefill(x, expert_ids, gate_weights, token_valid, slot_of_expert,
                     (gate_up.astype(jnp.bfloat16),), (down.astype(jnp.bfloat16),),
-                    hidden=hidden, inter=inter, tiles=tiles)
+                    hidden=hidden, inter=inter, tiles=tiles, fused_options=fused_options)
 
 
 def _as_int4(packed):

@@ -63,6 +63,18 @@ def test_fused_gather_options_raise(kwargs, match):
         jax.eval_shape(fn, *shapes)
 
 
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(x_keep=1.5), r"x_keep must be in \[0, 1\]"), (dict(stages=2), r"stages must be 3 or 4"),
+    (dict(w_promotion="512"), r"w_promotion must be one of"), (dict(epilogue="tma"), r"epilogue must be one of"),
+    (dict(silu="erf"), r"silu must be one of"),
+])
+def test_kernel_options_raise(kwargs, match):
+    x, ids, _, valid, slots, gate_up, _ = _problem(3, T=16, k=2, H=128, I=128, E=4, S=4)
+    tables = route_tables.route_tables(ids, valid, slots, n_slots=gate_up.shape[0], tile=128, impl="jnp")
+    with pytest.raises(ValueError, match=match):
+        jax.eval_shape(functools.partial(gate_up_cuda.gate_up, num_sms=2, **kwargs), x, tables, gate_up)
+
+
 def test_auto_gather_takes_the_fused_kernel_only_where_it_can_run(monkeypatch):
     """``gather="auto"``: fused where `gate_up_cuda.why_not` finds nothing, else XLA's take."""
     from ftjax.pallas import prefill_options
@@ -136,19 +148,20 @@ CASES = {
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("band, x_keep, stages, epilogue", [
-    (None, None, 4, "direct"), (2, 0.0, 4, "direct"), (None, 1.0, 4, "direct"), (None, None, 3, "direct"),
-    (None, None, 4, "smem"), (2, None, 3, "smem")],
-    ids=["rows", "band2-nohint", "keep1", "s3", "smem", "band2-s3-smem"])
+@pytest.mark.parametrize("band, x_keep, stages, epilogue, silu", [
+    (None, None, 4, "direct", "exp"), (2, 0.0, 4, "direct", "exp"), (None, 1.0, 4, "direct", "exp"),
+    (None, None, 3, "direct", "exp"), (None, None, 4, "smem", "exp"), (2, None, 3, "smem", "exp"),
+    (None, None, 4, "direct", "tanh"), (2, None, 4, "smem", "tanh")],
+    ids=["rows", "band2-nohint", "keep1", "s3", "smem", "band2-s3-smem", "tanh", "band2-smem-tanh"])
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
-def test_kernel_matches_reference_on_gpu(case, band, x_keep, stages, epilogue):
+def test_kernel_matches_reference_on_gpu(case, band, x_keep, stages, epilogue, silu):
     x, ids, _, valid, slots, gate_up, _ = _problem(5, **case)
     inter = case["I"]
     tables = route_tables.route_tables(ids, valid, slots, n_slots=gate_up.shape[0], tile=128,
                                        walks=((inter // 128, band), (1, None)),
                                        impl=route_tables.resolve_impl("auto", case["E"]))
     act = jax.jit(functools.partial(gate_up_cuda.gate_up, num_sms=132, x_keep=x_keep, stages=stages,
-                                          epilogue=epilogue))(x, tables, gate_up)
+                                          epilogue=epilogue, silu=silu))(x, tables, gate_up)
     ref = jax.jit(gate_up_cuda.reference_gate_up)(x, tables.token_of_input_row, tables.tile_slot,
                                                   tables.tile_row0, tables.tile_rows, gate_up)
     _check_act(act, ref, _live_rows(tables, 128))
