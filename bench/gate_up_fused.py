@@ -1,7 +1,8 @@
 """The prefill's kernel 1 (gate+up with SwiGLU) alone: the Mosaic GPU kernel on the gathered x rows (XLA's
 take + `prefill_gemm._grouped_matmul`) against the CUDA kernel that reads x through the tables
-(`gate_up_cuda`, the prefill's ``gather="fused"``), at several ``x_keep`` (the fraction of x-row reads
-marked L2 evict_last). Needs an sm_90 GPU.
+(`gate_up_cuda`, the prefill's ``gather="fused"``): its defaults, several ``x_keep`` (the fraction of x-row reads
+marked L2 evict_last), L2 promotions, 3 stages, the rows read in order, and every walk (``--bands``, plus output
+blocks fastest) x epilogue (``--epilogues``) x sigmoid (``--silus``). Needs an sm_90 GPU.
 
 Prints per shape and token count: per call back to back (ms) and the ratio of kernel 1's FLOPs (``4 T k H I``)
 per second to the dense bf16 matmul ceiling measured in the same run; the route tables are built once, outside
@@ -40,9 +41,9 @@ def main():
     ap.add_argument("--promotions", nargs="*", default=["none", "128"], choices=tuple(gate_up_cuda.W_PROMOTIONS),
                     help="weights' TMA L2 promotions to run beside the default")
     ap.add_argument("--bands", nargs="*", type=int, default=[2],
-                    help="walk bands of the fused kernel's tiles to run beside the default walk")
+                    help="walk bands of the fused kernel's tiles to run beside the output-blocks-fastest walk")
     ap.add_argument("--epilogues", nargs="+", default=list(gate_up_cuda.EPILOGUES), choices=gate_up_cuda.EPILOGUES,
-                    help="the epilogue forms timed at every walk (--bands and the default walk)")
+                    help="the epilogue forms timed at every walk (--bands and the output-blocks-fastest walk)")
     ap.add_argument("--silus", nargs="+", default=list(gate_up_cuda.SILUS), choices=gate_up_cuda.SILUS,
                     help="the epilogue's sigmoid forms timed at every walk and epilogue")
     ap.add_argument("--routing", choices=("uniform", "trace"), default="uniform")
@@ -67,12 +68,17 @@ def main():
             (x, ids, _, valid), (gate_up, _), slots = _inputs(jax.random.key(T), T, args.top_k, hidden, inter,
                                                               args.experts, args.experts, False,
                                                               routing=args.routing)
-            bands = prefill_options.walk_bands("auto", (inter // 128, hidden // 256))
-            tables = route_tables.route_tables(
-                ids, valid, slots, n_slots=gate_up.shape[0], tile=128,
-                walks=((inter // 128, bands[0]), (hidden // 256, None)),
-                impl=route_tables.resolve_impl("auto", args.experts))
-            tables = jax.block_until_ready(tables)
+
+            def tables_walked(band):  # the route tables with kernel 1's tiles walked in expert bands of `band`
+                return jax.block_until_ready(route_tables.route_tables(
+                    ids, valid, slots, n_slots=gate_up.shape[0], tile=128,
+                    walks=((inter // 128, band), (hidden // 256, None)),
+                    impl=route_tables.resolve_impl("auto", args.experts)))
+
+            # each kernel with the prefill's "auto" walk: the Mosaic kernel's by its output blocks, the fused one's
+            mosaic_band = prefill_options.walk_bands("auto", (inter // 128, hidden // 256))[0]
+            fused_band = prefill_options.walk_bands("auto", (inter // 128, hidden // 256), fused=True)[0]
+            tables, fused_tables = tables_walked(mosaic_band), tables_walked(fused_band)
             flops = 4 * T * args.top_k * hidden * inter
 
             def mosaic_no_gather(x_rows, tables, w):  # the prefill's kernel 1 with its defaults (bf16)
@@ -91,30 +97,27 @@ def main():
                 shown = f"default {gate_up_cuda.default_x_keep(x.shape):.3f}" if keep is None else keep
                 name = f"fused x_keep {shown}"
                 fn = jax.jit(functools.partial(gate_up_cuda.gate_up, num_sms=num_sms, x_keep=keep))
-                forms.append((name, fn, (x, tables, gate_up)))
+                forms.append((name, fn, (x, fused_tables, gate_up)))
             for promo in args.promotions:
                 forms.append((f"fused, weights L2 promotion {promo}", jax.jit(functools.partial(
-                    gate_up_cuda.gate_up, num_sms=num_sms, w_promotion=promo)), (x, tables, gate_up)))
+                    gate_up_cuda.gate_up, num_sms=num_sms, w_promotion=promo)), (x, fused_tables, gate_up)))
             forms.append(("fused, 3 stages", jax.jit(functools.partial(gate_up_cuda.gate_up, num_sms=num_sms,
-                                                                       stages=3)), (x, tables, gate_up)))
+                                                                       stages=3)), (x, fused_tables, gate_up)))
             # the same kernel on the gathered rows read in order (token of input row i = i): what the row
             # gather itself costs the kernel
-            in_order = tables._replace(token_of_input_row=jnp.arange(x_rows.shape[0], dtype=jnp.int32))
+            in_order = fused_tables._replace(token_of_input_row=jnp.arange(x_rows.shape[0], dtype=jnp.int32))
             forms.append(("fused on x_rows in order", jax.jit(functools.partial(gate_up_cuda.gate_up, num_sms=num_sms,
                                                                                 x_keep=0.0)),
                           (x_rows, in_order, gate_up)))
-            # the tiles walked per expert band (`routing.tile_walk`: same tiles, other order) x the epilogue's
-            # stores x its sigmoid (the default form is band "auto", direct, exp: already above)
-            for band in [None] + list(args.bands):
-                walked = tables if band is None else tables._replace(walks=route_tables.route_tables(
-                    ids, valid, slots, n_slots=gate_up.shape[0], tile=128,
-                    walks=((inter // 128, band), (hidden // 256, None)),
-                    impl=route_tables.resolve_impl("auto", args.experts)).walks)
+            # the tiles walked per expert band (`routing.tile_walk`: same tiles, other order; 0: output blocks
+            # fastest) x the epilogue's stores x its sigmoid, less the fused default form (already above)
+            for band in [0] + list(args.bands):
+                walked = tables_walked(band or None)
                 for epilogue in args.epilogues:
                     for silu in args.silus:
-                        if band is None and epilogue == "direct" and silu == "exp":
+                        if (band or None) == fused_band and epilogue == "smem" and silu == "exp":
                             continue
-                        name = f"fused, walk {band or 'auto'}, {epilogue}, {silu}"
+                        name = f"fused, walk {band or 'rows'}, {epilogue}, {silu}"
                         forms.append((name, jax.jit(functools.partial(gate_up_cuda.gate_up, num_sms=num_sms,
                                                                       epilogue=epilogue, silu=silu)),
                                       (x, walked, gate_up)))

@@ -145,7 +145,8 @@ for s in "${steps[@]}"; do
            --metrics dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sector_hit_rate.pct \
            python3 bench/gate_up_fused.py --shapes 2048x512 --tokens 8192 --keep 0 1 --promotions none --once
          # the forms in order: Mosaic (take + kernel), Mosaic alone, fused default, x_keep 0, x_keep 1, promotion
-         # none, SMEM epilogue, 3 stages, in-order rows, walk band 2
+         # none, 3 stages, in-order rows, then walk (rows, band 2) x epilogue (direct, smem) x sigmoid (exp, tanh)
+         # less the default (session 23's run, before the grid: ... SMEM epilogue, 3 stages, in-order rows, band 2)
        fi ;;
     gate-up-fused)  # the fused kernel 1's GPU tests, then kernel 1 alone: Mosaic vs fused forms (~3 min)
        run prefill_fused_tests 180 python3 -m pytest -q -m gpu tests/pallas/test_gate_up_cuda.py

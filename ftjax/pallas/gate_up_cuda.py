@@ -14,11 +14,11 @@ routes undefined) as the Mosaic kernel, so the down kernel and the combine are u
 Needs a CUDA build of the host module with the sm_90a part, an sm_90 GPU (H100 / H200), bf16 weights,
 128-row tiles, ``H % 64 == 0`` and ``I % 128 == 0`` (`check`).
 
-Measured on the H200 (session 23, `bench/gate_up_fused.py`, `bench/kernels.py --pipelines`): at 8K tokens (Qwen3.6
-shape) kernel 1 takes 0.58 ms against 0.64 for XLA's take + the Mosaic kernel (0.53 for that kernel alone, on
-rows already gathered), and the prefill call 0.95-1.01 ms against 1.01-1.04 (steady). Nsight Compute counts
-2.22 GB of HBM reads for it against 1.63 for the Mosaic kernel: ~0.6 GB more than its data needs, not yet
-explained (bench/RESULTS.md).
+Measured on the H200 (`bench/gate_up_fused.py`, `bench/kernels.py --pipelines`, bench/RESULTS.md): at 8K tokens
+(Qwen3.6 shape) kernel 1 took 0.58-0.59 ms in session 23 against 0.64-0.65 for XLA's take + the Mosaic kernel (0.53
+for that kernel alone, on rows already gathered), reading 2.07-2.22 GB from HBM (Nsight Compute) against the Mosaic
+kernel's 1.55-1.63. Walking the tiles in expert bands of 2 row tiles (the prefill's ``walk_band="auto"`` for this
+kernel) cut that to 1.65 GB, and the SMEM epilogue (whole-row stores) took a further ~4%: 0.558 ms (session 24).
 """
 from __future__ import annotations
 
@@ -112,7 +112,7 @@ SILUS = ("exp", "tanh")  # the epilogue's sigmoid: 1 / (1 + exp(-g)) (two MUFU o
 OPTIONS = ("x_keep", "stages", "w_promotion", "epilogue", "silu")  # `gate_up`'s kernel options
 
 
-def check_options(*, x_keep=None, stages=4, w_promotion="256", epilogue="direct", silu="exp") -> None:
+def check_options(*, x_keep=None, stages=4, w_promotion="256", epilogue="smem", silu="exp") -> None:
     """Raise ValueError naming the first of `gate_up`'s kernel options out of its range."""
     if x_keep is not None and not (isinstance(x_keep, (int, float)) and 0.0 <= x_keep <= 1.0):
         raise ValueError(f"x_keep must be in [0, 1], got {x_keep}")
@@ -138,7 +138,7 @@ def kernel_options(options) -> dict:
 
 
 def gate_up(x, tables, w, *, num_sms: int, x_keep: float | None = None, stages: int = 4,
-            w_promotion: str = "256", epilogue: str = "direct", silu: str = "exp"):
+            w_promotion: str = "256", epilogue: str = "smem", silu: str = "exp"):
     """Kernel 1 of the prefill on ``x [T, H]`` bf16 (T >= 1) with the route tables (`route_tables`, tile
     128) and ``w [S, 2I, H]`` bf16 -> ``act [R_pad, I]`` bf16 (`check` first).
 
@@ -146,10 +146,11 @@ def gate_up(x, tables, w, *, num_sms: int, x_keep: float | None = None, stages: 
     tiles at different times, while the weights stream through L2); None: `default_x_keep`; 0: no hint.
     ``stages``: the SMEM ring's depth, 3 or 4 (48 KiB each). ``w_promotion``: the L2 fetch size of the
     weight tiles' TMA reads (``"none"``, ``"64"``, ``"128"``, ``"256"`` bytes). ``epilogue``: the act rows
-    stored by each thread straight from its accumulator registers (``"direct"``: 4-byte stores, 16-byte runs) or
-    through a per-warpgroup SMEM tile as whole 256-byte row pieces (``"smem"``: +32 KiB of SMEM). ``silu``: the
-    sigmoid in ``silu(g) = g * sigmoid(g)`` as ``1 / (1 + exp(-g))`` (``"exp"``: ex2 and rcp, two MUFU ops) or
-    ``0.5 (1 + tanh(g / 2))`` (``"tanh"``: one ``tanh.approx.f32``, absolute error ~5e-4 in the sigmoid).
+    stored through a per-warpgroup SMEM tile as whole 256-byte row pieces (``"smem"``, default: +32 KiB of SMEM)
+    or by each thread straight from its accumulator registers (``"direct"``: 4-byte stores, 16-byte runs).
+    ``silu``: the sigmoid in ``silu(g) = g * sigmoid(g)`` as ``1 / (1 + exp(-g))`` (``"exp"``, default: ex2 and
+    rcp, two MUFU ops) or ``0.5 (1 + tanh(g / 2))`` (``"tanh"``: one ``tanh.approx.f32``, absolute error ~5e-4
+    in the sigmoid, up to one bf16 step off the exp form; no clear gain measured, session 24).
     """
     from ftjax.host.ffi import register_targets
 

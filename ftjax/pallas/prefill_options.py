@@ -112,17 +112,22 @@ AUTO_WALK_BAND = 2  # "auto": this band for a kernel of >= AUTO_WALK_MIN_BLOCKS 
 AUTO_WALK_MIN_BLOCKS = 16
 
 
-def walk_bands(walk_band, n_blocks=(1, 1)):
+def walk_bands(walk_band, n_blocks=(1, 1), fused=False):
     """``walk_band`` as ``(gate_up band, down band)``, each None (the default walk) or >= 1;
-    ``n_blocks``: the two kernels' output-column blocks, for ``"auto"``.
+    ``n_blocks``: the two kernels' output-column blocks, for ``"auto"``; ``fused``: kernel 1 is the fused CUDA
+    call (`gate_up_cuda`).
 
-    ``"auto"``: band 2 for a kernel of 16 or more output blocks, else None. On the H200 (session
-    20, 8K and 16K tokens, 256 experts top-8) band 2 lifted the DeepSeek-like shape (16 and 16
+    ``"auto"``: band 2 for a kernel of 16 or more output blocks and for the fused kernel 1, else None. On the
+    H200 (session 20, 8K and 16K tokens, 256 experts top-8) band 2 lifted the DeepSeek-like shape (16 and 16
     blocks, 32 + 16 MiB of weights per expert) from 0.53-0.59 to 0.62-0.66 of the matmul ceiling
-    at 8K, 0.62-0.64 to 0.72-0.73 at 16K, and moved the Qwen3.6 shape (4 and 8 blocks) by -0.03 to +0.00.
+    at 8K, 0.62-0.64 to 0.72-0.73 at 16K, and moved the Qwen3.6 shape's Mosaic kernels (4 and 8 blocks) by -0.03
+    to +0.00. The fused kernel 1 at the Qwen3.6 shape (4 blocks of 128 act columns) read 2.07 GB from HBM
+    walking the output blocks fastest and 1.65 GB in bands of 2 (Nsight Compute, 8K tokens), and ran 3-4% faster
+    (session 24; band 4: 5-10% slower).
     """
     if walk_band == "auto":
-        return tuple(AUTO_WALK_BAND if n >= AUTO_WALK_MIN_BLOCKS else None for n in n_blocks)
+        return tuple(AUTO_WALK_BAND if n >= AUTO_WALK_MIN_BLOCKS or (fused and i == 0) else None
+                     for i, n in enumerate(n_blocks))
     bands = walk_band if isinstance(walk_band, tuple) else (walk_band, walk_band)
     ok = len(bands) == 2 and all(b is None or (isinstance(b, int) and not isinstance(b, bool) and b >= 1)
                                  for b in bands)
@@ -154,7 +159,8 @@ def resolve_tiles(hidden, inter, *, int4, tile_m, tile_n_gate_up, tile_n_down, t
             gate_up_cuda.check(**fused)
         else:  # "auto": fused where it can run (sm_90, bf16, the default tiles), else XLA's take
             gather = "xla" if gate_up_cuda.why_not(**fused) else "fused"
-    walk_band = walk_bands(walk_band, (inter // (2 * tile_n_gate_up), hidden // (2 * tile_n_down)))
+    walk_band = walk_bands(walk_band, (inter // (2 * tile_n_gate_up), hidden // (2 * tile_n_down)),
+                           fused=gather == "fused")
     stages, cross_tile = per_kernel(stages, "stages"), per_kernel(cross_tile, "cross_tile")
     if not all(isinstance(st, int) and not isinstance(st, bool) for st in stages):
         raise ValueError(f"stages must be an int or a (gate_up, down) pair of ints, got {stages!r}")

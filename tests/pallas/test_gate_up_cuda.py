@@ -76,14 +76,21 @@ def test_kernel_options_raise(kwargs, match):
 
 
 def test_auto_gather_takes_the_fused_kernel_only_where_it_can_run(monkeypatch):
-    """``gather="auto"``: fused where `gate_up_cuda.why_not` finds nothing, else XLA's take."""
+    """``gather="auto"``: fused where `gate_up_cuda.why_not` finds nothing, else XLA's take; the fused kernel
+    1's tiles walked in expert bands of 2 by ``walk_band="auto"``, the Mosaic kernel's (4 blocks) by rows."""
     from ftjax.pallas import prefill_options
 
-    def gather(available, **kw):
+    def resolved(available, **kw):
         monkeypatch.setattr(gate_up_cuda, "available", lambda: available)
         opts = dict(int4=False, tile_m=128, tile_n_gate_up=64, tile_n_down=128, tile_k=64, stages=3, num_sms=132,
                     interpret=False, cross_tile=False, gather="auto", walk_band="auto")
-        return prefill_options.resolve_tiles(2048, 512, **{**opts, **kw})[8]
+        return prefill_options.resolve_tiles(2048, 512, **{**opts, **kw})
+
+    def gather(available, **kw):
+        return resolved(available, **kw)[8]
+
+    assert resolved(True)[9] == (2, None) and resolved(False)[9] == (None, None)
+    assert resolved(True, walk_band=None)[9] == (None, None)
 
     assert gather(True) == "fused"
     assert gather(False) == "xla"  # no sm_90 GPU / CUDA part

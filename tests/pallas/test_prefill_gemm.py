@@ -413,6 +413,8 @@ def test_auto_walk_band_by_output_blocks():
     assert prefill_options.walk_bands("auto", (16, 16)) == (2, 2)
     assert prefill_options.walk_bands("auto", (4, 8)) == (None, None)
     assert prefill_options.walk_bands("auto", (15, 32)) == (None, 2)
+    assert prefill_options.walk_bands("auto", (4, 8), fused=True) == (2, None)  # the fused kernel 1: band 2
+    assert prefill_options.walk_bands(None, (16, 16), fused=True) == (None, None)
     assert prefill_options.walk_bands(None, (16, 16)) == (None, None)
     assert prefill_options.walk_bands(3) == (3, 3) and prefill_options.walk_bands((None, 4)) == (None, 4)
 
