@@ -22,7 +22,8 @@
 # Session 23 steps: prefill-fused (kernel 1 with the x-row gather fused in, a CUDA call: GPU tests, default vs
 # fused at $PIPE_TOKENS, default 8K and 16K).
 # Session 24 steps: fused-forms (the fused kernel 1's walk bands x SMEM / direct epilogue x exp / tanh sigmoid, alone and
-# in the Qwen prefill; its GPU tests).
+# in the Qwen prefill; its GPU tests), defaults-check (the prefill's defaults vs XLA's take, both shapes; tests/pallas on
+# the GPU less the fused kernel's own cases).
 # Session 21 steps: prefill-plan (the route tables by one CUDA call vs XLA's plan: GPU tests, pipelines at 8K / 16K).
 # Session 13 steps: tests-plan (the fused plan's GPU tests + the CUDA offload tests, ~2.5 min), decode-plan-b1 /
 # -b4 (lru-split with the fused plan vs the jnp plan, lru-fill; ~4.5 min).
@@ -128,6 +129,12 @@ for s in "${steps[@]}"; do
          --dtypes bf16 --tokens ${PIPE_TOKENS:-8192 16384} --iters 5 --chain ${CHAIN:-2} \
          --configs "default" "fused walk2" "fused smem" "fused tanh" "fused walk2 smem tanh" --out "$OUT/fused_forms_pipe.json"
        run fused_forms_tests 150 python3 -m pytest -q -m gpu tests/pallas/test_gate_up_cuda.py ;;
+    defaults-check)  # the prefill on its defaults vs XLA's take, both shapes, 8K / 16K, then the GPU tests of
+                     # tests/pallas but the fused kernel-vs-reference cases (those: fused-forms) (~9 min)
+       run defaults_pipe 230 python3 bench/kernels.py --only prefill --pipelines --shapes 2048x512 4096x2048 \
+         --dtypes bf16 --tokens ${PIPE_TOKENS:-8192 16384} --iters 5 --chain ${CHAIN:-2} --profile /tmp/pdef \
+         --configs "default" "xla gather" --out "$OUT/defaults_pipe.json"
+       run defaults_tests 270 python3 -m pytest -q -m gpu tests/pallas -k "not test_kernel_matches_reference_on_gpu" ;;
     ncu-gate-up)  # Nsight Compute: kernel 1 of the Qwen shape at 8K, Mosaic (gathered rows) then fused (CUDA) (~2 min)
        NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
        if [ -z "$NCU" ]; then echo "no ncu on this machine" | tee "$OUT/ncu_gate_up.log"; else
