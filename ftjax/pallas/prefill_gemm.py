@@ -53,8 +53,9 @@ weight block, each weight byte fetched into L2 serving up to ``B * tile_m`` rows
 default) takes B = 2 for a kernel of 16 or more output blocks: on the H200 (session 20) that lifted
 the DeepSeek-like shape (2 to 3 row tiles per expert at 8K tokens) by 0.07-0.10 of the matmul
 ceiling (its gate+up kernel from 0.51-0.60 to 0.64-0.73 at 8K), and did nothing for the Qwen3.6
-shape's Mosaic kernels, whose 4 and 8 output blocks keep the default. The fused kernel 1 (`gate_up_cuda`) takes
-B = 2 at any block count: at the Qwen3.6 shape it cut its HBM reads from 2.07 to 1.65 GB (session 24). The walk is ``plgpu.nd_loop`` over a *device*
+shape's Mosaic kernels, whose 4 and 8 output blocks keep the default. The fused kernel 1
+(`gate_up_cuda`) takes B = 2 at any block count: at the Qwen3.6 shape it cut its HBM reads from 2.07
+to 1.65 GB (session 24). The walk is ``plgpu.nd_loop`` over a *device*
 count of row tiles (``n_tiles``), so the idle tail of the padded buffer costs nothing, and since an
 empty group has no row tile it costs nothing either. Each CTA has three warpgroups: a memory warpgroup
 issuing TMA copies into a ``stages``-deep SMEM ring (``emit_pipeline_warp_specialized``) and two

@@ -54,13 +54,28 @@ def _check_act(act, ref, live):
     (dict(tile_n_gate_up=32, interpret=True), r"tile_n_gate_up must be 64, got 32"),
 ])
 def test_fused_gather_options_raise(kwargs, match):
-    sd = jax.ShapeDtypeStruct
-    T, k, H, I, S = 8, 2, 256, 256, 4
-    shapes = [sd((T, H), jnp.bfloat16), sd((T, k), jnp.int32), sd((T, k), jnp.float32), sd((T,), jnp.bool_),
-              sd((S, 2 * I, H), jnp.bfloat16), sd((S, H, I), jnp.bfloat16), sd((S,), jnp.int32)]
     fn = functools.partial(pg.prefill_experts, gather="fused", num_sms=2, **kwargs)
     with pytest.raises(ValueError, match=match):
-        jax.eval_shape(fn, *shapes)
+        jax.eval_shape(fn, *_prefill_shapes())
+
+
+def _prefill_shapes(T=8, k=2, H=256, I=256, S=4):
+    """`prefill_experts`'s arguments as shapes (bf16 banks)."""
+    sd = jax.ShapeDtypeStruct
+    return [sd((T, H), jnp.bfloat16), sd((T, k), jnp.int32), sd((T, k), jnp.float32), sd((T,), jnp.bool_),
+            sd((S, 2 * I, H), jnp.bfloat16), sd((S, H, I), jnp.bfloat16), sd((S,), jnp.int32)]
+
+
+@pytest.mark.parametrize("options, match", [
+    ((("bogus", 1),), r"unknown fused kernel option\(s\) \['bogus'\]"), ((("silu", "erf"),), r"silu must be one of"),
+])
+def test_prefill_fused_options_raise(options, match):
+    """`prefill_experts(fused_options=)` is checked wherever kernel 1 runs (here XLA's take: no sm_90 GPU)."""
+    fn = functools.partial(pg.prefill_experts, num_sms=2, interpret=True, fused_options=options)
+    with pytest.raises(ValueError, match=match):
+        jax.eval_shape(fn, *_prefill_shapes())
+    assert gate_up_cuda.kernel_options((("epilogue", "direct"), ("silu", "tanh"))) == dict(epilogue="direct",
+                                                                                          silu="tanh")
 
 
 @pytest.mark.parametrize("kwargs, match", [
