@@ -22,7 +22,8 @@ import json
 import jax
 import jax.numpy as jnp
 
-from kernels import _inputs, dense_ceiling_tflops, routing_label, time_back_to_back_ms, time_steady_ms
+from kernels import _inputs, routing_label
+from timing import dense_ceiling_tflops, time_back_to_back_ms, time_steady_ms
 from ftjax.pallas import gate_up_cuda
 from ftjax.pallas import prefill_gemm as pg
 from ftjax.pallas import prefill_options

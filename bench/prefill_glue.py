@@ -39,7 +39,7 @@ from ftjax.pallas import routing
 from ftjax.pallas import row_gather
 
 sys.path.insert(0, str(Path(__file__).parent))
-from kernels import time_back_to_back_ms, copy_ceiling_gbps  # noqa: E402  (bench/ sibling)
+from timing import time_back_to_back_ms, copy_ceiling_gbps  # noqa: E402  (bench/ sibling)
 
 
 def _token_of_row(plan, num_tokens, k):

@@ -33,7 +33,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 sys.path.insert(0, str(Path(__file__).parent))
-from kernels import time_back_to_back_ms  # noqa: E402  (bench/ sibling)
+from timing import time_back_to_back_ms  # noqa: E402  (bench/ sibling)
 
 TM, TK = 128, 64
 STAGES = 2
