@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from ftjax.experts.interface import expert_mlp
 from ftjax.pallas import decode_gemv as dg
 from ftjax.pallas import prefill_gemm as pg
-from timing import (_time_ms, copy_ceiling_gbps, dense_ceiling_tflops, read_ceiling_gbps,  # bench/ sibling
+from timing import (copy_ceiling_gbps, dense_ceiling_tflops, read_ceiling_gbps, time_ms,  # bench/ sibling
                     time_back_to_back_ms, time_steady_ms)
 
 
@@ -75,7 +75,7 @@ def time_per_call_us(fn, x, slot_sets, tokens, n, banks, iters, profile_dir=None
             return acc + fn(x, slots, tokens, n, *banks)[0, 0], None
         return jax.lax.scan(body, jnp.float32(0), slot_sets)[0]
 
-    us = 1e3 * _time_ms(many, x, slot_sets, tokens, n, *banks, iters=iters) / slot_sets.shape[0]
+    us = 1e3 * time_ms(many, x, slot_sets, tokens, n, *banks, iters=iters) / slot_sets.shape[0]
     if profile_dir is not None:
         with jax.profiler.trace(str(profile_dir), create_perfetto_trace=True):
             jax.block_until_ready(many(x, slot_sets, tokens, n, *banks))
@@ -476,7 +476,7 @@ def main():
             for T in args.tokens:
                 route, banks, slots = _inputs(jax.random.key(T), T, args.top_k, H, I,
                                               args.experts, args.slots, int4, args.one_expert, args.routing)
-                ms = _time_ms(fn, *route, *banks, slots, iters=args.iters)
+                ms = time_ms(fn, *route, *banks, slots, iters=args.iters)
                 b2b = time_back_to_back_ms(fn, *route, *banks, slots,
                                             iters=1 if args.smoke else max(args.iters, 8))
                 split = ""
@@ -502,7 +502,7 @@ def main():
                 ragged = ""
                 if args.ragged and not int4:
                     try:
-                        rms = _time_ms(jax.jit(ragged_dot_moe), *route, *banks, slots,
+                        rms = time_ms(jax.jit(ragged_dot_moe), *route, *banks, slots,
                                        iters=args.iters)
                         row["ragged_dot_tflops"] = flops / rms / 1e9
                         ragged = f"  ragged_dot {row['ragged_dot_tflops']:.1f} TFLOP/s"

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 
-def _time_ms(fn, *args, iters, best=False):
+def time_ms(fn, *args, iters, best=False):
     """Median wall time of ``iters`` calls (``best``: the fastest, for ceilings)."""
     jax.block_until_ready(fn(*args))  # compile + warm up
     times = []
@@ -62,7 +62,7 @@ def dense_ceiling_tflops(n=8192, iters=10):
     fn = jax.jit(lambda a, b: a @ b)
     for _ in range(3):
         jax.block_until_ready([fn(a, b) for _ in range(iters)])
-    ms = min(_time_ms(fn, a, b, iters=iters, best=True), time_back_to_back_ms(fn, a, b, iters=iters),
+    ms = min(time_ms(fn, a, b, iters=iters, best=True), time_back_to_back_ms(fn, a, b, iters=iters),
              time_steady_ms(fn, a, b, iters=iters))
     return 2 * n ** 3 / ms / 1e9
 
@@ -70,7 +70,7 @@ def dense_ceiling_tflops(n=8192, iters=10):
 def copy_ceiling_gbps(nbytes=2 << 30, iters=10):
     """Device-to-device copy, bytes read + written per second."""
     src = jax.random.bits(jax.random.key(1), (nbytes // 4,), jnp.uint32)
-    ms = _time_ms(jax.jit(lambda a: a + jnp.uint32(1)), src, iters=iters, best=True)
+    ms = time_ms(jax.jit(lambda a: a + jnp.uint32(1)), src, iters=iters, best=True)
     return 2 * nbytes / ms / 1e6
 
 
@@ -80,6 +80,6 @@ def read_ceiling_gbps(nbytes=2 << 30, iters=10):
     faster than a copy's mixed reads and writes; session 4's full sum alone read 2.8 TB/s while the
     decode kernel read 3.9 TB/s, so take the best of several forms)."""
     src = jax.random.bits(jax.random.key(2), (nbytes // 4 // 8192, 8192), jnp.uint32)
-    ms = min(_time_ms(jax.jit(lambda a: jnp.sum(a, dtype=jnp.uint32)), src, iters=iters, best=True),
-             _time_ms(jax.jit(lambda a: jnp.sum(a, axis=1, dtype=jnp.uint32)), src, iters=iters, best=True))
+    ms = min(time_ms(jax.jit(lambda a: jnp.sum(a, dtype=jnp.uint32)), src, iters=iters, best=True),
+             time_ms(jax.jit(lambda a: jnp.sum(a, axis=1, dtype=jnp.uint32)), src, iters=iters, best=True))
     return nbytes / ms / 1e6
