@@ -21,6 +21,8 @@
 # prefill-trace (the Qwen shape's prefill call op by op, 8K and 16K).
 # Session 23 steps: prefill-fused (kernel 1 with the x-row gather fused in, a CUDA call: GPU tests, default vs
 # fused at $PIPE_TOKENS, default 8K and 16K).
+# Session 25 steps: tests-served (the CPU-branch serve counters' GPU tests), decode-b1-workers (b1 / 37% with the CPU
+# serve time per job and the worker-pool variants $WORKER_VARIANTS).
 # Session 24 steps: fused-forms (the fused kernel 1's walk bands x SMEM / direct epilogue x exp / tanh sigmoid, alone and
 # in the Qwen prefill; its GPU tests), defaults-check (the prefill's defaults vs XLA's take, both shapes; tests/pallas on
 # the GPU less the fused kernel's own cases).
@@ -236,6 +238,14 @@ for s in "${steps[@]}"; do
        run decode_pallas_b1 420 python3 bench/decode.py --layers 40 --batches 1 --routing trace --fractions 0.37 \
          --policies lru-split lru-fill --unit-split --kernel-ablation pallas --no-sweep --no-online --steps 24 \
          --warmup 24 --out "$OUT/decode_pallas_b1.json" ;;
+    tests-served)  # session 25: the CPU-branch counters (cuda.channel_served, OffloadExperts.cpu_served) on the GPU
+       run tests_served 240 python3 -m pytest -q -m gpu tests/host/test_cuda.py tests/experts/test_offload_cuda.py \
+         -k "submit_collect or equals_resident" ;;
+    decode-b1-workers)  # session 25: b1 / 37% with the CPU serve time per job, and the same executable on other
+       # worker pools (N workers : spin us; 15:2000 repeats the default on a later stretch of the trace) (~5 min)
+       run decode_b1_workers 420 python3 bench/decode.py --layers 40 --batches 1 --routing trace --fractions 0.37 \
+         --policies lru-split lru-fill --no-sweep --no-online --steps 32 --warmup 24 \
+         --worker-variants ${WORKER_VARIANTS:-15:2000 14:2000 12:2000 8:2000} --out "$OUT/decode_b1_workers.json" ;;
     decode-timeline)  # 40 layers, b1, 37%, profiled: lru-split, the unit split, the Pallas GEMV with and without it;
        # then each run's layer call phase by phase (bench/layer_timeline.py) and its kernels (~6 min)
        run decode_timeline 480 python3 bench/decode.py --layers 40 --batches 1 --routing trace --fractions 0.37 \

@@ -237,6 +237,17 @@ class OffloadExperts:
 
             cuda.set_background_yield(self.background_id, mode)
 
+    def cpu_served(self) -> tuple[int, float]:
+        """CPU-branch jobs served so far over this backend's layers and the coordinator's seconds in them
+        (request seen -> done published: the CPU expert call, not the handshake); (0, 0.0) off CUDA,
+        where the CPU branch is a synchronous call inside the step."""
+        if self.platform != "cuda" or not self.cpu_branch:
+            return 0, 0.0
+        from ftjax.host import cuda
+
+        per = [cuda.channel_served(self.channel_base + layer) for layer in range(self.num_layers)]
+        return sum(j for j, _ in per), sum(s for _, s in per)
+
     @property
     def background_fills(self) -> bool:
         """Decode fills may run in the background (``defer_fills`` under a policy that splits misses)."""

@@ -64,6 +64,11 @@ def channel_error(channel: int) -> str:
     return _host.channel_error(int(channel))
 
 
+def channel_served(channel: int) -> tuple[int, float]:
+    """A channel's CPU-branch jobs so far and the coordinator's seconds in them (request seen -> done)."""
+    return int(_host.channel_jobs(int(channel))), float(_host.channel_serve_seconds(int(channel)))
+
+
 def _suffix(cmd_buffer: bool) -> str:
     return "" if cmd_buffer else "_nocb"
 

@@ -60,6 +60,10 @@ def test_cuda_offload_equals_resident(setup, policy, size, batch, plan_impl, vic
             np.testing.assert_array_equal(np.asarray(st[b][s]), pool.bank(b)[owner[s]].astype(np.float32))
     if policy in ("cpu", "static") or (policy == "lru-split" and batch > 1):  # the handshake carried work
         assert stats["cpu_experts"].sum() > 0
+    jobs, seconds = backend.cpu_served()  # a layer call with CPU work is one job of its channel
+    assert (jobs > 0) == (seconds > 0)
+    if stats["cpu_experts"].sum() > 0:
+        assert jobs > 0
     if policy in ("lru-split", "lru-fill"):  # and the fill kernel
         assert stats["fills"].sum() > 0
 

@@ -294,10 +294,12 @@ def test_submit_collect_overlaps_gpu_work_and_matches(pool, cmd_buffer, fused):
         tok = rng.integers(0, 6, 32).astype(np.int32)
         eid = rng.integers(0, 32, 32).astype(np.int32)
         w = rng.random(32).astype(np.float32)
-        jobs = _host.channel_jobs(channel)
+        jobs, served = cuda.channel_served(channel)
         y, status, m = step(x, tok, eid, w, jnp.int32(n), m)
         assert int(status) == 0, cuda.channel_error(channel)
-        assert _host.channel_jobs(channel) == jobs + (n > 0)
+        jobs_after, served_after = cuda.channel_served(channel)
+        assert jobs_after == _host.channel_jobs(channel) == jobs + (n > 0)
+        assert (served_after > served) == (n > 0)  # only a served job adds coordinator time
         want = experts_reference(x, tok, eid, w, n, ref_banks["gate_up"], ref_banks["down"])
         np.testing.assert_allclose(np.asarray(y), want, rtol=1e-4, atol=1e-4)
 
