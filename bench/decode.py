@@ -41,7 +41,8 @@ from ftjax.experts.decode import BACKGROUND_YIELD_MODES, OffloadExperts
 from ftjax.experts.plan import PLAN_IMPLS, VICTIM_METHODS
 from ftjax.experts.resident import ResidentExperts
 from ftjax.experts.traces import ReplayRouting, synthetic_trace
-from ftjax.host import GPU_SPIN_US, calibrate, configure_workers, measure, tune_workers_for_gpu, worker_info
+from ftjax.host import (GPU_SPIN_US, calibrate, configure_workers, gpu_workers, measure, tune_workers_for_gpu,
+                        worker_info)
 from ftjax.models import get_family, make_step_fns
 from ftjax.models.params import param_shapes, unflatten
 
@@ -319,7 +320,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tokenizer", default=str(TOKENIZER), help="the real Qwen3 tokenizer (routing text)")
     ap.add_argument("--worker-variants", nargs="*", default=[], metavar="N:SPIN_US",
                     help="also run lru-split with the CPU worker pool reconfigured (N workers, -1 = default; "
-                    "spin SPIN_US before sleeping), e.g. 14:2000")
+                    "spin SPIN_US before sleeping), e.g. 12:2000: the same executable, round robin with the "
+                    "default pool (every setting sees the same stretch of the routing)")
     ap.add_argument("--profile", metavar="DIR", help="also capture a profiler trace of 3 steps of each run "
                     "(perfetto JSON under DIR/<routing>-b<B>-<policy>-<cache>; summarise with bench/trace_summary.py)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "out" / "decode.json"))
@@ -351,7 +353,8 @@ def main(argv=None) -> int:
     # Every step of the longest run (lru-split: timing, online row, worker variants, sweep, profile) must fit the
     # KV length: past it, text routing would come from an overflowing context.
     max_len = (args.warmup + args.steps + 8 + max(fill_steps(int(f * L * E), L) for f in args.fractions)
-               + len(args.worker_variants) * (args.warmup // 2 + args.steps)
+               + ((len(args.worker_variants) + 1) * ROUNDS * (2 + max(1, args.steps // ROUNDS))
+                  if args.worker_variants else 0)
                + (0 if args.no_online else args.online_warmup + args.steps)
                + (0 if args.no_sweep else len(SWEEP) * (8 + args.steps)) + (4 if args.profile else 0)
                + (len(BACKGROUND_YIELD_MODES) * (ROUNDS * (2 + max(1, args.steps // ROUNDS)) + (4 if args.profile else 0))
@@ -414,12 +417,18 @@ def main(argv=None) -> int:
                     if pol == "lru-split":
                         if not args.no_online:  # a long warm-up: a move takes two windows of 16 steps
                             rows["split online"] = run.timed(args.online_warmup, args.steps, online=band)
-                        for variant in args.worker_variants:  # same executable, other worker pool
-                            n, spin = (int(v) for v in variant.split(":"))
-                            configure_workers(n_workers=n, spin_us=spin)
-                            rows[f"split w{n}s{spin}"] = run.timed(args.warmup // 2, args.steps)
-                        if args.worker_variants:
-                            configure_workers(spin_us=GPU_SPIN_US)
+                        if args.worker_variants:  # same executable, other worker pools, round robin
+                            n_default = gpu_workers(worker_info()["physical_cores"])  # tune_workers_for_gpu's
+                            pools = {"split workers default": lambda: configure_workers(n_workers=n_default,
+                                                                                       spin_us=GPU_SPIN_US)}
+                            for variant in args.worker_variants:
+                                n, spin = (int(v) for v in variant.split(":"))
+                                pools[f"split w{n}s{spin}"] = (lambda n=n, spin=spin:
+                                                               configure_workers(n_workers=n, spin_us=spin))
+                            for name, r in interleaved(run, pools, ROUNDS, args.steps, 2).items():
+                                rows[name] = r
+                                progress(f"{routing} b{B} lru-split, {name[6:]} {frac:.0%} ({ROUNDS} rounds)", r)
+                            pools["split workers default"]()
                         if args.yield_ablation and run.backend.background_fills:
                             default_yield = run.backend.background_yield
                             # same executable (the fork reads the mode), round robin: every mode sees the

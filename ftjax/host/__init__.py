@@ -8,7 +8,7 @@ from ftjax.host.pool import HostPool
 
 __all__ = ["HostPool", "cpu_experts", "register_targets", "cpu_features", "cpu_brand", "available_tiers",
            "active_tier", "set_tier", "prefetch_bytes", "set_prefetch_bytes", "configure_workers",
-           "tune_workers_for_gpu", "worker_info", "cuda_built",
+           "tune_workers_for_gpu", "gpu_workers", "worker_info", "cuda_built",
            "cuda_device_count"]
 
 
@@ -48,7 +48,21 @@ def set_prefetch_bytes(nbytes: int) -> None:
 
 
 GPU_SPIN_US = 2000  # beside a GPU: longer than the gap between the MoE layers of a decode step
+# Beside a GPU the host also runs JAX's dispatch thread and XLA's and the CUDA driver's threads: the pool
+# leaves them CPUs (H200 host, 16 vCPUs, 40-layer decode at 37%, pools round robin in one process: 12
+# workers 1.06x and 1.03x the former 14 at batch 1 on two hosts, 1.01x at batch 4; 15 workers 0.59x;
+# the CPU branch's own time per job did not shrink with more workers: bench/RESULTS.md, session 25).
+GPU_SPARE_CPUS = 4  # the coordinator, the dispatch thread, two for the runtime's other threads
 _configured_by_user = False
+
+
+def gpu_workers(physical_cores: int) -> int:
+    """Workers of the pool `tune_workers_for_gpu` sets: physical cores - GPU_SPARE_CPUS from 12 cores on
+    (measured at 16), the CPU-only default (physical cores - 2, at least 0) below that, where each worker
+    adds more of the host's read bandwidth (unmeasured there)."""
+    if physical_cores >= 12:
+        return physical_cores - GPU_SPARE_CPUS
+    return max(0, physical_cores - 2)
 
 
 def configure_workers(n_workers: int = -1, spin_us: int = 100, pin: bool = True) -> None:
@@ -60,11 +74,16 @@ def configure_workers(n_workers: int = -1, spin_us: int = 100, pin: bool = True)
 
 
 def tune_workers_for_gpu() -> None:
-    """Spin the default worker pool for ``GPU_SPIN_US`` (the CUDA CPU branch calls this): between the
-    layers of a decode step sleeping workers cost a futex wake each, and on the H200 host the old
-    100 us spin lost 1.6x decode speed (bench/RESULTS.md). A pool the user configured is kept."""
-    if not _configured_by_user and _host.worker_info()["spin_us"] < GPU_SPIN_US:
-        _host.configure_workers(-1, GPU_SPIN_US, True)
+    """Set the default worker pool for decoding beside a GPU (the CUDA CPU branch calls this): spin
+    ``GPU_SPIN_US`` (between the layers of a decode step sleeping workers cost a futex wake each, and on
+    the H200 host the old 100 us spin lost 1.6x decode speed) and `gpu_workers` threads (bench/RESULTS.md).
+    A pool the user configured is kept."""
+    if _configured_by_user:
+        return
+    info = _host.worker_info()
+    n = gpu_workers(int(info["physical_cores"]))
+    if info["spin_us"] < GPU_SPIN_US or info["n_workers"] != n:
+        _host.configure_workers(n, GPU_SPIN_US, True)
 
 
 def worker_info() -> dict:

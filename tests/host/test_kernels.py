@@ -293,6 +293,14 @@ def test_worker_pool_runs_each_item_once(n_workers, spin_us):
         _host.configure_workers(-1, 100, True)
 
 
+def test_gpu_workers_leave_cpus_to_the_runtime():
+    from ftjax.host import GPU_SPARE_CPUS, gpu_workers
+
+    assert gpu_workers(16) == 16 - GPU_SPARE_CPUS and gpu_workers(64) == 64 - GPU_SPARE_CPUS
+    assert gpu_workers(12) == 12 - GPU_SPARE_CPUS
+    assert [gpu_workers(n) for n in (1, 2, 4, 11)] == [0, 0, 2, 9]  # small hosts: the CPU-only default
+
+
 def test_gpu_spin_only_for_a_pool_the_user_left_alone(monkeypatch):
     import ftjax.host as host
 
@@ -300,7 +308,9 @@ def test_gpu_spin_only_for_a_pool_the_user_left_alone(monkeypatch):
     try:
         host._host.configure_workers(-1, 100, True)  # the defaults, as at start-up
         host.tune_workers_for_gpu()
-        assert host.worker_info()["spin_us"] == host.GPU_SPIN_US
+        info = host.worker_info()
+        assert info["spin_us"] == host.GPU_SPIN_US
+        assert info["n_workers"] == host.gpu_workers(info["physical_cores"])
         host.configure_workers(n_workers=1, spin_us=50)
         host.tune_workers_for_gpu()
         assert host.worker_info()["spin_us"] == 50 and host.worker_info()["n_workers"] == 1
