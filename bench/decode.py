@@ -41,8 +41,8 @@ from ftjax.experts.decode import BACKGROUND_YIELD_MODES, OffloadExperts
 from ftjax.experts.plan import PLAN_IMPLS, VICTIM_METHODS
 from ftjax.experts.resident import ResidentExperts
 from ftjax.experts.traces import ReplayRouting, synthetic_trace
-from ftjax.host import (GPU_SPIN_US, calibrate, configure_workers, gpu_workers, measure, tune_workers_for_gpu,
-                        worker_info)
+from ftjax.host import (GPU_SPIN_US, calibrate, configure_workers, expert_call_totals, gpu_workers, measure,
+                        tune_workers_for_gpu, worker_info)
 from ftjax.models import get_family, make_step_fns
 from ftjax.models.params import param_shapes, unflatten
 
@@ -198,12 +198,14 @@ class Run:
         s0 = self.stats()
         served = getattr(self.backend, "cpu_served", lambda: (0, 0.0))  # the resident engine has no CPU branch
         j0, c0 = served()
+        b0 = expert_call_totals()[1]  # weight bytes the CPU expert calls read (only this run's calls run)
         t0, d0 = time.perf_counter(), self.dispatch_s
         for _ in range(steps):
             self.step()
         jax.block_until_ready(self.expert_state)
         dt = time.perf_counter() - t0
         j1, c1 = served()
+        b1 = expert_call_totals()[1]
         s1 = self.stats()
         d = {k: int((s1[k] - s0[k]).sum()) for k in s0}
         L = self.cfg.num_layers
@@ -213,7 +215,9 @@ class Run:
                 "misses_per_step": d["misses"] / steps, "fills_per_layer": d["fills"] / steps / L,
                 "cpu_per_layer": d["cpu_experts"] / steps / L, "deferred_per_layer": d["deferred"] / steps / L,
                 "cpu_jobs_per_step": (j1 - j0) / steps, "cpu_serve_ms": (c1 - c0) / steps * 1e3,
-                "cpu_us_per_job": (c1 - c0) / max(1, j1 - j0) * 1e6}
+                "cpu_us_per_job": (c1 - c0) / max(1, j1 - j0) * 1e6,
+                "cpu_mb_per_job": (b1 - b0) / max(1, j1 - j0) / 1e6,
+                "cpu_gbps": (b1 - b0) / (c1 - c0) / 1e9 if c1 > c0 else 0.0}
 
 
 ROUNDS = 4  # interleaved(): rounds of the round robin
@@ -238,7 +242,7 @@ def interleaved(run, settings: dict, rounds: int, steps: int, warmup: int) -> di
                      "rounds": len(rs), "round_tok_s": [r["tok_s"] for r in rs],
                      **{k: mean(k) for k in ("dispatch_ms", "miss_rate", "misses_per_step", "fills_per_layer",
                                              "cpu_per_layer", "deferred_per_layer", "cpu_jobs_per_step",
-                                             "cpu_serve_ms", "cpu_us_per_job")}}
+                                             "cpu_serve_ms", "cpu_us_per_job", "cpu_mb_per_job", "cpu_gbps")}}
     return out
 
 
@@ -512,15 +516,17 @@ def print_row(row):
           f"{row['t_offload_resident_ms']:.2f} ms) | roofline "
           f"{row['roofline_tok_s']:.1f} tok/s")
     print(f"{'policy':18} {'tok/s':>8} {'/roof':>6} {'miss%':>6} {'fills/L':>8} {'bg/L':>6} {'cpu/L':>6} "
-          f"{'step ms':>8} {'cpu ms':>7} {'us/job':>7} {'host ms':>8} {'warm':>5}")
+          f"{'step ms':>8} {'cpu ms':>7} {'us/job':>7} {'MB/job':>7} {'cpu GB/s':>8} {'host ms':>8} {'warm':>5}")
     for pol, r in row["policies"].items():
         print(f"{pol:18} {r['tok_s']:8.1f} {r['tok_s'] / row['roofline_tok_s']:6.2f} {100 * r['miss_rate']:6.1f} "
               f"{r['fills_per_layer']:8.2f} {r.get('deferred_per_layer', 0.0):6.2f} {r['cpu_per_layer']:6.2f} "
               f"{r['step_ms']:8.2f} {r.get('cpu_serve_ms', 0.0):7.2f} {r.get('cpu_us_per_job', 0.0):7.1f} "
+              f"{r.get('cpu_mb_per_job', 0.0):7.2f} {r.get('cpu_gbps', 0.0):8.1f} "
               f"{r['dispatch_ms']:8.2f} {r.get('warm_steps', 0):5d}")
     print("fills/L: fills per layer call, bg/L of them in the background (their experts also counted in cpu/L: "
           "computed on the CPU in that call); cpu ms: the coordinator's time per step in CPU-branch jobs (request "
-          "seen -> done published, the handshake not included), us/job: per layer call with CPU work; host ms: time "
+          "seen -> done published, the handshake not included), us/job: per layer call with CPU work, MB/job: the "
+          "expert weight bytes it read, cpu GB/s: those bytes over the jobs' time (compare B_DRAM); host ms: time "
           "inside the decode call per step (dispatch; the host runs ahead unless --sync); warm: steps before timing "
           "(until the cache had no free slot, then --warmup)")
     p = row["policies"]

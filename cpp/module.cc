@@ -178,9 +178,15 @@ NB_MODULE(_host, m) {
     d["groups"] = p.groups;
     d["rows1"] = p.rows1;
     d["rows2"] = p.rows2;
+    d["weight_bytes"] = p.weight_bytes;
     return d;
   }, "Where the last CPU expert call spent its time (us): setup, then per round (layouts, phase1 = "
-     "gate/up, phase2 = down) its wall time and the caller's wait for the other threads.");
+     "gate/up, phase2 = down) its wall time and the caller's wait for the other threads; the expert "
+     "weight bytes it read.");
+  m.def("expert_call_totals", [] {
+    const ExpertCallTotals t = expert_call_totals();
+    return nb::make_tuple(t.calls, t.weight_bytes);
+  }, "(calls, weight bytes read) of every CPU expert call with tasks since start-up.");
   m.def("amx_route_counts", [] {
     const std::vector<int64_t> c = amx_route_counts();
     nb::dict d;

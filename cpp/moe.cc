@@ -1,6 +1,7 @@
 #include "moe.h"
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -84,12 +85,15 @@ std::vector<float>& scratch(size_t n) {
 }
 std::mutex g_profile_mu;
 ExpertCallProfile g_profile;
+std::atomic<int64_t> g_calls{0}, g_weight_bytes{0};
 }  // namespace
 
 ExpertCallProfile last_expert_call_profile() {
   std::lock_guard<std::mutex> lock(g_profile_mu);
   return g_profile;
 }
+
+ExpertCallTotals expert_call_totals() { return {g_calls.load(), g_weight_bytes.load()}; }
 
 void run_experts(WorkerPool& workers, const ExpertCall& c, Tier tier) {
   const auto t_start = std::chrono::steady_clock::now();
@@ -150,6 +154,10 @@ void run_experts(WorkerPool& workers, const ExpertCall& c, Tier tier) {
   ExpertCallProfile prof;
   prof.routes = n;
   prof.groups = groups;
+  // A group reads gate/up rows [u, I) and [I + u, 2I) and down columns [u, I): the fraction (I - u) / I of
+  // each expert row, exactly (int4 down windows start on a 32-column group, checked above).
+  const int64_t expert_bytes = static_cast<int64_t>(pool.gate_up().expert_bytes + pool.down().expert_bytes);
+  for (int64_t g = 0; g < groups; ++g) prof.weight_bytes += (I - unit_of(order[start[g]])) * expert_bytes / I;
   prof.setup_us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t_start).count();
   const auto record_round = [&](int k, int64_t items, RoundTiming t) {
     prof.round_us[k] = t.wall_us;
@@ -267,6 +275,8 @@ void run_experts(WorkerPool& workers, const ExpertCall& c, Tier tier) {
   b.trim();
   prof.rows2 = rows2;
   prof.total_us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t_start).count();
+  g_calls.fetch_add(1, std::memory_order_relaxed);
+  g_weight_bytes.fetch_add(prof.weight_bytes, std::memory_order_relaxed);
   std::lock_guard<std::mutex> lock(g_profile_mu);
   g_profile = prof;
 }

@@ -38,7 +38,15 @@ struct ExpertCallProfile {
   double total_us = 0, setup_us = 0;
   double round_us[3] = {}, wait_us[3] = {};  // layouts, phase 1, phase 2
   int64_t routes = 0, groups = 0, items[3] = {}, rows1 = 0, rows2 = 0;
+  int64_t weight_bytes = 0;  // the experts' weight bytes the call read: each group's units [u, I) once
 };
 ExpertCallProfile last_expert_call_profile();
+
+// Every run_experts call with tasks since start-up (any thread): how many, and the weight bytes they
+// read (ExpertCallProfile::weight_bytes summed): what an effective GB/s over a run divides.
+struct ExpertCallTotals {
+  int64_t calls = 0, weight_bytes = 0;
+};
+ExpertCallTotals expert_call_totals();
 
 }  // namespace ftjax

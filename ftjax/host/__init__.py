@@ -8,7 +8,7 @@ from ftjax.host.pool import HostPool
 
 __all__ = ["HostPool", "cpu_experts", "register_targets", "cpu_features", "cpu_brand", "available_tiers",
            "active_tier", "set_tier", "prefetch_bytes", "set_prefetch_bytes", "configure_workers",
-           "tune_workers_for_gpu", "gpu_workers", "worker_info", "cuda_built",
+           "tune_workers_for_gpu", "gpu_workers", "expert_call_totals", "worker_info", "cuda_built",
            "cuda_device_count"]
 
 
@@ -50,8 +50,9 @@ def set_prefetch_bytes(nbytes: int) -> None:
 GPU_SPIN_US = 2000  # beside a GPU: longer than the gap between the MoE layers of a decode step
 # Beside a GPU the host also runs JAX's dispatch thread and XLA's and the CUDA driver's threads: the pool
 # leaves them CPUs (H200 host, 16 vCPUs, 40-layer decode at 37%, pools round robin in one process: 12
-# workers 1.06x and 1.03x the former 14 at batch 1 on two hosts, 1.01x at batch 4; 15 workers 0.59x;
-# the CPU branch's own time per job did not shrink with more workers: bench/RESULTS.md, session 25).
+# workers 1.06x and 1.03x the former 14 at batch 1 on two hosts, 1.01x at batch 4; 15 workers, timed
+# after the default, 0.59x; the CPU branch's own time per job did not shrink with more workers:
+# bench/RESULTS.md, session 25).
 GPU_SPARE_CPUS = 4  # the coordinator, the dispatch thread, two for the runtime's other threads
 _configured_by_user = False
 
@@ -84,6 +85,13 @@ def tune_workers_for_gpu() -> None:
     n = gpu_workers(int(info["physical_cores"]))
     if info["spin_us"] < GPU_SPIN_US or info["n_workers"] != n:
         _host.configure_workers(n, GPU_SPIN_US, True)
+
+
+def expert_call_totals() -> tuple[int, int]:
+    """(calls, weight bytes read) of every CPU expert call with tasks since start-up, in any thread: a
+    run's effective CPU expert rate is the bytes' difference over its time."""
+    calls, nbytes = _host.expert_call_totals()
+    return int(calls), int(nbytes)
 
 
 def worker_info() -> dict:

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from ftjax import _host
-from ftjax.host import HostPool, available_tiers, quant, set_tier
+from ftjax.host import HostPool, available_tiers, expert_call_totals, quant, set_tier
 from ftjax.host.reference import experts_reference
 
 TIERS = available_tiers()
@@ -183,6 +183,31 @@ def test_unit_start_is_validated():
     pool4, _ = make_pool(rng, "int4", 2, 64, 64)
     with pytest.raises(ValueError, match="not a multiple of 32"):
         _host.run_experts(pool4._h, x, tok, eid, w, 2, unit_start=np.array([16, 0], np.int32))
+
+
+@pytest.mark.parametrize("fmt", ["f32", "bf16", "int4"])
+def test_expert_call_counts_the_weight_bytes_it_reads(fmt):
+    """Each (expert, unit start) group's units [u, I) once, however many tokens route to it: the
+    figure effective-rate benchmarks divide (`last_expert_call`, `expert_call_totals`); a call
+    without tasks is not counted."""
+    hidden, inter = 64, 128
+    rng = np.random.default_rng(zlib.crc32(f"bytes{fmt}".encode()))
+    pool, _ = make_pool(rng, fmt, 6, hidden, inter)
+    x = rng.standard_normal((4, hidden)).astype(np.float32)
+    eid = np.array([1, 1, 3, 3, 5, 0], np.int32)  # expert 1 twice at one start, expert 3 at two starts
+    unit = np.array([32, 32, 0, 64, 128, 96], np.int32)
+    tok = np.array([0, 1, 2, 3, 0, 1], np.int32)
+    w = np.ones(6, np.float32)
+    if fmt == "int4":
+        whole = quant.matrix_bytes(2 * inter, hidden) + quant.matrix_bytes(hidden, inter)
+    else:
+        whole = 3 * hidden * inter * (4 if fmt == "f32" else 2)
+    want = sum((inter - u) * whole // inter for u in (32, 0, 64, 128, 96))  # expert 5 at u = I: nothing
+    calls0, bytes0 = expert_call_totals()
+    _host.run_experts(pool._h, x, tok, eid, w, 6, unit_start=unit)
+    assert _host.last_expert_call()["weight_bytes"] == want
+    _host.run_experts(pool._h, x, tok, eid, w, 0)  # no tasks
+    assert expert_call_totals() == (calls0 + 1, bytes0 + want)
 
 
 @pytest.mark.parametrize("tier", TIERS)
