@@ -242,10 +242,10 @@ for s in "${steps[@]}"; do
        run tests_served 240 python3 -m pytest -q -m gpu tests/host/test_cuda.py tests/experts/test_offload_cuda.py \
          -k "submit_collect or equals_resident" ;;
     decode-b1-workers)  # session 25: b1 / 37% with the CPU serve time per job, and the same executable on other
-       # worker pools (N workers : spin us), round robin with the default pool; $WORKER_BATCHES (~4 min a batch)
+       # worker pools (N workers : spin us; the default is 12 on the H200 host), round robin with it; $WORKER_BATCHES (~4 min a batch)
        run decode_b1_workers 540 python3 bench/decode.py --layers 40 --batches ${WORKER_BATCHES:-1} --routing trace \
          --fractions 0.37 --policies lru-split lru-fill --no-sweep --no-online --steps ${WORKER_STEPS:-32} --warmup 24 \
-         --worker-variants ${WORKER_VARIANTS:-13:2000 12:2000 10:2000} --out "$OUT/decode_b1_workers.json" ;;
+         --worker-variants ${WORKER_VARIANTS:-14:2000 13:2000 11:2000} --out "$OUT/decode_b1_workers.json" ;;
     decode-timeline)  # 40 layers, b1, 37%, profiled: lru-split, the unit split, the Pallas GEMV with and without it;
        # then each run's layer call phase by phase (bench/layer_timeline.py) and its kernels (~6 min)
        run decode_timeline 480 python3 bench/decode.py --layers 40 --batches 1 --routing trace --fractions 0.37 \
