@@ -41,8 +41,8 @@ from ftjax.experts.decode import BACKGROUND_YIELD_MODES, OffloadExperts
 from ftjax.experts.plan import PLAN_IMPLS, VICTIM_METHODS
 from ftjax.experts.resident import ResidentExperts
 from ftjax.experts.traces import ReplayRouting, synthetic_trace
-from ftjax.host import (GPU_SPIN_US, calibrate, configure_workers, expert_call_totals, gpu_workers, measure,
-                        tune_workers_for_gpu, worker_info)
+from ftjax.host import (GPU_SPIN_US, calibrate, configure_workers, expert_call_time_totals, expert_call_totals,
+                        gpu_workers, measure, tune_workers_for_gpu, worker_info)
 from ftjax.models import get_family, make_step_fns
 from ftjax.models.params import param_shapes, unflatten
 
@@ -199,6 +199,7 @@ class Run:
         served = getattr(self.backend, "cpu_served", lambda: (0, 0.0))  # the resident engine has no CPU branch
         j0, c0 = served()
         b0 = expert_call_totals()[1]  # weight bytes the CPU expert calls read (only this run's calls run)
+        p0 = expert_call_time_totals()
         t0, d0 = time.perf_counter(), self.dispatch_s
         for _ in range(steps):
             self.step()
@@ -206,6 +207,7 @@ class Run:
         dt = time.perf_counter() - t0
         j1, c1 = served()
         b1 = expert_call_totals()[1]
+        p1 = expert_call_time_totals()
         s1 = self.stats()
         d = {k: int((s1[k] - s0[k]).sum()) for k in s0}
         L = self.cfg.num_layers
@@ -217,7 +219,13 @@ class Run:
                 "cpu_jobs_per_step": (j1 - j0) / steps, "cpu_serve_ms": (c1 - c0) / steps * 1e3,
                 "cpu_us_per_job": (c1 - c0) / max(1, j1 - j0) * 1e6,
                 "cpu_mb_per_job": (b1 - b0) / max(1, j1 - j0) / 1e6,
-                "cpu_gbps": (b1 - b0) / (c1 - c0) / 1e9 if c1 > c0 else 0.0}
+                "cpu_gbps": (b1 - b0) / (c1 - c0) / 1e9 if c1 > c0 else 0.0,
+                **{f"call_{k}": (p1[k] - p0[k]) / max(1, p1["calls"] - p0["calls"]) for k in CALL_TIMES}}
+
+
+# the CPU expert call's own times per call (us; expert_call_time_totals): whole call, setup, per round wall
+# and the caller's wait for the other threads
+CALL_TIMES = ("total_us", "setup_us", "layouts_us", "phase1_us", "phase1_wait_us", "phase2_us", "phase2_wait_us")
 
 
 ROUNDS = 4  # interleaved(): rounds of the round robin
@@ -242,7 +250,8 @@ def interleaved(run, settings: dict, rounds: int, steps: int, warmup: int) -> di
                      "rounds": len(rs), "round_tok_s": [r["tok_s"] for r in rs],
                      **{k: mean(k) for k in ("dispatch_ms", "miss_rate", "misses_per_step", "fills_per_layer",
                                              "cpu_per_layer", "deferred_per_layer", "cpu_jobs_per_step",
-                                             "cpu_serve_ms", "cpu_us_per_job", "cpu_mb_per_job", "cpu_gbps")}}
+                                             "cpu_serve_ms", "cpu_us_per_job", "cpu_mb_per_job", "cpu_gbps",
+                                             *(f"call_{k}" for k in CALL_TIMES))}}
     return out
 
 
@@ -530,6 +539,16 @@ def print_row(row):
           "inside the decode call per step (dispatch; the host runs ahead unless --sync); warm: steps before timing "
           "(until the cache had no free slot, then --warmup)")
     p = row["policies"]
+    jobs = {pol: r for pol, r in p.items() if r.get("cpu_us_per_job", 0.0) > 0 and "call_total_us" in r}
+    if jobs:
+        print(f"{'CPU call, us/call':18} {'job':>7} {'call':>7} {'setup':>6} {'layouts':>7} {'gate/up':>7} "
+              f"{'(wait)':>6} {'down':>7} {'(wait)':>6}")
+        for pol, r in jobs.items():
+            print(f"{pol:18} {r['cpu_us_per_job']:7.1f} {r['call_total_us']:7.1f} {r['call_setup_us']:6.1f} "
+                  f"{r['call_layouts_us']:7.1f} {r['call_phase1_us']:7.1f} {r['call_phase1_wait_us']:6.1f} "
+                  f"{r['call_phase2_us']:7.1f} {r['call_phase2_wait_us']:6.1f}")
+        print("job: the coordinator's time per job (as us/job); call: the expert call inside it; per round its "
+              "wall time and (wait) the caller's wait for the other threads after its own last item")
     if "split online" in p:
         print(f"split online: fraction {p['split online']['fill_fraction']:.3f} after "
               f"{p['split online']['online_moves']} moves ({p['split online']['online_updates']} stats readings)")

@@ -187,6 +187,20 @@ NB_MODULE(_host, m) {
     const ExpertCallTotals t = expert_call_totals();
     return nb::make_tuple(t.calls, t.weight_bytes);
   }, "(calls, weight bytes read) of every CPU expert call with tasks since start-up.");
+  m.def("expert_call_time_totals", [] {
+    const ExpertCallTotals t = expert_call_totals();
+    nb::dict d;
+    d["calls"] = t.calls;
+    d["total_us"] = t.total_us;
+    d["setup_us"] = t.setup_us;
+    const char* names[3] = {"layouts", "phase1", "phase2"};
+    for (int k = 0; k < 3; ++k) {
+      d[(std::string(names[k]) + "_us").c_str()] = t.round_us[k];
+      d[(std::string(names[k]) + "_wait_us").c_str()] = t.wait_us[k];
+    }
+    return d;
+  }, "last_expert_call's times (us) summed over every CPU expert call with tasks since start-up, and the "
+     "number of calls.");
   m.def("amx_route_counts", [] {
     const std::vector<int64_t> c = amx_route_counts();
     nb::dict d;

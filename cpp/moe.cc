@@ -85,7 +85,7 @@ std::vector<float>& scratch(size_t n) {
 }
 std::mutex g_profile_mu;
 ExpertCallProfile g_profile;
-std::atomic<int64_t> g_calls{0}, g_weight_bytes{0};
+ExpertCallTotals g_totals;  // under g_profile_mu
 }  // namespace
 
 ExpertCallProfile last_expert_call_profile() {
@@ -93,7 +93,10 @@ ExpertCallProfile last_expert_call_profile() {
   return g_profile;
 }
 
-ExpertCallTotals expert_call_totals() { return {g_calls.load(), g_weight_bytes.load()}; }
+ExpertCallTotals expert_call_totals() {
+  std::lock_guard<std::mutex> lock(g_profile_mu);
+  return g_totals;
+}
 
 void run_experts(WorkerPool& workers, const ExpertCall& c, Tier tier) {
   const auto t_start = std::chrono::steady_clock::now();
@@ -275,10 +278,16 @@ void run_experts(WorkerPool& workers, const ExpertCall& c, Tier tier) {
   b.trim();
   prof.rows2 = rows2;
   prof.total_us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t_start).count();
-  g_calls.fetch_add(1, std::memory_order_relaxed);
-  g_weight_bytes.fetch_add(prof.weight_bytes, std::memory_order_relaxed);
   std::lock_guard<std::mutex> lock(g_profile_mu);
   g_profile = prof;
+  g_totals.calls += 1;
+  g_totals.weight_bytes += prof.weight_bytes;
+  g_totals.total_us += prof.total_us;
+  g_totals.setup_us += prof.setup_us;
+  for (int k = 0; k < 3; ++k) {
+    g_totals.round_us[k] += prof.round_us[k];
+    g_totals.wait_us[k] += prof.wait_us[k];
+  }
 }
 
 }  // namespace ftjax

@@ -46,6 +46,8 @@ ExpertCallProfile last_expert_call_profile();
 // read (ExpertCallProfile::weight_bytes summed): what an effective GB/s over a run divides.
 struct ExpertCallTotals {
   int64_t calls = 0, weight_bytes = 0;
+  // the calls' ExpertCallProfile times summed (us): whole call, setup, per round wall and the caller's wait
+  double total_us = 0, setup_us = 0, round_us[3] = {}, wait_us[3] = {};
 };
 ExpertCallTotals expert_call_totals();
 

@@ -8,8 +8,8 @@ from ftjax.host.pool import HostPool
 
 __all__ = ["HostPool", "cpu_experts", "register_targets", "cpu_features", "cpu_brand", "available_tiers",
            "active_tier", "set_tier", "prefetch_bytes", "set_prefetch_bytes", "configure_workers",
-           "tune_workers_for_gpu", "gpu_workers", "expert_call_totals", "worker_info", "cuda_built",
-           "cuda_device_count"]
+           "tune_workers_for_gpu", "gpu_workers", "expert_call_totals", "expert_call_time_totals", "worker_info",
+           "cuda_built", "cuda_device_count"]
 
 
 def cpu_features() -> dict[str, bool]:
@@ -92,6 +92,14 @@ def expert_call_totals() -> tuple[int, int]:
     run's effective CPU expert rate is the bytes' difference over its time."""
     calls, nbytes = _host.expert_call_totals()
     return int(calls), int(nbytes)
+
+
+def expert_call_time_totals() -> dict:
+    """The times (us) of every CPU expert call with tasks since start-up, summed (``calls``: how many):
+    ``total_us``, ``setup_us``, and per round (``layouts``, ``phase1`` = gate/up, ``phase2`` = down) its wall
+    time ``<round>_us`` and the caller's wait for the other threads ``<round>_wait_us``, as in
+    ``_host.last_expert_call()``: differences over a run give where its calls spent their time."""
+    return dict(_host.expert_call_time_totals())
 
 
 def worker_info() -> dict:

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from ftjax import _host
-from ftjax.host import HostPool, available_tiers, expert_call_totals, quant, set_tier
+from ftjax.host import HostPool, available_tiers, expert_call_time_totals, expert_call_totals, quant, set_tier
 from ftjax.host.reference import experts_reference
 
 TIERS = available_tiers()
@@ -208,6 +208,27 @@ def test_expert_call_counts_the_weight_bytes_it_reads(fmt):
     assert _host.last_expert_call()["weight_bytes"] == want
     _host.run_experts(pool._h, x, tok, eid, w, 0)  # no tasks
     assert expert_call_totals() == (calls0 + 1, bytes0 + want)
+
+
+def test_expert_call_time_totals_sum_the_calls_profiles():
+    """`expert_call_time_totals` adds each call's `last_expert_call` times (what the decode benchmark's
+    per-call breakdown divides); a call without tasks adds nothing."""
+    rng = np.random.default_rng(7)
+    pool, _ = make_pool(rng, "bf16", 4, 64, 96)
+    x = rng.standard_normal((2, 64)).astype(np.float32)
+    tok, eid, w = np.array([0, 1, 1], np.int32), np.array([2, 0, 2], np.int32), np.ones(3, np.float32)
+    keys = ("total_us", "setup_us", "layouts_us", "layouts_wait_us", "phase1_us", "phase1_wait_us", "phase2_us",
+            "phase2_wait_us")
+    for _ in range(2):
+        t0 = expert_call_time_totals()
+        _host.run_experts(pool._h, x, tok, eid, w, 3)
+        last = _host.last_expert_call()
+        _host.run_experts(pool._h, x, tok, eid, w, 0)
+        t1 = expert_call_time_totals()
+        assert t1["calls"] == t0["calls"] + 1
+        assert last["total_us"] > 0 and last["phase1_us"] > 0 and last["phase2_us"] > 0
+        for k in keys:
+            assert t1[k] - t0[k] == pytest.approx(last[k], rel=1e-9, abs=1e-6), k
 
 
 @pytest.mark.parametrize("tier", TIERS)
