@@ -391,3 +391,48 @@ def test_amx_tier_takes_its_calls(fmt, workers):
             assert rel_err(y, want) < 2e-2
     finally:
         _host.configure_workers(info["n_workers"], info["spin_us"], info["pin"])
+
+
+@pytest.mark.parametrize("tier", TIERS)
+@pytest.mark.parametrize("fmt,act", [("f32", "f32"), ("bf16", "bf16"), ("int4", "bf16"), ("int4", "f32")])
+@pytest.mark.parametrize("workers", [0, 3, 7])
+def test_pipelined_call_equals_two_rounds(tier, fmt, act, workers):
+    """`set_expert_pipeline(True)`: gate/up and down in one round of the pool, a down item starting on an
+    expert once its gate/up items are done, gives the two-round call's bits (the same items, each output
+    row summed over the experts in the same order) and the reference's values: one and many experts,
+    duplicate experts, unit starts, 8 tokens on one expert (the AMX tile path), more workers than cores."""
+    info = _host.worker_info()
+    _host.configure_workers(workers, 20, False)
+    set_tier(tier)
+    try:
+        rng = np.random.default_rng(zlib.crc32(f"pipe{tier}{fmt}{act}{workers}".encode()))
+        hidden, inter = 192, 128
+        pool, ref = make_pool(rng, fmt, 9, hidden, inter)
+        T = 8
+        x = rng.standard_normal((T, hidden)).astype(np.float32)
+        if act == "bf16":
+            x = x.astype(BF16)
+        xin = x.view(np.uint16) if act == "bf16" else x
+        cases = [(np.array([3]), np.array([5]), None),  # one expert, one token (batch-1 decode)
+                 (np.array([0, 0]), np.array([2, 7]), np.array([32, 0])),  # two experts, one from unit 32
+                 (np.arange(8), np.zeros(8), None)]  # 8 tokens on one expert
+        tok, eid, _ = tasks(rng, T, 24, 9)
+        cases.append((tok, eid, (rng.integers(0, 5, 24) * 32).astype(np.int32)))  # many groups, units to I
+        for tok, eid, unit in cases:
+            tok, eid = tok.astype(np.int32), eid.astype(np.int32)
+            w = rng.random(tok.size).astype(np.float32)
+            kw = {} if unit is None else {"unit_start": unit.astype(np.int32)}
+            out = {}
+            for pipelined in (False, True):
+                _host.set_expert_pipeline(pipelined)
+                out[pipelined] = _host.run_experts(pool._h, xin, tok, eid, w, tok.size, x_bf16=act == "bf16", **kw)
+                prof = _host.last_expert_call()
+                assert prof["phase1_us"] >= 0 and prof["phase2_us"] >= 0
+            np.testing.assert_array_equal(out[True], out[False])
+            if unit is None:
+                want = experts_reference(x.astype(np.float32), tok, eid, w, tok.size, ref["gate_up"], ref["down"],
+                                         bf16_act=act == "bf16")
+                assert rel_err(out[True], want) < (2e-5 if act == "f32" else 2e-2)
+    finally:
+        _host.set_expert_pipeline(False)
+        _host.configure_workers(info["n_workers"], info["spin_us"], info["pin"])
