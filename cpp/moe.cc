@@ -327,7 +327,7 @@ void run_experts(WorkerPool& workers, const ExpertCall& c, Tier tier) {
       if (left1.fetch_sub(1, std::memory_order_acq_rel) == 1)
         t1_ns.store(std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t_round)
                         .count());
-    }, min_chunk(item1_bytes), items1);  // claims sized for phase 1: its last items gate phase 2's
+    }, min_chunk(item1_bytes));
     // the profile's phase 1: the round's start to its last gate/up item; phase 2: the rest
     const double p1 = t1_ns.load() / 1e3;
     record_round(1, items1, RoundTiming{p1, 0.0});

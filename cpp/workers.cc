@@ -157,20 +157,18 @@ void WorkerPool::worker_main(int index) {
   }
 }
 
-RoundTiming WorkerPool::parallel_for(int64_t n_items, const std::function<void(int64_t, int)>& fn, int64_t min_chunk,
-                                     int64_t sizing_items) {
+RoundTiming WorkerPool::parallel_for(int64_t n_items, const std::function<void(int64_t, int)>& fn, int64_t min_chunk) {
   RoundTiming timing;
   if (n_items <= 0) return timing;
   std::lock_guard<std::mutex> call_lock(call_mu_);
   failed_ = false;
   error_.clear();
   if (n_items <= kMaxRoundItems) {
-    run_round(n_items, fn, min_chunk, sizing_items > 0 ? std::min(sizing_items, n_items) : n_items, timing);
+    run_round(n_items, fn, min_chunk, timing);
   } else {  // more items than a ticket holds: rounds of at most kMaxRoundItems
     for (int64_t base = 0; base < n_items && !failed_; base += kMaxRoundItems) {
       const std::function<void(int64_t, int)> shifted = [&](int64_t i, int t) { fn(base + i, t); };
-      const int64_t n = std::min(kMaxRoundItems, n_items - base);
-      run_round(n, shifted, min_chunk, sizing_items > 0 ? std::min(sizing_items, n) : n, timing);
+      run_round(std::min(kMaxRoundItems, n_items - base), shifted, min_chunk, timing);
     }
   }
   if (failed_) throw std::runtime_error(error_);
@@ -178,10 +176,10 @@ RoundTiming WorkerPool::parallel_for(int64_t n_items, const std::function<void(i
 }
 
 void WorkerPool::run_round(int64_t n_items, const std::function<void(int64_t, int)>& fn, int64_t min_chunk,
-                           int64_t sizing_items, RoundTiming& timing) {
+                           RoundTiming& timing) {
   const auto t0 = std::chrono::steady_clock::now();
   fn_.store(&fn, std::memory_order_relaxed);
-  chunk_.store(std::max<int64_t>({1, min_chunk, sizing_items / (8 * n_threads())}), std::memory_order_relaxed);
+  chunk_.store(std::max<int64_t>({1, min_chunk, n_items / (8 * n_threads())}), std::memory_order_relaxed);
   min_chunk_.store(std::max<int64_t>(1, min_chunk), std::memory_order_relaxed);
   items_done_.store(0, std::memory_order_relaxed);
   ++round_;

@@ -42,19 +42,15 @@ class WorkerPool {
   // fn(item, thread) for every item in [0, n_items) on the workers and the calling thread;
   // thread is in [0, n_threads()). Returns when all items ran; rethrows the first exception.
   // Calls are serialised: one job at a time. A thread claims at least min_chunk items at once (for
-  // items so small that a contended claim would cost more than the item). Claims are sized for a
-  // round of sizing_items items (0: n_items): a round whose first items gate the rest sizes them for
-  // those first items.
-  RoundTiming parallel_for(int64_t n_items, const std::function<void(int64_t, int)>& fn, int64_t min_chunk = 1,
-                           int64_t sizing_items = 0);
+  // items so small that a contended claim would cost more than the item).
+  RoundTiming parallel_for(int64_t n_items, const std::function<void(int64_t, int)>& fn, int64_t min_chunk = 1);
   int n_threads() const { return static_cast<int>(threads_.size()) + 1; }
   const WorkerConfig& config() const { return cfg_; }
   const std::vector<int>& pinned_cpus() const { return cpus_; }
 
  private:
   void worker_main(int index);
-  void run_round(int64_t n_items, const std::function<void(int64_t, int)>& fn, int64_t min_chunk,
-                 int64_t sizing_items, RoundTiming& t);
+  void run_round(int64_t n_items, const std::function<void(int64_t, int)>& fn, int64_t min_chunk, RoundTiming& t);
   void run_items(int thread);
   void close_round();
 
