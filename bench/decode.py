@@ -42,7 +42,7 @@ from ftjax.experts.plan import PLAN_IMPLS, VICTIM_METHODS
 from ftjax.experts.resident import ResidentExperts
 from ftjax.experts.traces import ReplayRouting, synthetic_trace
 from ftjax.host import (GPU_SPIN_US, calibrate, configure_workers, expert_call_time_totals, expert_call_totals,
-                        expert_pipeline, gpu_workers, measure, set_expert_pipeline, tune_workers_for_gpu, worker_info)
+                        gpu_workers, measure, tune_workers_for_gpu, worker_info)
 from ftjax.models import get_family, make_step_fns
 from ftjax.models.params import param_shapes, unflatten
 
@@ -330,9 +330,6 @@ def main(argv=None) -> int:
                     help="also a 'split pallas' row: lru-split with the Pallas decode GEMV as its GPU expert kernel "
                          "(OffloadExperts kernel='pallas'; the other rows and T_gpu use jnp), and with --unit-split a "
                          "'split units pallas' row")
-    ap.add_argument("--pipeline-ablation", action="store_true",
-                    help="lru-split again (same executable) with the CPU expert call's gate/up and down as two rounds "
-                         "of the worker pool and as one pipelined round (ftjax.host.set_expert_pipeline), round robin")
     ap.add_argument("--tokenizer", default=str(TOKENIZER), help="the real Qwen3 tokenizer (routing text)")
     ap.add_argument("--worker-variants", nargs="*", default=[], metavar="N:SPIN_US",
                     help="also run lru-split with the CPU worker pool reconfigured (N workers, -1 = default; "
@@ -371,7 +368,6 @@ def main(argv=None) -> int:
     max_len = (args.warmup + args.steps + 8 + max(fill_steps(int(f * L * E), L) for f in args.fractions)
                + ((len(args.worker_variants) + 1) * ROUNDS * (2 + max(1, args.steps // ROUNDS))
                   if args.worker_variants else 0)
-               + (2 * ROUNDS * (2 + max(1, args.steps // ROUNDS)) if args.pipeline_ablation else 0)
                + (0 if args.no_online else args.online_warmup + args.steps)
                + (0 if args.no_sweep else len(SWEEP) * (8 + args.steps)) + (4 if args.profile else 0)
                + (len(BACKGROUND_YIELD_MODES) * (ROUNDS * (2 + max(1, args.steps // ROUNDS)) + (4 if args.profile else 0))
@@ -446,14 +442,6 @@ def main(argv=None) -> int:
                                 rows[name] = r
                                 progress(f"{routing} b{B} lru-split, {name[6:]} {frac:.0%} ({ROUNDS} rounds)", r)
                             pools["split workers default"]()
-                        if args.pipeline_ablation:  # same executable, the CPU call's two forms, round robin
-                            was = expert_pipeline()
-                            forms = {"split two rounds": lambda: set_expert_pipeline(False),
-                                     "split pipelined": lambda: set_expert_pipeline(True)}
-                            for name, r in interleaved(run, forms, ROUNDS, args.steps, 2).items():
-                                rows[name] = r
-                                progress(f"{routing} b{B} lru-split, CPU call {name[6:]} {frac:.0%} ({ROUNDS} rounds)", r)
-                            set_expert_pipeline(was)
                         if args.yield_ablation and run.backend.background_fills:
                             default_yield = run.backend.background_yield
                             # same executable (the fork reads the mode), round robin: every mode sees the

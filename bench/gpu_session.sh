@@ -23,8 +23,6 @@
 # fused at $PIPE_TOKENS, default 8K and 16K).
 # Session 25 steps: tests-served (the CPU-branch serve counters' GPU tests), decode-b1-workers (b1 / 37% with the CPU
 # serve time per job and the worker-pool variants $WORKER_VARIANTS).
-# Session 26 steps: decode-b1-pipeline (the CPU expert call as one pipelined round vs two rounds, b1 / 37%, round
-# robin; with the in-step call's time per round).
 # Session 24 steps: fused-forms (the fused kernel 1's walk bands x SMEM / direct epilogue x exp / tanh sigmoid, alone and
 # in the Qwen prefill; its GPU tests), defaults-check (the prefill's defaults vs XLA's take, both shapes; tests/pallas on
 # the GPU less the fused kernel's own cases).
@@ -248,12 +246,6 @@ for s in "${steps[@]}"; do
        run decode_b1_workers 540 python3 bench/decode.py --layers 40 --batches ${WORKER_BATCHES:-1} --routing trace \
          --fractions 0.37 --policies lru-split lru-fill --no-sweep --no-online --steps ${WORKER_STEPS:-32} --warmup 24 \
          --worker-variants ${WORKER_VARIANTS:-14:2000 13:2000 11:2000} --out "$OUT/decode_b1_workers.json" ;;
-    decode-b1-pipeline)  # session 26: the CPU expert call pipelined (one round) vs two rounds: its kernel tests on
-       # the host, then b1 / 37% lru-split on the same executable round robin ($PIPE_BATCHES; ~4 min a batch)
-       run pipeline_tests 120 python3 -m pytest -q tests/host/test_kernels.py -k "pipelined or totals or weight_bytes"
-       run decode_b1_pipeline 540 python3 bench/decode.py --layers 40 --batches ${PIPE_BATCHES:-1} --routing trace \
-         --fractions 0.37 --policies lru-split lru-fill --no-sweep --no-online --steps ${PIPE_STEPS:-48} --warmup 24 \
-         --pipeline-ablation --out "$OUT/decode_b1_pipeline.json" ;;
     decode-timeline)  # 40 layers, b1, 37%, profiled: lru-split, the unit split, the Pallas GEMV with and without it;
        # then each run's layer call phase by phase (bench/layer_timeline.py) and its kernels (~6 min)
        run decode_timeline 480 python3 bench/decode.py --layers 40 --batches 1 --routing trace --fractions 0.37 \

@@ -211,11 +211,6 @@ NB_MODULE(_host, m) {
   }, "dot_rows calls the AMX tier ran on its AVX-512 loops, its bf16 tile path and its int4 tile path, "
      "since the process started.");
   m.def("set_tier", &set_tier, "name"_a);
-  m.def("expert_pipeline", &expert_pipeline,
-        "Whether a CPU expert call runs gate/up and down as one pipelined round of the worker pool.");
-  m.def("set_expert_pipeline", &set_expert_pipeline, "on"_a,
-        "Pipelined (one round: down rows of an expert start once its gate/up items are done) or two rounds "
-        "with a barrier between them; the same results either way.");
   m.def("prefetch_bytes", [] { return prefetch_bytes(); },
         "How far ahead (bytes) the AVX-512 and AMX tiers prefetch weight rows longer than short_row_bytes.");
   m.def("set_prefetch_bytes", &set_prefetch_bytes, "bytes"_a, "Set the prefetch distance (0 = off).");

@@ -5,20 +5,11 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
-#include <memory>
 #include <mutex>
 #include <numeric>
 #include <stdexcept>
 #include <string>
 #include <vector>
-
-#if defined(__x86_64__)
-#include <immintrin.h>
-#define FTJAX_CPU_PAUSE() _mm_pause()
-#else
-#include <thread>
-#define FTJAX_CPU_PAUSE() std::this_thread::yield()
-#endif
 
 namespace ftjax {
 namespace {
@@ -95,16 +86,12 @@ std::vector<float>& scratch(size_t n) {
 std::mutex g_profile_mu;
 ExpertCallProfile g_profile;
 ExpertCallTotals g_totals;  // under g_profile_mu
-std::atomic<bool> g_pipeline{false};
 }  // namespace
 
 ExpertCallProfile last_expert_call_profile() {
   std::lock_guard<std::mutex> lock(g_profile_mu);
   return g_profile;
 }
-
-bool expert_pipeline() { return g_pipeline.load(std::memory_order_relaxed); }
-void set_expert_pipeline(bool on) { g_pipeline.store(on, std::memory_order_relaxed); }
 
 ExpertCallTotals expert_call_totals() {
   std::lock_guard<std::mutex> lock(g_profile_mu);
@@ -224,7 +211,7 @@ void run_experts(WorkerPool& workers, const ExpertCall& c, Tier tier) {
   const int64_t rows1 = rows_per_item(I, groups, kRowsPhase1, workers.n_threads(), min_rows);
   const int64_t blocks1 = (I + rows1 - 1) / rows1;
   const int64_t item1_bytes = rows1 * static_cast<int64_t>(pool.gate_up().expert_bytes) / I;  // 2 rows1 of 2I rows
-  const auto phase1 = [&](int64_t item) {
+  const RoundTiming t_phase1 = workers.parallel_for(groups * blocks1, [&](int64_t item, int) {
     const int64_t g = item / blocks1, r0 = start[g], nr = start[g + 1] - r0;
     const int64_t i1 = std::min(I, (item % blocks1 + 1) * rows1);
     const int64_t i0 = std::max((item % blocks1) * rows1, unit_of(order[r0]));  // the group's units only
@@ -256,21 +243,20 @@ void run_experts(WorkerPool& workers, const ExpertCall& c, Tier tier) {
         b.act[(r0 + j) * I + i] = v;
       }
     }
-  };
+  }, min_chunk(item1_bytes));
+  record_round(1, groups * blocks1, t_phase1);
   prof.rows1 = rows1;
 
   // Phase 2: y[t, h] += w_r * (down_e[h] . act_r); an item owns output rows [h0, h1) of every
-  // token, so no two threads write the same element. It takes the groups in order; ready(g) waits
-  // until group g's intermediate is complete (pipelined) or returns at once (after phase 1's round).
+  // token, so no two threads write the same element.
   const int64_t rows2 = rows_per_item(H, 1, kRowsPhase2, workers.n_threads(), min_rows);
   const int64_t blocks2 = (H + rows2 - 1) / rows2;
   const int64_t item2_bytes = groups * rows2 * static_cast<int64_t>(pool.down().expert_bytes) / H;  // of each down
-  const auto phase2 = [&](int64_t item, const auto& ready) {
+  const RoundTiming t_phase2 = workers.parallel_for(blocks2, [&](int64_t item, int) {
     const int64_t h0 = item * rows2, h1 = std::min(H, h0 + rows2);
     for (int64_t g = 0; g < groups; ++g) {
       const int64_t r0 = start[g], nr = start[g + 1] - r0, u = unit_of(order[r0]);
       if (u == I) continue;  // no unit of this expert here
-      if (!ready(g)) return;  // a phase 1 item failed: the round reports its error
       // the down columns of the group's units; pair64 spans stay aligned only from a multiple of 64
       const MatrixRef w = column_window(matrix_of(pool.down(), c.expert_ids[order[r0]]), u, I - u);
       // the B layout of the window [u, I) from pair u / 2 on: whole 32-column steps only when u % 32 == 0
@@ -287,53 +273,10 @@ void run_experts(WorkerPool& workers, const ExpertCall& c, Tier tier) {
         for (int64_t h = h0; h < h1; ++h) yt[h] += wt * out[(h - h0) * nr + j];
       }
     }
-  };
-  prof.rows2 = rows2;
-
-  if (!expert_pipeline()) {
-    record_round(1, groups * blocks1, workers.parallel_for(groups * blocks1, [&](int64_t item, int) { phase1(item); },
-                                                           min_chunk(item1_bytes)));
-    const auto no_wait = [](int64_t) { return true; };
-    record_round(2, blocks2, workers.parallel_for(blocks2, [&](int64_t item, int) { phase2(item, no_wait); },
-                                                  min_chunk(item2_bytes)));
-  } else {
-    // One round: items [0, items1) are phase 1's, then phase 2's. Claims go in item order, so a thread
-    // holding a phase 2 item waits only for phase 1 items other threads hold; it starts on group g's
-    // down rows as soon as g's gate/up items are done (the last items of phase 1 overlap the first of
-    // phase 2, and there is no second wake-up).
-    const int64_t items1 = groups * blocks1;
-    std::unique_ptr<std::atomic<int64_t>[]> done1(new std::atomic<int64_t>[groups]);
-    for (int64_t g = 0; g < groups; ++g) done1[g].store(0, std::memory_order_relaxed);
-    std::atomic<int64_t> left1{items1};
-    std::atomic<bool> abandoned{false};
-    std::atomic<int64_t> t1_ns{0};  // when the last phase 1 item ended, from t_round
-    const auto t_round = std::chrono::steady_clock::now();
-    const auto ready = [&](int64_t g) {
-      while (done1[g].load(std::memory_order_acquire) < blocks1) {
-        if (abandoned.load(std::memory_order_relaxed)) return false;
-        FTJAX_CPU_PAUSE();
-      }
-      return true;
-    };
-    const RoundTiming t = workers.parallel_for(items1 + blocks2, [&](int64_t item, int) {
-      if (item >= items1) return phase2(item - items1, ready);
-      try {
-        phase1(item);
-      } catch (...) {
-        abandoned.store(true);  // the waiters let go; the pool reports this error
-        throw;
-      }
-      done1[item / blocks1].fetch_add(1, std::memory_order_release);
-      if (left1.fetch_sub(1, std::memory_order_acq_rel) == 1)
-        t1_ns.store(std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t_round)
-                        .count());
-    }, min_chunk(item1_bytes));
-    // the profile's phase 1: the round's start to its last gate/up item; phase 2: the rest
-    const double p1 = t1_ns.load() / 1e3;
-    record_round(1, items1, RoundTiming{p1, 0.0});
-    record_round(2, blocks2, RoundTiming{t.wall_us - p1, t.wait_us});
-  }
+  }, min_chunk(item2_bytes));
+  record_round(2, blocks2, t_phase2);
   b.trim();
+  prof.rows2 = rows2;
   prof.total_us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t_start).count();
   std::lock_guard<std::mutex> lock(g_profile_mu);
   g_profile = prof;

@@ -31,12 +31,6 @@ struct ExpertCall {
 // Throws std::invalid_argument naming the bad task (index and value) before touching y.
 void run_experts(WorkerPool& workers, const ExpertCall& call, Tier tier);
 
-// Whether run_experts runs gate/up and down as one round of the worker pool, an item of down starting
-// on an expert as soon as that expert's gate/up items are done (pipelined), or as two rounds with the
-// pool's barrier between them. Results are the same bits either way; only the timing differs.
-bool expert_pipeline();
-void set_expert_pipeline(bool on);
-
 // Where the last run_experts call (any thread) spent its time, in microseconds: the whole call, the
 // work before the first round (checks, sort), and per round (activation layouts, phase 1 = gate/up,
 // phase 2 = down) its wall time and the caller's wait for the other threads after its last item.

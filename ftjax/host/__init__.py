@@ -9,7 +9,7 @@ from ftjax.host.pool import HostPool
 __all__ = ["HostPool", "cpu_experts", "register_targets", "cpu_features", "cpu_brand", "available_tiers",
            "active_tier", "set_tier", "prefetch_bytes", "set_prefetch_bytes", "configure_workers",
            "tune_workers_for_gpu", "gpu_workers", "expert_call_totals", "expert_call_time_totals", "worker_info",
-           "cuda_built", "cuda_device_count", "expert_pipeline", "set_expert_pipeline"]
+           "cuda_built", "cuda_device_count"]
 
 
 def cpu_features() -> dict[str, bool]:
@@ -64,17 +64,6 @@ def gpu_workers(physical_cores: int) -> int:
     if physical_cores >= 12:
         return physical_cores - GPU_SPARE_CPUS
     return max(0, physical_cores - 2)
-
-
-def expert_pipeline() -> bool:
-    """Whether a CPU expert call runs gate/up and down as one pipelined round of the worker pool (an
-    expert's down rows start once its gate/up rows are done) rather than two rounds with a barrier."""
-    return bool(_host.expert_pipeline())
-
-
-def set_expert_pipeline(on: bool) -> None:
-    """Choose the CPU expert call's form (`expert_pipeline`); results are the same bits either way."""
-    _host.set_expert_pipeline(bool(on))
 
 
 def configure_workers(n_workers: int = -1, spin_us: int = 100, pin: bool = True) -> None:
