@@ -235,14 +235,21 @@ def interleaved(run, settings: dict, rounds: int, steps: int, warmup: int) -> di
     """Time ``run`` under each of ``settings`` (name -> a function that applies it) in ``rounds`` rounds of
     ``steps // rounds`` steps each (``warmup`` untimed steps after every switch), round robin, so that every
     setting sees the same stretch of the routing; the rounds' figures combined per setting."""
+    return round_robin({name: (run, apply) for name, apply in settings.items()}, rounds, steps, warmup)
+
+
+def round_robin(entries: dict, rounds: int, steps: int, warmup: int) -> dict:
+    """`interleaved` over (run, apply) pairs per name: several runs (e.g. differently compiled backends, each
+    stepping its own copy of the trace, so each sees the same stretches), or one run under several settings."""
     per = max(1, steps // rounds)
-    parts = {name: [] for name in settings}
+    parts = {name: [] for name in entries}
     for _ in range(rounds):
-        for name, apply in settings.items():
+        for name, (run, apply) in entries.items():
             apply()
             parts[name].append(run.timed(warmup, per))
     out = {}
     for name, rs in parts.items():
+        run = entries[name][0]
         n = per * len(rs)
         sec = sum(r["step_ms"] for r in rs) * per / 1e3
         mean = lambda k: sum(r[k] for r in rs) / len(rs)  # noqa: E731  (equal steps per round)
@@ -330,6 +337,10 @@ def main(argv=None) -> int:
                     help="also a 'split pallas' row: lru-split with the Pallas decode GEMV as its GPU expert kernel "
                          "(OffloadExperts kernel='pallas'; the other rows and T_gpu use jnp), and with --unit-split a "
                          "'split units pallas' row")
+    ap.add_argument("--granule-ablation", nargs="+", type=int, default=[], metavar="UNITS",
+                    help="also lru-split with the unit split's step set to UNITS (OffloadExperts unit_granule; the "
+                         "default: a cache line of a down row): each a backend of its own, timed round robin with a "
+                         "second default backend ('split granule default'), every one on its own copy of the trace")
     ap.add_argument("--tokenizer", default=str(TOKENIZER), help="the real Qwen3 tokenizer (routing text)")
     ap.add_argument("--worker-variants", nargs="*", default=[], metavar="N:SPIN_US",
                     help="also run lru-split with the CPU worker pool reconfigured (N workers, -1 = default; "
@@ -371,7 +382,8 @@ def main(argv=None) -> int:
                + (0 if args.no_online else args.online_warmup + args.steps)
                + (0 if args.no_sweep else len(SWEEP) * (8 + args.steps)) + (4 if args.profile else 0)
                + (len(BACKGROUND_YIELD_MODES) * (ROUNDS * (2 + max(1, args.steps // ROUNDS)) + (4 if args.profile else 0))
-                  if args.yield_ablation else 0))
+                  if args.yield_ablation else 0)
+               + (1 if args.granule_ablation else 0))  # a granule run: its warm-up, 1 step, the rounds
     plan_kw = dict(plan_impl=args.plan_impl, victims_by=args.victims_by)
     results = {"sync": args.sync, "stable_io": args.stable_io, **plan_kw,
                "xla_update_mode": ftjax.XLA_UPDATE_MODE,
@@ -420,6 +432,7 @@ def main(argv=None) -> int:
                     rows[pol]["victims_by"] = run.backend.victims_by
                     rows[pol]["background_fills"] = run.backend.background_fills
                     rows[pol]["unit_split"] = run.backend.unit_split
+                    rows[pol]["unit_granule"] = run.backend.unit_granule
                     rows[pol]["background_yield"] = run.backend.background_yield
                     progress(f"{routing} b{B} {pol}{' (units: the default)' if run.backend.unit_split else ''} "
                              f"{frac:.0%}", rows[pol])
@@ -457,6 +470,28 @@ def main(argv=None) -> int:
                                 profile(run, args.profile, f"{routing}-b{B}-yield-{m.replace('+', '-')}-"
                                         f"{round(100 * frac)}")
                             run.backend.set_background_yield(default_yield)
+                        if args.granule_ablation and run.backend.unit_split:
+                            # other split steps are other executables: fresh backends, each on its own copy of
+                            # the trace from its start, with a fresh default one, warmed and then round robin
+                            grains = {"split granule default": None,
+                                      **{f"split granule {g}": g for g in args.granule_ablation}}
+                            runs = {}
+                            for name, g in grains.items():
+                                kw = {} if g is None else {"unit_granule": g}
+                                runs[name] = Run(cfg, params, pool, pol, S, B, routing, trace, max_len,
+                                                 band.fill_fraction, tokens, fused_handshake=args.fused_handshake,
+                                                 stable_io=args.stable_io,
+                                                 plan=dict(plan_kw, defer_fills=args.defer == "on", **kw))
+                                runs[name].sync, runs[name].fixed_inputs = args.sync, args.fixed_inputs
+                                runs[name].timed(args.warmup, 1)
+                            for name, r in round_robin({n: (rr, lambda: None) for n, rr in runs.items()}, ROUNDS,
+                                                       args.steps, 2).items():
+                                rows[name] = dict(r, unit_granule=runs[name].backend.unit_granule)
+                                progress(f"{routing} b{B} lru-split, {name[6:]} (units "
+                                         f"{runs[name].backend.unit_granule}) {frac:.0%} ({ROUNDS} rounds)", r)
+                            for rr in runs.values():
+                                rr.backend.drain()
+                            del runs, rr
                     if pol == "lru-split" and not args.no_sweep:
                         sweep = {}
                         for f in SWEEP:

@@ -64,9 +64,22 @@ def default_unit_split(platform: str, background_fills: bool, pool: HostPool, ke
             and pool.inter % unit_granule(pool) == 0)
 
 
+UNIT_ALIGN_BYTES = 64  # a cache line: the CPU's down window [u, I) starts on one (unit_granule)
+UNIT_MIN_STEPS = 8  # unit_granule keeps at least this many steps of the split
+UNIT_FALLBACK_GRANULE = 8
+
+
 def unit_granule(pool: HostPool) -> int:
-    """unit_split: units per step of the split: an int4 group of the down matrix, else 8."""
-    return quant.GROUP if pool.format == "int4" else 8
+    """unit_split's default units per step of the split. int4 pools: an int4 group of the down matrix.
+    Else a cache line of a down row (32 bf16 or 16 f32 units) where I is a multiple of it in at least
+    UNIT_MIN_STEPS steps (Qwen3.6's I = 512: 16 steps of 32 bf16 units), so the CPU's down window [u, I)
+    starts on a line: a window starting mid-line makes its rows' 64-byte loads span two lines (on the dev box
+    the down rows of u = 176 ran at 0.77x the rate of u = 160 or 192; bench/RESULTS.md session 26); small
+    experts: steps of 8 units."""
+    if pool.format == "int4":
+        return quant.GROUP
+    line = UNIT_ALIGN_BYTES // (4 if pool.format == "f32" else 2)
+    return line if pool.inter % line == 0 and pool.inter // line >= UNIT_MIN_STEPS else UNIT_FALLBACK_GRANULE
 
 
 # OffloadExperts.background_yield: what the step's background fill pauses for (cuda.YIELD_MODES).
@@ -137,7 +150,9 @@ class OffloadExperts:
     route's units (`decode_experts(units=)`), and a decode call of more routes than the GEMV's limit runs
     the GEMV too (the prefill kernel computes whole experts only; prefill calls are never split). Not built:
     int4 pools on CUDA (the partial copy of the packed layout). None (default): `default_unit_split`, on
-    where it runs and measured faster than deferring whole experts, off elsewhere.
+    where it runs and measured faster than deferring whole experts, off elsewhere. ``unit_granule``: the
+    split's step in units (u is a multiple of it; int4 pools: a multiple of the int4 group); None (default):
+    `unit_granule` of the pool, a cache line of a down row.
     ``background_yield`` (CUDA, background fills): the step's background fill pauses while the transfers a
     decode call waits for run (`cuda.set_background_yield`): "fills" its in-step fills, "cpu" its CPU
     branches (submitted, not yet collected), "fills+cpu" both, "off" never; a pause lasts at most 200 us
@@ -161,6 +176,7 @@ class OffloadExperts:
     victims_by: str | None = None
     defer_fills: bool | None = None
     unit_split: bool | None = None
+    unit_granule: int | None = None
     background_yield: str | None = None
     channel_base: int = -1
     background_id: int = -1
@@ -193,9 +209,16 @@ class OffloadExperts:
             if self.platform == "cuda" and self.pool.format == "int4":
                 raise NotImplementedError("unit_split on CUDA copies bf16/f32 pools only (the partial fill of the "
                                           "packed int4 layout is not built)")
-            if self.pool.inter % unit_granule(self.pool):
-                raise ValueError(f"unit_split needs the expert intermediate size ({self.pool.inter}) to be a "
-                                 f"multiple of {unit_granule(self.pool)}")
+        if self.unit_granule is None:
+            object.__setattr__(self, "unit_granule", unit_granule(self.pool))
+        g = self.unit_granule
+        if not isinstance(g, (int, np.integer)) or isinstance(g, bool) or g < 1:
+            raise ValueError(f"unit_granule must be a positive int, got {g!r}")
+        if self.pool.format == "int4" and g % quant.GROUP:
+            raise ValueError(f"unit_granule {g} is not a multiple of {quant.GROUP} (an int4 group of the down matrix)")
+        if self.unit_split and self.pool.inter % g:
+            raise ValueError(f"unit_split needs the expert intermediate size ({self.pool.inter}) to be a "
+                             f"multiple of unit_granule ({g})")
         if self.background_yield is None:
             object.__setattr__(self, "background_yield", DEFAULT_BACKGROUND_YIELD)
         _check_yield(self.background_yield)
@@ -347,7 +370,7 @@ class OffloadExperts:
             state = dict(state, gate_up=gu, down=dn)
         plan_args = dict(num_experts=E, rule=rule, fill_cap=self.fill_cap, update=self.policy.update,
                          defer_horizon=self.num_layers if self.background_fills and decode else 0,
-                         unit_split=(self.pool.inter, unit_granule(self.pool)) if self.unit_split else None)
+                         unit_split=(self.pool.inter, self.unit_granule) if self.unit_split else None)
         recorded = False  # this call's background row written by the plan itself
         if self.plan_impl == "fused" and (self.cpu_branch or bg_decode):
             # the CPU branch's task arrays and the background row in the plan's own call (no XLA glue)
