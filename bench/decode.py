@@ -339,7 +339,7 @@ def main(argv=None) -> int:
                          "'split units pallas' row")
     ap.add_argument("--granule-ablation", nargs="+", type=int, default=[], metavar="UNITS",
                     help="also lru-split with the unit split's step set to UNITS (OffloadExperts unit_granule; the "
-                         "default: a cache line of a down row): each a backend of its own, timed round robin with a "
+                         "default: 8 units for bf16/f32): each a backend of its own, timed round robin with a "
                          "second default backend ('split granule default'), every one on its own copy of the trace")
     ap.add_argument("--tokenizer", default=str(TOKENIZER), help="the real Qwen3 tokenizer (routing text)")
     ap.add_argument("--worker-variants", nargs="*", default=[], metavar="N:SPIN_US",

@@ -23,8 +23,8 @@
 # fused at $PIPE_TOKENS, default 8K and 16K).
 # Session 25 steps: tests-served (the CPU-branch serve counters' GPU tests), decode-b1-workers (b1 / 37% with the CPU
 # serve time per job and the worker-pool variants $WORKER_VARIANTS).
-# Session 26 steps: decode-b1-granule (the unit split's step: a cache line of a down row vs $GRANULES units, fresh
-# backends round robin, b1 / 37%).
+# Session 26 steps: decode-b1-granule (the unit split's step: the default 8 units vs $GRANULES, fresh backends round
+# robin, b1 / 37%); bench/unit_windows.py (the CPU call on unit windows [u, I), standalone) runs without a step.
 # Session 24 steps: fused-forms (the fused kernel 1's walk bands x SMEM / direct epilogue x exp / tanh sigmoid, alone and
 # in the Qwen prefill; its GPU tests), defaults-check (the prefill's defaults vs XLA's take, both shapes; tests/pallas on
 # the GPU less the fused kernel's own cases).
@@ -248,11 +248,11 @@ for s in "${steps[@]}"; do
        run decode_b1_workers 540 python3 bench/decode.py --layers 40 --batches ${WORKER_BATCHES:-1} --routing trace \
          --fractions 0.37 --policies lru-split lru-fill --no-sweep --no-online --steps ${WORKER_STEPS:-32} --warmup 24 \
          --worker-variants ${WORKER_VARIANTS:-14:2000 13:2000 11:2000} --out "$OUT/decode_b1_workers.json" ;;
-    decode-b1-granule)  # session 26: the unit split's step, the default (a cache line of a down row: 32 bf16
-       # units) against the former 8 ($GRANULES), fresh backends round robin, b1 / 37% ($GRANULE_BATCHES; ~5 min a batch)
+    decode-b1-granule)  # session 26: the unit split's step, the default (8 units) against $GRANULES (default 32: a
+       # cache line of a bf16 down row), fresh backends round robin, b1 / 37% ($GRANULE_BATCHES; ~5 min a batch)
        run decode_b1_granule 560 python3 bench/decode.py --layers 40 --batches ${GRANULE_BATCHES:-1} --routing trace \
          --fractions 0.37 --policies lru-split --no-sweep --no-online --steps ${GRANULE_STEPS:-48} --warmup 24 \
-         --granule-ablation ${GRANULES:-8} --out "$OUT/decode_b1_granule.json" ;;
+         --granule-ablation ${GRANULES:-32} --out "$OUT/decode_b1_granule.json" ;;
     decode-timeline)  # 40 layers, b1, 37%, profiled: lru-split, the unit split, the Pallas GEMV with and without it;
        # then each run's layer call phase by phase (bench/layer_timeline.py) and its kernels (~6 min)
        run decode_timeline 480 python3 bench/decode.py --layers 40 --batches 1 --routing trace --fractions 0.37 \

@@ -64,22 +64,11 @@ def default_unit_split(platform: str, background_fills: bool, pool: HostPool, ke
             and pool.inter % unit_granule(pool) == 0)
 
 
-UNIT_ALIGN_BYTES = 64  # a cache line: the CPU's down window [u, I) starts on one (unit_granule)
-UNIT_MIN_STEPS = 8  # unit_granule keeps at least this many steps of the split
-UNIT_FALLBACK_GRANULE = 8
-
-
 def unit_granule(pool: HostPool) -> int:
-    """unit_split's default units per step of the split. int4 pools: an int4 group of the down matrix.
-    Else a cache line of a down row (32 bf16 or 16 f32 units) where I is a multiple of it in at least
-    UNIT_MIN_STEPS steps (Qwen3.6's I = 512: 16 steps of 32 bf16 units), so the CPU's down window [u, I)
-    starts on a line: a window starting mid-line makes its rows' 64-byte loads span two lines (on the dev box
-    the down rows of u = 176 ran at 0.77x the rate of u = 160 or 192; bench/RESULTS.md session 26); small
-    experts: steps of 8 units."""
-    if pool.format == "int4":
-        return quant.GROUP
-    line = UNIT_ALIGN_BYTES // (4 if pool.format == "f32" else 2)
-    return line if pool.inter % line == 0 and pool.inter // line >= UNIT_MIN_STEPS else UNIT_FALLBACK_GRANULE
+    """unit_split's default units per step of the split: an int4 group of the down matrix, else 8. (Steps
+    of a cache line, so that the CPU's down window [u, I) starts on one, gained nothing on the H200 host:
+    u = 176, mid-line, read at the rate of u = 160 and 192; bench/RESULTS.md session 26.)"""
+    return quant.GROUP if pool.format == "int4" else 8
 
 
 # OffloadExperts.background_yield: what the step's background fill pauses for (cuda.YIELD_MODES).

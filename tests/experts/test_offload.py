@@ -265,21 +265,16 @@ def test_default_victims_by(model):
 
 
 def test_unit_granule_default_and_checks(model):
-    """The split's step: a cache line of a down row (32 bf16 / 16 f32 units) where I holds at least
-    UNIT_MIN_STEPS of them, else 8 units; an int4 group for int4 pools; an explicit ``unit_granule`` is
-    checked (positive, a multiple of the int4 group for int4 pools, a divisor of I under the split)."""
-    from ftjax.experts.decode import UNIT_MIN_STEPS, unit_granule
+    """The split's step: 8 units, an int4 group for int4 pools; an explicit ``unit_granule`` is checked
+    (positive, a multiple of the int4 group for int4 pools, a divisor of I under the split)."""
+    from ftjax.experts.decode import unit_granule
 
     *_, pool = model
     pool_of = lambda fmt, inter: types.SimpleNamespace(format=fmt, inter=inter)  # noqa: E731
-    assert unit_granule(pool_of("bf16", 512)) == 32 and unit_granule(pool_of("f32", 512)) == 16
-    assert unit_granule(pool_of("bf16", 32 * UNIT_MIN_STEPS)) == 32
-    assert unit_granule(pool_of("bf16", 32 * (UNIT_MIN_STEPS - 1))) == 8  # too few steps of a line
-    assert unit_granule(pool_of("bf16", 520)) == 8  # not a multiple of a line
+    assert unit_granule(pool_of("bf16", 512)) == 8 and unit_granule(pool_of("f32", 512)) == 8
     assert unit_granule(pool_of("int4", 512)) == 32
-    assert unit_granule(pool_of(pool.format, pool.inter)) == 8  # the tiny model's I = 16
     b = OffloadExperts(pool, L, E, 4, "lru-split", defer_fills=True, unit_split=True)
-    assert b.unit_granule == unit_granule(pool)
+    assert b.unit_granule == unit_granule(pool) == 8
     assert OffloadExperts(pool, L, E, 4, "lru-split", defer_fills=True, unit_split=True,
                           unit_granule=16).unit_granule == 16
     for bad in (0, -8, 2.0, True):
