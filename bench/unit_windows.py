@@ -31,6 +31,8 @@ def main(argv=None) -> int:
     ap.add_argument("--calls", type=int, default=400, help="calls per start")
     ap.add_argument("--window-gib", type=float, default=2.0, help="pool size (larger than the caches)")
     ap.add_argument("--workers", type=int, default=-1, help="worker threads (-1: the pool's default)")
+    ap.add_argument("--down-rows", nargs="+", type=int, default=[16],
+                    help="down's rows per work item to compare (_host.set_down_item_rows; each start runs under each)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "out" / "unit_windows.json"))
     args = ap.parse_args(argv)
     H, I = QWEN36.hidden, QWEN36.inter
@@ -47,36 +49,45 @@ def main(argv=None) -> int:
     x = rng.standard_normal((1, H)).astype(np.float32)
     tok, w = np.zeros(1, np.int32), np.ones(1, np.float32)
     keys = ("total_us", "phase1_us", "phase1_wait_us", "phase2_us", "phase2_wait_us")
-    acc = {u: dict.fromkeys(keys, 0.0) for u in args.starts}
+    cases = [(u, dr) for dr in args.down_rows for u in args.starts]
+    acc = {case: dict.fromkeys(keys, 0.0) for case in cases}
     order = rng.permutation(pool.n_experts)
     k = 0
-    for c in range(-20, args.calls):  # 20 rounds of warm-up
-        for u in args.starts:
-            eid = np.array([order[k % pool.n_experts]], np.int32)
-            k += 1
-            t0 = expert_call_time_totals()
-            _host.run_experts(pool._h, x, tok, eid, w, 1, unit_start=np.array([u], np.int32))
-            t1 = expert_call_time_totals()
-            if c >= 0:
-                for key in keys:
-                    acc[u][key] += (t1[key] - t0[key]) / args.calls
+    default_rows = _host.down_item_rows()
+    try:
+        for c in range(-20, args.calls):  # 20 rounds of warm-up
+            for u, dr in cases:
+                _host.set_down_item_rows(dr)
+                eid = np.array([order[k % pool.n_experts]], np.int32)
+                k += 1
+                t0 = expert_call_time_totals()
+                _host.run_experts(pool._h, x, tok, eid, w, 1, unit_start=np.array([u], np.int32))
+                t1 = expert_call_time_totals()
+                if c >= 0:
+                    for key in keys:
+                        acc[(u, dr)][key] += (t1[key] - t0[key]) / args.calls
+    finally:
+        _host.set_down_item_rows(default_rows)
     rows = []
-    print(f"{'u':>4} {'offset B':>8} {'gate/up us':>10} {'GB/s':>6} {'/STREAM':>7} {'down us':>8} {'GB/s':>6} "
+    print(f"{'u':>4} {'rows2':>5} {'offset B':>8} {'gate/up us':>10} {'GB/s':>6} {'/STREAM':>7} {'down us':>8} {'GB/s':>6} "
           f"{'/STREAM':>7} {'/u=0':>5} {'call us':>8} {'GB/s':>6}")
     gu_row, dn_row = 2 * H * 2, I * 2  # bytes of a gate/up row, of a whole down row
-    base = None
-    for u in args.starts:
-        a = acc[u]
+    base = {}
+    for u, dr in cases:
+        a = acc[(u, dr)]
         gu_bytes, dn_bytes = 2 * (I - u) * gu_row // 2, H * (I - u) * 2
         gu, dn = gu_bytes / a["phase1_us"] / 1e3, dn_bytes / a["phase2_us"] / 1e3
         call = (gu_bytes + dn_bytes) / a["total_us"] / 1e3
         if u == 0:
-            base = dn
-        rows.append({"u": u, "offset_bytes": u * 2 % 64, **a, "gate_up_gbps": gu, "down_gbps": dn, "call_gbps": call})
-        print(f"{u:4d} {u * 2 % 64:8d} {a['phase1_us']:10.1f} {gu:6.1f} {gu / stream:7.2f} {a['phase2_us']:8.1f} "
-              f"{dn:6.1f} {dn / stream:7.2f} {dn / base if base else float('nan'):5.2f} {a['total_us']:8.1f} {call:6.1f}")
+            base[dr] = dn
+        rows.append({"u": u, "down_item_rows": dr, "offset_bytes": u * 2 % 64, **a, "gate_up_gbps": gu,
+                     "down_gbps": dn, "call_gbps": call})
+        print(f"{u:4d} {dr:5d} {u * 2 % 64:8d} {a['phase1_us']:10.1f} {gu:6.1f} {gu / stream:7.2f} {a['phase2_us']:8.1f} "
+              f"{dn:6.1f} {dn / stream:7.2f} {dn / base[dr] if dr in base else float('nan'):5.2f} {a['total_us']:8.1f} "
+              f"{call:6.1f}")
     print(f"offset B: the down window's start within a 64-byte line (u * 2 mod 64); a down row is {dn_row} B; "
-          f"GB/s: the window's weight bytes over the round's wall time (the call's own profile)")
+          f"GB/s: the window's weight bytes over the round's wall time (the call's own profile); rows2: down's rows per "
+          f"work item asked (halved while a round would have < 4 items per thread)")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"stream_gbps": stream, "rows": rows}, indent=1) + "\n")
     return 0

@@ -14,7 +14,7 @@
 namespace ftjax {
 namespace {
 constexpr int64_t kRowsPhase1 = 16;  // gate rows (and as many up rows) per work item
-constexpr int64_t kRowsPhase2 = 16;  // output rows of down per work item
+constexpr int64_t kRowsPhase2 = 16;  // output rows of down per work item (default of down_item_rows)
 constexpr int64_t kMinItemsPerThread = 4;  // below it, items of half the rows (load balance)
 constexpr int64_t kMinClaimBytes = 32 << 10;  // weight bytes a thread claims at once, at least
 constexpr int64_t kVnniColumns = 512;  // columns of a group's B-tile layout per layout item (a multiple of 32)
@@ -83,10 +83,18 @@ std::vector<float>& scratch(size_t n) {
   if (buf.size() < n) buf.resize(n);
   return buf;
 }
+std::atomic<int64_t> g_down_rows{kRowsPhase2};
 std::mutex g_profile_mu;
 ExpertCallProfile g_profile;
 ExpertCallTotals g_totals;  // under g_profile_mu
 }  // namespace
+
+int64_t down_item_rows() { return g_down_rows.load(std::memory_order_relaxed); }
+void set_down_item_rows(int64_t rows) {
+  if (rows < 4 || rows > 1024 || (rows & (rows - 1)))
+    throw std::invalid_argument("down item rows must be a power of two in [4, 1024], got " + std::to_string(rows));
+  g_down_rows.store(rows, std::memory_order_relaxed);
+}
 
 ExpertCallProfile last_expert_call_profile() {
   std::lock_guard<std::mutex> lock(g_profile_mu);
@@ -249,7 +257,7 @@ void run_experts(WorkerPool& workers, const ExpertCall& c, Tier tier) {
 
   // Phase 2: y[t, h] += w_r * (down_e[h] . act_r); an item owns output rows [h0, h1) of every
   // token, so no two threads write the same element.
-  const int64_t rows2 = rows_per_item(H, 1, kRowsPhase2, workers.n_threads(), min_rows);
+  const int64_t rows2 = rows_per_item(H, 1, std::max(down_item_rows(), min_rows), workers.n_threads(), min_rows);
   const int64_t blocks2 = (H + rows2 - 1) / rows2;
   const int64_t item2_bytes = groups * rows2 * static_cast<int64_t>(pool.down().expert_bytes) / H;  // of each down
   const RoundTiming t_phase2 = workers.parallel_for(blocks2, [&](int64_t item, int) {

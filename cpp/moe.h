@@ -31,6 +31,11 @@ struct ExpertCall {
 // Throws std::invalid_argument naming the bad task (index and value) before touching y.
 void run_experts(WorkerPool& workers, const ExpertCall& call, Tier tier);
 
+// Output rows of down per work item before the halving for balance (default 16; a power of two in
+// [4, 1024]): only speed depends on it.
+int64_t down_item_rows();
+void set_down_item_rows(int64_t rows);
+
 // Where the last run_experts call (any thread) spent its time, in microseconds: the whole call, the
 // work before the first round (checks, sort), and per round (activation layouts, phase 1 = gate/up,
 // phase 2 = down) its wall time and the caller's wait for the other threads after its last item.

@@ -391,3 +391,29 @@ def test_amx_tier_takes_its_calls(fmt, workers):
             assert rel_err(y, want) < 2e-2
     finally:
         _host.configure_workers(info["n_workers"], info["spin_us"], info["pin"])
+
+
+def test_down_item_rows_change_speed_only():
+    """`set_down_item_rows`: down's rows per work item (a power of two in [4, 1024]) leaves every result bit
+    as it is (each output row is one item's dot products, whatever its size); bad values are refused."""
+    info = _host.worker_info()
+    _host.configure_workers(3, 20, False)
+    rng = np.random.default_rng(11)
+    pool, _ = make_pool(rng, "bf16", 5, 192, 128)
+    x = rng.standard_normal((3, 192)).astype(BF16)
+    tok, eid = np.array([0, 1, 2, 2], np.int32), np.array([4, 4, 1, 0], np.int32)
+    w, unit = rng.random(4).astype(np.float32), np.array([0, 0, 32, 96], np.int32)
+    try:
+        outs = []
+        for rows in (4, 16, 64, 1024):
+            _host.set_down_item_rows(rows)
+            assert _host.down_item_rows() == rows
+            outs.append(_host.run_experts(pool._h, x.view(np.uint16), tok, eid, w, 4, x_bf16=True, unit_start=unit))
+        for o in outs[1:]:
+            np.testing.assert_array_equal(o, outs[0])
+        for bad in (0, 2, 12, 2048):
+            with pytest.raises(ValueError, match="power of two"):
+                _host.set_down_item_rows(bad)
+    finally:
+        _host.set_down_item_rows(16)
+        _host.configure_workers(info["n_workers"], info["spin_us"], info["pin"])
