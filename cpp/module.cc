@@ -104,6 +104,20 @@ double stream_read_seconds(nb::ndarray<const uint8_t, nb::ndim<1>, nb::c_contig,
 }  // namespace
 }  // namespace ftjax
 
+namespace {
+// An expert call's rounds, as the profile dicts name them.
+constexpr const char* kRoundNames[3] = {"layouts", "phase1", "phase2"};
+void put_call_times(nb::dict& d, double total_us, double setup_us, const double (&round_us)[3],
+                    const double (&wait_us)[3]) {
+  d["total_us"] = total_us;
+  d["setup_us"] = setup_us;
+  for (int k = 0; k < 3; ++k) {
+    d[(std::string(kRoundNames[k]) + "_us").c_str()] = round_us[k];
+    d[(std::string(kRoundNames[k]) + "_wait_us").c_str()] = wait_us[k];
+  }
+}
+}  // namespace
+
 NB_MODULE(_host, m) {
   // Pools, channels and the coordinator live until the process ends (JAX holds the FFI capsules and
   // executables referring to them), so nanobind's exit-time leak report would only print noise on
@@ -166,14 +180,8 @@ NB_MODULE(_host, m) {
   m.def("last_expert_call", [] {
     const ExpertCallProfile p = last_expert_call_profile();
     nb::dict d;
-    d["total_us"] = p.total_us;
-    d["setup_us"] = p.setup_us;
-    const char* names[3] = {"layouts", "phase1", "phase2"};
-    for (int k = 0; k < 3; ++k) {
-      d[(std::string(names[k]) + "_us").c_str()] = p.round_us[k];
-      d[(std::string(names[k]) + "_wait_us").c_str()] = p.wait_us[k];
-      d[(std::string(names[k]) + "_items").c_str()] = p.items[k];
-    }
+    put_call_times(d, p.total_us, p.setup_us, p.round_us, p.wait_us);
+    for (int k = 0; k < 3; ++k) d[(std::string(kRoundNames[k]) + "_items").c_str()] = p.items[k];
     d["routes"] = p.routes;
     d["groups"] = p.groups;
     d["rows1"] = p.rows1;
@@ -191,13 +199,7 @@ NB_MODULE(_host, m) {
     const ExpertCallTotals t = expert_call_totals();
     nb::dict d;
     d["calls"] = t.calls;
-    d["total_us"] = t.total_us;
-    d["setup_us"] = t.setup_us;
-    const char* names[3] = {"layouts", "phase1", "phase2"};
-    for (int k = 0; k < 3; ++k) {
-      d[(std::string(names[k]) + "_us").c_str()] = t.round_us[k];
-      d[(std::string(names[k]) + "_wait_us").c_str()] = t.wait_us[k];
-    }
+    put_call_times(d, t.total_us, t.setup_us, t.round_us, t.wait_us);
     return d;
   }, "last_expert_call's times (us) summed over every CPU expert call with tasks since start-up, and the "
      "number of calls.");
