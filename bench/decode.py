@@ -41,8 +41,8 @@ from ftjax.experts.decode import BACKGROUND_YIELD_MODES, OffloadExperts
 from ftjax.experts.plan import PLAN_IMPLS, VICTIM_METHODS
 from ftjax.experts.resident import ResidentExperts
 from ftjax.experts.traces import ReplayRouting, synthetic_trace
-from ftjax.host import (GPU_SPIN_US, calibrate, configure_workers, expert_call_time_totals, expert_call_totals,
-                        gpu_workers, measure, tune_workers_for_gpu, worker_info)
+from ftjax.host import (GPU_SPIN_US, calibrate, configure_workers, expert_call_time_totals, gpu_workers, measure,
+                        tune_workers_for_gpu, worker_info)
 from ftjax.models import get_family, make_step_fns
 from ftjax.models.params import param_shapes, unflatten
 
@@ -198,16 +198,15 @@ class Run:
         s0 = self.stats()
         served = getattr(self.backend, "cpu_served", lambda: (0, 0.0))  # the resident engine has no CPU branch
         j0, c0 = served()
-        b0 = expert_call_totals()[1]  # weight bytes the CPU expert calls read (only this run's calls run)
-        p0 = expert_call_time_totals()
+        p0 = expert_call_time_totals()  # the CPU expert calls' bytes and times (only this run's calls run)
         t0, d0 = time.perf_counter(), self.dispatch_s
         for _ in range(steps):
             self.step()
         jax.block_until_ready(self.expert_state)
         dt = time.perf_counter() - t0
         j1, c1 = served()
-        b1 = expert_call_totals()[1]
         p1 = expert_call_time_totals()
+        b0, b1 = p0["weight_bytes"], p1["weight_bytes"]
         s1 = self.stats()
         d = {k: int((s1[k] - s0[k]).sum()) for k in s0}
         L = self.cfg.num_layers

@@ -193,16 +193,13 @@ NB_MODULE(_host, m) {
      "weight bytes it read.");
   m.def("expert_call_totals", [] {
     const ExpertCallTotals t = expert_call_totals();
-    return nb::make_tuple(t.calls, t.weight_bytes);
-  }, "(calls, weight bytes read) of every CPU expert call with tasks since start-up.");
-  m.def("expert_call_time_totals", [] {
-    const ExpertCallTotals t = expert_call_totals();
     nb::dict d;
     d["calls"] = t.calls;
+    d["weight_bytes"] = t.weight_bytes;
     put_call_times(d, t.total_us, t.setup_us, t.round_us, t.wait_us);
     return d;
-  }, "last_expert_call's times (us) summed over every CPU expert call with tasks since start-up, and the "
-     "number of calls.");
+  }, "Every CPU expert call with tasks since start-up: how many (calls), the weight bytes they read, and "
+     "last_expert_call's times (us) summed.");
   m.def("amx_route_counts", [] {
     const std::vector<int64_t> c = amx_route_counts();
     nb::dict d;

@@ -141,7 +141,7 @@ class OffloadExperts:
     int4 pools on CUDA (the partial copy of the packed layout). None (default): `default_unit_split`, on
     where it runs and measured faster than deferring whole experts, off elsewhere. ``unit_granule``: the
     split's step in units (u is a multiple of it; int4 pools: a multiple of the int4 group); None (default):
-    `unit_granule` of the pool, a cache line of a down row.
+    `unit_granule` of the pool.
     ``background_yield`` (CUDA, background fills): the step's background fill pauses while the transfers a
     decode call waits for run (`cuda.set_background_yield`): "fills" its in-step fills, "cpu" its CPU
     branches (submitted, not yet collected), "fills+cpu" both, "off" never; a pause lasts at most 200 us

@@ -90,16 +90,17 @@ def tune_workers_for_gpu() -> None:
 def expert_call_totals() -> tuple[int, int]:
     """(calls, weight bytes read) of every CPU expert call with tasks since start-up, in any thread: a
     run's effective CPU expert rate is the bytes' difference over its time."""
-    calls, nbytes = _host.expert_call_totals()
-    return int(calls), int(nbytes)
+    t = _host.expert_call_totals()
+    return int(t["calls"]), int(t["weight_bytes"])
 
 
 def expert_call_time_totals() -> dict:
     """The times (us) of every CPU expert call with tasks since start-up, summed (``calls``: how many):
     ``total_us``, ``setup_us``, and per round (``layouts``, ``phase1`` = gate/up, ``phase2`` = down) its wall
     time ``<round>_us`` and the caller's wait for the other threads ``<round>_wait_us``, as in
-    ``_host.last_expert_call()``: differences over a run give where its calls spent their time."""
-    return dict(_host.expert_call_time_totals())
+    ``_host.last_expert_call()``, and ``weight_bytes`` (as `expert_call_totals`): differences over a run give
+    where its calls spent their time."""
+    return dict(_host.expert_call_totals())
 
 
 def worker_info() -> dict:
