@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import ftjax
+from ftjax import _host
 from ftjax.config import parse_hf_config
 from ftjax.experts import bandwidth as bw
 from ftjax.experts.cache import STAT_KEYS
@@ -261,6 +262,51 @@ def round_robin(entries: dict, rounds: int, steps: int, warmup: int) -> dict:
     return out
 
 
+# --knob-variants: name -> (read, set) of a CPU kernel knob of the host runtime
+KNOBS = {"down_rows": (_host.down_item_rows, _host.set_down_item_rows),
+         "window_prefetch": (_host.window_prefetch, _host.set_window_prefetch),
+         "prefetch_bytes": (_host.prefetch_bytes, _host.set_prefetch_bytes),
+         "short_row_bytes": (_host.short_row_bytes, _host.set_short_row_bytes)}
+
+
+def knob_settings(specs: list[str]) -> dict:
+    """`interleaved` settings for --knob-variants: 'split knobs default' (every knob as it is now) and one per
+    spec ('down_rows=32,window_prefetch=off'), each setting its knobs and the others back to the defaults."""
+    default = {k: read() for k, (read, _) in KNOBS.items()}
+
+    def parse(spec):
+        out = {}
+        for part in spec.split(","):
+            name, _, value = part.partition("=")
+            if name not in KNOBS or not value:
+                raise SystemExit(f"--knob-variants: '{part}' is not KNOB=VALUE with KNOB one of {', '.join(KNOBS)}")
+            if name == "window_prefetch":
+                if value not in ("on", "off"):
+                    raise SystemExit(f"--knob-variants: window_prefetch is on or off, got '{value}'")
+                out[name] = value == "on"
+            elif not value.lstrip("-").isdigit():
+                raise SystemExit(f"--knob-variants: {name} takes an integer, got '{value}'")
+            else:
+                out[name] = int(value)
+        return out
+
+    def apply(values):
+        for name, (_, set_) in KNOBS.items():
+            set_(values.get(name, default[name]))
+
+    settings = {"split knobs default": lambda: apply({})}
+    for spec in specs:
+        values = parse(spec)
+        try:  # the setters check their values: a bad one fails now, not in the middle of a run
+            apply(values)
+        except ValueError as e:
+            raise SystemExit(f"--knob-variants: {spec}: {e}") from None
+        finally:
+            apply({})
+        settings[f"split {spec}"] = lambda values=values: apply(values)
+    return settings
+
+
 def fill_steps(slots: int, num_layers: int) -> int:
     """Upper bound on the steps that fill an empty cache: every policy that fills does at least one fill per
     layer per step while the layer misses (the plan's ``n_fill >= 1`` when ``m > 0``), plus slack."""
@@ -345,10 +391,15 @@ def main(argv=None) -> int:
                     help="also run lru-split with the CPU worker pool reconfigured (N workers, -1 = default; "
                     "spin SPIN_US before sleeping), e.g. 12:2000: the same executable, round robin with the "
                     "default pool (every setting sees the same stretch of the routing)")
+    ap.add_argument("--knob-variants", nargs="+", default=[], metavar="KNOB=V[,KNOB=V]",
+                    help="also run lru-split with the CPU kernels' knobs set (down_rows: down's rows per work item; "
+                         "window_prefetch: on/off; prefetch_bytes; short_row_bytes), e.g. down_rows=32 "
+                         "window_prefetch=off: the same executable, round robin with the defaults")
     ap.add_argument("--profile", metavar="DIR", help="also capture a profiler trace of 3 steps of each run "
                     "(perfetto JSON under DIR/<routing>-b<B>-<policy>-<cache>; summarise with bench/trace_summary.py)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "out" / "decode.json"))
     args = ap.parse_args(argv)
+    knobs = knob_settings(args.knob_variants)  # a bad spec fails here, before any work
     if jax.default_backend() != "gpu":
         print("bench/decode.py needs a CUDA GPU (the FFI fill and CPU-branch handshake)", file=sys.stderr)
         return 2
@@ -378,6 +429,8 @@ def main(argv=None) -> int:
     max_len = (args.warmup + args.steps + 8 + max(fill_steps(int(f * L * E), L) for f in args.fractions)
                + ((len(args.worker_variants) + 1) * ROUNDS * (2 + max(1, args.steps // ROUNDS))
                   if args.worker_variants else 0)
+               + ((len(args.knob_variants) + 1) * ROUNDS * (2 + max(1, args.steps // ROUNDS))
+                  if args.knob_variants else 0)
                + (0 if args.no_online else args.online_warmup + args.steps)
                + (0 if args.no_sweep else len(SWEEP) * (8 + args.steps)) + (4 if args.profile else 0)
                + (len(BACKGROUND_YIELD_MODES) * (ROUNDS * (2 + max(1, args.steps // ROUNDS)) + (4 if args.profile else 0))
@@ -454,6 +507,11 @@ def main(argv=None) -> int:
                                 rows[name] = r
                                 progress(f"{routing} b{B} lru-split, {name[6:]} {frac:.0%} ({ROUNDS} rounds)", r)
                             pools["split workers default"]()
+                        if args.knob_variants:  # same executable, other kernel knobs, round robin
+                            for name, r in interleaved(run, knobs, ROUNDS, args.steps, 2).items():
+                                rows[name] = r
+                                progress(f"{routing} b{B} lru-split, {name[6:]} {frac:.0%} ({ROUNDS} rounds)", r)
+                            knobs["split knobs default"]()
                         if args.yield_ablation and run.backend.background_fills:
                             default_yield = run.backend.background_yield
                             # same executable (the fork reads the mode), round robin: every mode sees the

@@ -32,31 +32,36 @@ SHAPES = {"qwen3.6 (H2048 I512)": measure.ExpertShape(2048, 512), "large (H4096 
 
 
 def cpu_part(window_gib: float, calls: int, tiers: list[str], prefetch: list[int],
-             formats: tuple[str, ...] = ("bf16", "int4"), short_rows: list[int] | None = None) -> list[dict]:
+             formats: tuple[str, ...] = ("bf16", "int4"), short_rows: list[int] | None = None,
+             down_rows: list[int] | None = None) -> list[dict]:
     window = int(window_gib * 2**30)
-    default_pf, default_short = _host.prefetch_bytes(), _host.short_row_bytes()
+    default_pf, default_short, default_rows = _host.prefetch_bytes(), _host.short_row_bytes(), _host.down_item_rows()
     short_rows = short_rows or [default_short]
+    down_rows = down_rows or [default_rows]
     stream = measure.stream_read_gbps(window)
     rows = []
     for name, shape in SHAPES.items():
         for fmt in formats:
             pool = measure.make_pool(shape, fmt, window)
-            for tier, pf, short in [(t, p, s) for t in tiers for p in prefetch for s in short_rows]:
+            for tier, pf, short, dr in [(t, p, s, d) for t in tiers for p in prefetch for s in short_rows
+                                        for d in down_rows]:
                 _host.set_tier(tier)
                 _host.set_prefetch_bytes(pf)
                 _host.set_short_row_bytes(short)
+                _host.set_down_item_rows(dr)
                 # (tokens, routes per token): decode calls of 1 and 8 tokens x top-8, and the 1-2 expert
                 # calls a CPU branch gets per layer when most misses are filled
                 for tokens, k in ((1, shape.top_k), (8, shape.top_k), (1, 1), (1, 2)):
                     r = measure.cpu_kernel_gbps(pool, dataclasses.replace(shape, top_k=k), tokens, calls=calls)
                     rows.append({"shape": name, "format": fmt, "tier": tier, "prefetch": pf, "short_rows": short,
-                                 "tokens": tokens,
+                                 "down_rows": dr, "tokens": tokens,
                                  "top_k": k, **r, "stream_gbps": stream, "ratio": r["gbps"] / stream})
             pool.close()
             del pool
     _host.set_tier("auto")
     _host.set_prefetch_bytes(default_pf)
     _host.set_short_row_bytes(default_short)
+    _host.set_down_item_rows(default_rows)
     return rows
 
 
@@ -168,6 +173,8 @@ def main(argv=None) -> int:
     ap.add_argument("--short-rows", type=int, nargs="+", default=None,
                     help="short-row limits (bytes) to time: rows up to it prefetch a micro-tile ahead (0 = never; "
                          "default: the built-in one)")
+    ap.add_argument("--down-rows", type=int, nargs="+", default=None,
+                    help="down's output rows per work item to time (_host.set_down_item_rows; default: the built-in)")
     ap.add_argument("--threads", type=int, nargs="+", default=None,
                     help="time the CPU table at these thread counts (caller + workers; STREAM with the same "
                          "threads), e.g. 1 2 4 8 15: does the per-thread rate hold as threads are added?")
@@ -195,7 +202,8 @@ def main(argv=None) -> int:
                 ap.error(f"--threads {n}: between 1 and the {info['physical_cores']} physical cores")
             _host.configure_workers(n - 1, info["spin_us"], info["pin"])
         try:
-            rows = cpu_part(args.window_gib, args.calls, tiers, prefetch, tuple(args.formats), args.short_rows)
+            rows = cpu_part(args.window_gib, args.calls, tiers, prefetch, tuple(args.formats), args.short_rows,
+                            args.down_rows)
         finally:
             if args.threads:
                 _host.configure_workers(info["n_workers"], info["spin_us"], info["pin"])
@@ -203,21 +211,24 @@ def main(argv=None) -> int:
     if res["kernel"]:
         print(f"CPU: {res['cpu']}, {info['n_threads']} threads; STREAM read with the same threads "
               f"({args.window_gib} GiB); per thread = GB/s / threads")
-        print(f"{'shape':22} {'fmt':5} {'tier':11} {'pf B':>5} {'short':>5} {'thr':>3} {'tok':>3} {'k':>2} {'ms':>7} "
+        print(f"{'shape':22} {'fmt':5} {'tier':11} {'pf B':>5} {'short':>5} {'rows2':>5} {'thr':>3} {'tok':>3} {'k':>2} "
+              f"{'ms':>7} "
               f"{'GB/s':>7} {'/thread':>7} {'STREAM':>7} {'/STREAM':>8}")
     for r in res["kernel"]:
-        print(f"{r['shape']:22} {r['format']:5} {r['tier']:11} {r['prefetch']:5d} {r['short_rows']:5d} {r['threads']:3d} "
+        print(f"{r['shape']:22} {r['format']:5} {r['tier']:11} {r['prefetch']:5d} {r['short_rows']:5d} {r['down_rows']:5d} "
+              f"{r['threads']:3d} "
               f"{r['tokens']:>3} {r['top_k']:>2} {r['ms']:7.3f} {r['gbps']:7.1f} {r['gbps'] / r['threads']:7.2f} "
               f"{r['stream_gbps']:7.1f} {r['ratio']:8.2f}")
     if res["kernel"]:
         print("\nWhere the calls go (us, the kernel's clock, medians): setup, then per round its wall time / the caller's"
               "\nwait for other threads; 'outside' = the timed call minus the kernel's total (binding, y allocation)")
-        print(f"{'shape':22} {'fmt':5} {'tier':11} {'tok':>3} {'k':>2} {'total':>7} {'setup':>6} {'layouts':>13} "
+        print(f"{'shape':22} {'fmt':5} {'tier':11} {'rows2':>5} {'tok':>3} {'k':>2} {'total':>7} {'setup':>6} {'layouts':>13} "
               f"{'phase1':>13} {'phase2':>13} {'outside':>7}")
         for r in res["kernel"]:
             p = r["profile"]
             rounds = " ".join(f"{p[k + '_us']:7.1f}/{p[k + '_wait_us']:5.1f}" for k in ("layouts", "phase1", "phase2"))
-            print(f"{r['shape']:22} {r['format']:5} {r['tier']:11} {r['tokens']:>3} {r['top_k']:>2} {p['total_us']:7.1f} "
+            print(f"{r['shape']:22} {r['format']:5} {r['tier']:11} {r['down_rows']:5d} {r['tokens']:>3} {r['top_k']:>2} "
+                  f"{p['total_us']:7.1f} "
                   f"{p['setup_us']:6.1f} {rounds} {r['ms'] * 1e3 - p['total_us']:7.1f}")
     if args.per_core:
         res["per_core"] = core_part(args.calls)

@@ -46,6 +46,7 @@ Tier best_tier() { return available_tiers().back(); }
 std::atomic<int> g_tier{-1};
 std::atomic<int64_t> g_prefetch{kDefaultPrefetchBytes};
 std::atomic<int64_t> g_short_rows{kShortRowBytes};
+std::atomic<bool> g_window_prefetch{true};
 }  // namespace
 
 #ifndef FTJAX_HAVE_AMX
@@ -102,6 +103,9 @@ void set_prefetch_bytes(int64_t bytes) {
     throw std::invalid_argument("prefetch distance must be in [0, 1 MiB] bytes, got " + std::to_string(bytes));
   g_prefetch.store(bytes, std::memory_order_relaxed);
 }
+
+bool window_prefetch() { return g_window_prefetch.load(std::memory_order_relaxed); }
+void set_window_prefetch(bool on) { g_window_prefetch.store(on, std::memory_order_relaxed); }
 
 int64_t short_row_bytes() { return g_short_rows.load(std::memory_order_relaxed); }
 

@@ -112,7 +112,7 @@ void set_prefetch_bytes(int64_t bytes);  // 0 .. 1 MiB
 // further, an AVX-512 micro-tile, inside the call's rows): a row's prefetch pf bytes ahead would land in
 // the next row, which the tile reads already (Qwen3.6 down rows are 1 KiB in bf16, int4 rows 256 B - 1 KiB;
 // H200 host, bench/RESULTS.md session 15 call 13: Qwen bf16 1x8 0.78 -> 0.85 of STREAM, large int4 1x8
-// 0.54 -> 0.68). A call's first tile is prefetched whole (dot_rows_avx512bf16).
+// 0.54 -> 0.68). A call's first tile is prefetched up front (dot_rows_avx512bf16: the lines of its rows' columns).
 // Default kShortRowBytes; 0 turns it off (bench/host_runtime.py --short-rows compares).
 constexpr int64_t kShortRowBytes = 2048;
 int64_t short_row_bytes();
@@ -123,6 +123,17 @@ void set_short_row_bytes(int64_t bytes);  // 0 .. 1 MiB
 inline int64_t prefetch_distance(int64_t rows, int64_t row_bytes, bool next_in_call) {
   const int64_t pf = prefetch_bytes();
   return pf > 0 && next_in_call && row_bytes <= short_row_bytes() ? rows * row_bytes : pf;
+}
+// Where a row's prefetch `pf` bytes ahead stops: at byte offset `at` of the row's read columns
+// (`window` bytes of a `row_bytes` stride) it prefetches only while at + pf < window when the call
+// reads a column window (the unit split's down [u, I)): past the window's end lie the gap before the
+// next row's window, lines nobody reads (at u = 192 of a Qwen3.6 down, 6 of every 16). Whole rows and
+// a tile ahead (pf >= row_bytes: the same columns of later rows) are not limited.
+// window_prefetch(false) turns the limit off (the earlier kernels, for benchmarks: bench/unit_windows.py).
+bool window_prefetch();
+void set_window_prefetch(bool on);
+inline int64_t prefetch_stop(int64_t pf, int64_t window, int64_t row_bytes) {
+  return window < row_bytes && pf < row_bytes && window_prefetch() ? window - pf : INT64_MAX;
 }
 
 // Per-tier entry points (defined only where compiled; see CMakeLists.txt).

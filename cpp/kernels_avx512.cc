@@ -17,15 +17,18 @@ namespace {
 // row streams while it computes does not keep enough lines in flight from the hardware prefetcher
 // alone (512 bytes: dev box int4 17.8 -> 24.5 GB/s with 2 threads; H200 host, 15 threads, Qwen-sized
 // bf16 experts 98 -> 112 GB/s of a 130 GB/s STREAM read: bench/RESULTS.md, session 5).
+// `stop` (prefetch_stop): no prefetch from that byte offset of the rows on.
 template <int R, class T>
-inline void prefetch_rows(const T* const (&row)[R], int64_t elem, int64_t pf) {
+inline void prefetch_rows(const T* const (&row)[R], int64_t elem, int64_t pf, int64_t stop) {
+  if (static_cast<int64_t>(sizeof(T)) * elem >= stop) return;
 #pragma GCC unroll 16
   for (int i = 0; i < R; ++i)
     _mm_prefetch(reinterpret_cast<const char*>(row[i] + elem) + pf, _MM_HINT_T0);
 }
-inline int64_t row_bytes_of(const MatrixRef& w) {  // the row stride in bytes
-  return w.format == WeightFormat::kInt4 ? w.ld / 2 : w.ld * (w.format == WeightFormat::kF32 ? 4 : 2);
+inline int64_t bytes_of(const MatrixRef& w, int64_t elems) {
+  return w.format == WeightFormat::kInt4 ? elems / 2 : elems * (w.format == WeightFormat::kF32 ? 4 : 2);
 }
+inline int64_t row_bytes_of(const MatrixRef& w) { return bytes_of(w, w.ld); }  // the row stride in bytes
 inline __m512 load_bf16x16(const uint16_t* p) {
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
@@ -53,6 +56,7 @@ void tile(const MatrixRef& w, int64_t r, int64_t r_end, const ActRef& a, int j0,
   for (int j = 0; j < N; ++j) x[j] = a.f32 + (j0 + j) * a.stride;
   int64_t k = 0;  // first column left for the scalar tail
   const int64_t pf = prefetch_distance(R, row_bytes_of(w), r + 2 * R <= r_end);
+  const int64_t stop = prefetch_stop(pf, bytes_of(w, K), row_bytes_of(w));
   if (w.format == WeightFormat::kInt4 && a.bf16_pair64 != nullptr && K % 64 == 0) {
     // Two groups (64 weights, 32 bytes) at a time: the bytes widen to 32 words; VPERMW of the words
     // (index: low 5 bits = low nibble + a repeated table) gives the even elements, of the words >> 4
@@ -71,7 +75,7 @@ void tile(const MatrixRef& w, int64_t r, int64_t r_end, const ActRef& a, int j0,
         xa[j] = (__m512bh)_mm512_loadu_si512(xp[j] + 64 * s);
         xb[j] = (__m512bh)_mm512_loadu_si512(xp[j] + 64 * s + 32);
       }
-      if (pf > 0 && (s & 1) == 0) prefetch_rows<R>(row, 32 * s, pf);  // a line holds 2 spans
+      if (pf > 0 && (s & 1) == 0) prefetch_rows<R>(row, 32 * s, pf, stop);  // a line holds 2 spans
 #pragma GCC unroll 16
       for (int i = 0; i < R; ++i) {
         const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row[i] + 32 * s)));
@@ -105,7 +109,7 @@ void tile(const MatrixRef& w, int64_t r, int64_t r_end, const ActRef& a, int j0,
       __m512bh xv[N];
 #pragma GCC unroll 16
       for (int j = 0; j < N; ++j) xv[j] = (__m512bh)_mm512_loadu_si512(xh[j] + 32 * g);
-      if (pf > 0 && (g & 3) == 0) prefetch_rows<R>(row, 16 * g, pf);  // a line holds 4 groups
+      if (pf > 0 && (g & 3) == 0) prefetch_rows<R>(row, 16 * g, pf, stop);  // a line holds 4 groups
 #pragma GCC unroll 16
       for (int i = 0; i < R; ++i) {
         // dword j = byte j; OR-ing in (byte << 12) puts the high nibble in the dword's high word and
@@ -126,7 +130,7 @@ void tile(const MatrixRef& w, int64_t r, int64_t r_end, const ActRef& a, int j0,
     const uint16_t* sc[R];
     int4_rows<R>(w, r, row, sc);
     for (int64_t g = 0; g < K / 32; ++g) {
-      if (pf > 0 && (g & 3) == 0) prefetch_rows<R>(row, 16 * g, pf);
+      if (pf > 0 && (g & 3) == 0) prefetch_rows<R>(row, 16 * g, pf, stop);
       __m512 xa[N], xb[N];
 #pragma GCC unroll 16
       for (int j = 0; j < N; ++j) {
@@ -158,7 +162,7 @@ void tile(const MatrixRef& w, int64_t r, int64_t r_end, const ActRef& a, int j0,
       __m512bh xv[N];
 #pragma GCC unroll 16
       for (int j = 0; j < N; ++j) xv[j] = (__m512bh)_mm512_loadu_si512(xh[j] + k);
-      if (pf > 0) prefetch_rows<R>(row, k, pf);  // 32 bf16 = one line
+      if (pf > 0) prefetch_rows<R>(row, k, pf, stop);  // 32 bf16 = one line
 #pragma GCC unroll 16
       for (int i = 0; i < R; ++i) {
         const __m512bh wv = (__m512bh)_mm512_loadu_si512(row[i] + k);
@@ -170,7 +174,7 @@ void tile(const MatrixRef& w, int64_t r, int64_t r_end, const ActRef& a, int j0,
     const uint16_t* row[R];
     for (int i = 0; i < R; ++i) row[i] = reinterpret_cast<const uint16_t*>(w.data) + (r + i) * w.ld;
     for (; k + 16 <= K; k += 16) {
-      if (pf > 0 && (k & 31) == 0) prefetch_rows<R>(row, k, pf);
+      if (pf > 0 && (k & 31) == 0) prefetch_rows<R>(row, k, pf, stop);
       __m512 xv[N];
 #pragma GCC unroll 16
       for (int j = 0; j < N; ++j) xv[j] = _mm512_loadu_ps(x[j] + k);
@@ -246,9 +250,14 @@ void pack_vnni_avx512(const uint16_t* xj, int64_t K, int64_t k0, int64_t k1, int
 void dot_rows_avx512bf16(const MatrixRef& w, int64_t r0, int64_t r1, const ActRef& a, float* out) {
   const int64_t row_bytes = row_bytes_of(w);
   if (prefetch_bytes() > 0 && row_bytes <= short_row_bytes()) {  // short rows: the first tile's own lines
-    const char* first = reinterpret_cast<const char*>(w.data) + r0 * row_bytes;
-    const int64_t bytes = std::min<int64_t>(4, r1 - r0) * row_bytes;
-    for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(first + off, _MM_HINT_T0);
+    // each row's lines of the columns read, [data, data + window): not the gap of a column window
+    // (window_prefetch(false): whole strides, as before)
+    const uintptr_t window = static_cast<uintptr_t>(window_prefetch() ? bytes_of(w, w.cols) : row_bytes);
+    for (int64_t r = r0; r < std::min(r1, r0 + 4); ++r) {
+      const uintptr_t begin = reinterpret_cast<uintptr_t>(w.data) + r * row_bytes;
+      for (uintptr_t line = begin & ~uintptr_t{63}; line < begin + window; line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(line), _MM_HINT_T0);
+    }
   }
   dot_rows_tiled<Avx512Tile, 4, 4>(w, r0, r1, a, out);
 }

@@ -218,6 +218,10 @@ NB_MODULE(_host, m) {
         "Set down's rows per work item (a power of two in [4, 1024]); only speed depends on it.");
   m.def("short_row_bytes", &short_row_bytes, "Rows up to this many bytes prefetch a micro-tile ahead (0 = never).");
   m.def("set_short_row_bytes", &set_short_row_bytes, "bytes"_a, "Set the short-row limit (0 = off).");
+  m.def("window_prefetch", &window_prefetch,
+        "Whether a column window's rows stop their prefetch at the window's end (default True).");
+  m.def("set_window_prefetch", &set_window_prefetch, "on"_a,
+        "False: a column window's rows prefetch past its end as whole rows do (the earlier kernels).");
   m.def("configure_workers", [](int n_workers, int spin_us, bool pin) {
     if (spin_us < 0) throw std::invalid_argument("spin_us must be >= 0, got " + std::to_string(spin_us));
     configure_global_workers(WorkerConfig{n_workers, spin_us, pin});

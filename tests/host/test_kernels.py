@@ -171,6 +171,44 @@ def test_unit_start_computes_only_those_units(tier, fmt, act):
     assert rel_err(y + below, whole) < tol
 
 
+@pytest.mark.parametrize("tier", TIERS)
+@pytest.mark.parametrize("fmt", ["bf16", "int4"])
+def test_window_prefetch_changes_speed_only(tier, fmt):
+    """A column window's prefetch stopping at the window's end (`set_window_prefetch`, on by default)
+    changes no result bit, on every tier: short rows (a tile ahead, the first tile's window lines) and
+    in-row prefetch (short_row_bytes 0; distances 64 B and 512 B, inside and past short windows), 1 and
+    4 tokens per expert (AMX groups from 3), and the results equal the reference."""
+    set_tier(tier)
+    hidden, inter = 128, 256
+    rng = np.random.default_rng(zlib.crc32(f"wpf{tier}{fmt}".encode()))
+    pool, ref = make_pool(rng, fmt, 4, hidden, inter)
+    x = rng.standard_normal((4, hidden)).astype(BF16)
+    tok = np.array([0, 1, 2, 3, 0, 1], np.int32)
+    eid = np.array([2, 2, 2, 2, 1, 3], np.int32)  # 4 tokens on expert 2, one on 1 and on 3
+    w = rng.random(6).astype(np.float32)
+    unit = np.array([64, 64, 64, 64, 224, 32], np.int32)
+    want = experts_reference(x.astype(np.float32), tok, eid, w, 6, ref["gate_up"], ref["down"], bf16_act=True,
+                             unit_start=unit)
+    pf0, short0, wp0 = _host.prefetch_bytes(), _host.short_row_bytes(), _host.window_prefetch()
+    try:
+        outs = []
+        for pf, short in ((pf0, short0), (64, 0), (512, 0)):
+            for on in (True, False):
+                _host.set_prefetch_bytes(pf)
+                _host.set_short_row_bytes(short)
+                _host.set_window_prefetch(on)
+                assert _host.window_prefetch() is on
+                outs.append(_host.run_experts(pool._h, x.view(np.uint16), tok, eid, w, 6, x_bf16=True,
+                                              unit_start=unit))
+        for o in outs[1:]:
+            np.testing.assert_array_equal(o, outs[0])
+        assert rel_err(outs[0], want) < 2e-2
+    finally:
+        _host.set_prefetch_bytes(pf0)
+        _host.set_short_row_bytes(short0)
+        _host.set_window_prefetch(wp0)
+
+
 def test_unit_start_is_validated():
     rng = np.random.default_rng(2)
     x = rng.standard_normal((2, 64)).astype(np.float32)
@@ -396,7 +434,7 @@ def test_amx_tier_takes_its_calls(fmt, workers):
 def test_down_item_rows_change_speed_only():
     """`set_down_item_rows`: down's rows per work item (a power of two in [4, 1024]) leaves every result bit
     as it is (each output row is one item's dot products, whatever its size); bad values are refused."""
-    info = _host.worker_info()
+    info, default = _host.worker_info(), _host.down_item_rows()
     _host.configure_workers(3, 20, False)
     rng = np.random.default_rng(11)
     pool, _ = make_pool(rng, "bf16", 5, 192, 128)
@@ -415,5 +453,5 @@ def test_down_item_rows_change_speed_only():
             with pytest.raises(ValueError, match="power of two"):
                 _host.set_down_item_rows(bad)
     finally:
-        _host.set_down_item_rows(16)
+        _host.set_down_item_rows(default)
         _host.configure_workers(info["n_workers"], info["spin_us"], info["pin"])
