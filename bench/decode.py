@@ -263,7 +263,8 @@ def round_robin(entries: dict, rounds: int, steps: int, warmup: int) -> dict:
 
 
 # --knob-variants: name -> (read, set) of a CPU kernel knob of the host runtime
-KNOBS = {"down_rows": (_host.down_item_rows, _host.set_down_item_rows),
+KNOBS = {"gate_up_rows": (_host.gate_up_item_rows, _host.set_gate_up_item_rows),
+         "down_rows": (_host.down_item_rows, _host.set_down_item_rows),
          "window_prefetch": (_host.window_prefetch, _host.set_window_prefetch),
          "prefetch_bytes": (_host.prefetch_bytes, _host.set_prefetch_bytes),
          "short_row_bytes": (_host.short_row_bytes, _host.set_short_row_bytes)}
@@ -392,7 +393,8 @@ def main(argv=None) -> int:
                     "spin SPIN_US before sleeping), e.g. 12:2000: the same executable, round robin with the "
                     "default pool (every setting sees the same stretch of the routing)")
     ap.add_argument("--knob-variants", nargs="+", default=[], metavar="KNOB=V[,KNOB=V]",
-                    help="also run lru-split with the CPU kernels' knobs set (down_rows: down's rows per work item; "
+                    help="also run lru-split with the CPU kernels' knobs set (gate_up_rows, down_rows: a round's rows "
+                         "per work item; "
                          "window_prefetch: on/off; prefetch_bytes; short_row_bytes), e.g. down_rows=32 "
                          "window_prefetch=off: the same executable, round robin with the defaults")
     ap.add_argument("--profile", metavar="DIR", help="also capture a profiler trace of 3 steps of each run "

@@ -213,6 +213,10 @@ NB_MODULE(_host, m) {
   m.def("prefetch_bytes", [] { return prefetch_bytes(); },
         "How far ahead (bytes) the AVX-512 and AMX tiers prefetch weight rows longer than short_row_bytes.");
   m.def("set_prefetch_bytes", &set_prefetch_bytes, "bytes"_a, "Set the prefetch distance (0 = off).");
+  m.def("gate_up_item_rows", &gate_up_item_rows,
+        "Gate rows (and as many up rows) per work item of a CPU expert call (before balance).");
+  m.def("set_gate_up_item_rows", &set_gate_up_item_rows, "rows"_a,
+        "Set gate/up's rows per work item (a power of two in [4, 1024]); only speed depends on it.");
   m.def("down_item_rows", &down_item_rows, "Output rows of down per work item of a CPU expert call (before balance).");
   m.def("set_down_item_rows", &set_down_item_rows, "rows"_a,
         "Set down's rows per work item (a power of two in [4, 1024]); only speed depends on it.");

@@ -13,7 +13,7 @@
 
 namespace ftjax {
 namespace {
-constexpr int64_t kRowsPhase1 = 16;  // gate rows (and as many up rows) per work item
+constexpr int64_t kRowsPhase1 = 16;  // gate rows (and as many up rows) per work item (default of gate_up_item_rows)
 // Output rows of down per work item (the default of down_item_rows): 32 read the unit split's short down
 // windows 3-8% faster than 16 on the H200 host (each item restarts its rows' prefetch), and the decode
 // step's down round 4% faster (bench/RESULTS.md session 27).
@@ -86,16 +86,26 @@ std::vector<float>& scratch(size_t n) {
   if (buf.size() < n) buf.resize(n);
   return buf;
 }
+std::atomic<int64_t> g_gate_up_rows{kRowsPhase1};
 std::atomic<int64_t> g_down_rows{kRowsPhase2};
+void check_item_rows(int64_t rows, const char* what) {
+  if (rows < 4 || rows > 1024 || (rows & (rows - 1)))
+    throw std::invalid_argument(std::string(what) + " item rows must be a power of two in [4, 1024], got " +
+                                std::to_string(rows));
+}
 std::mutex g_profile_mu;
 ExpertCallProfile g_profile;
 ExpertCallTotals g_totals;  // under g_profile_mu
 }  // namespace
 
+int64_t gate_up_item_rows() { return g_gate_up_rows.load(std::memory_order_relaxed); }
+void set_gate_up_item_rows(int64_t rows) {
+  check_item_rows(rows, "gate/up");
+  g_gate_up_rows.store(rows, std::memory_order_relaxed);
+}
 int64_t down_item_rows() { return g_down_rows.load(std::memory_order_relaxed); }
 void set_down_item_rows(int64_t rows) {
-  if (rows < 4 || rows > 1024 || (rows & (rows - 1)))
-    throw std::invalid_argument("down item rows must be a power of two in [4, 1024], got " + std::to_string(rows));
+  check_item_rows(rows, "down");
   g_down_rows.store(rows, std::memory_order_relaxed);
 }
 
@@ -219,7 +229,7 @@ void run_experts(WorkerPool& workers, const ExpertCall& c, Tier tier) {
 
   // Phase 1: act[r, i] = silu(gate_e[i] . x_r) * (up_e[i] . x_r), items = (group, block of i).
   const int64_t min_rows = any_amx ? 16 : 4;
-  const int64_t rows1 = rows_per_item(I, groups, kRowsPhase1, workers.n_threads(), min_rows);
+  const int64_t rows1 = rows_per_item(I, groups, std::max(gate_up_item_rows(), min_rows), workers.n_threads(), min_rows);
   const int64_t blocks1 = (I + rows1 - 1) / rows1;
   const int64_t item1_bytes = rows1 * static_cast<int64_t>(pool.gate_up().expert_bytes) / I;  // 2 rows1 of 2I rows
   const RoundTiming t_phase1 = workers.parallel_for(groups * blocks1, [&](int64_t item, int) {

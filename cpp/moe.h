@@ -31,8 +31,10 @@ struct ExpertCall {
 // Throws std::invalid_argument naming the bad task (index and value) before touching y.
 void run_experts(WorkerPool& workers, const ExpertCall& call, Tier tier);
 
-// Output rows of down per work item before the halving for balance (default 16; a power of two in
-// [4, 1024]): only speed depends on it.
+// Rows per work item before the halving for balance (a power of two in [4, 1024]; only speed depends on
+// them): gate rows (and as many up rows) of gate/up's round (default 16), output rows of down's (32).
+int64_t gate_up_item_rows();
+void set_gate_up_item_rows(int64_t rows);
 int64_t down_item_rows();
 void set_down_item_rows(int64_t rows);
 

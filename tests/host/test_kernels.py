@@ -431,10 +431,11 @@ def test_amx_tier_takes_its_calls(fmt, workers):
         _host.configure_workers(info["n_workers"], info["spin_us"], info["pin"])
 
 
-def test_down_item_rows_change_speed_only():
-    """`set_down_item_rows`: down's rows per work item (a power of two in [4, 1024]) leaves every result bit
-    as it is (each output row is one item's dot products, whatever its size); bad values are refused."""
-    info, default = _host.worker_info(), _host.down_item_rows()
+def test_item_rows_change_speed_only():
+    """`set_gate_up_item_rows` / `set_down_item_rows`: a round's rows per work item (a power of two in [4, 1024])
+    leave every result bit as they are (each output row is one item's dot products, whatever its size); bad
+    values are refused."""
+    info, default = _host.worker_info(), (_host.gate_up_item_rows(), _host.down_item_rows())
     _host.configure_workers(3, 20, False)
     rng = np.random.default_rng(11)
     pool, _ = make_pool(rng, "bf16", 5, 192, 128)
@@ -443,15 +444,19 @@ def test_down_item_rows_change_speed_only():
     w, unit = rng.random(4).astype(np.float32), np.array([0, 0, 32, 96], np.int32)
     try:
         outs = []
-        for rows in (4, 16, 64, 1024):
-            _host.set_down_item_rows(rows)
-            assert _host.down_item_rows() == rows
+        for rows1, rows2 in ((16, 4), (16, 16), (4, 64), (64, 1024), (1024, 32)):
+            _host.set_gate_up_item_rows(rows1)
+            _host.set_down_item_rows(rows2)
+            assert (_host.gate_up_item_rows(), _host.down_item_rows()) == (rows1, rows2)
             outs.append(_host.run_experts(pool._h, x.view(np.uint16), tok, eid, w, 4, x_bf16=True, unit_start=unit))
         for o in outs[1:]:
             np.testing.assert_array_equal(o, outs[0])
         for bad in (0, 2, 12, 2048):
-            with pytest.raises(ValueError, match="power of two"):
+            with pytest.raises(ValueError, match="down item rows must be a power of two"):
                 _host.set_down_item_rows(bad)
+            with pytest.raises(ValueError, match="gate/up item rows must be a power of two"):
+                _host.set_gate_up_item_rows(bad)
     finally:
-        _host.set_down_item_rows(default)
+        _host.set_gate_up_item_rows(default[0])
+        _host.set_down_item_rows(default[1])
         _host.configure_workers(info["n_workers"], info["spin_us"], info["pin"])
