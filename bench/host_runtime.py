@@ -184,6 +184,13 @@ def main(argv=None) -> int:
     ap.add_argument("--no-cpu", action="store_true", help="skip the CPU kernel table (fill and handshake only)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "out" / "host_runtime.json"))
     args = ap.parse_args(argv)
+    default_rows = _host.down_item_rows()
+    for rows in args.down_rows or []:  # the setter checks (a power of two in [4, 1024]): fail before any work
+        try:
+            _host.set_down_item_rows(rows)
+        except ValueError as e:
+            ap.error(f"--down-rows {rows}: {e}")
+    _host.set_down_item_rows(default_rows)
     # scalar is the correctness reference, far too slow to time on GiB windows
     tiers = [t for t in _host.available_tiers() if t != "scalar"] if args.all_tiers else [_host.active_tier()]
     if args.tiers:

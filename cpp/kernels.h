@@ -124,11 +124,11 @@ inline int64_t prefetch_distance(int64_t rows, int64_t row_bytes, bool next_in_c
   const int64_t pf = prefetch_bytes();
   return pf > 0 && next_in_call && row_bytes <= short_row_bytes() ? rows * row_bytes : pf;
 }
-// Where a row's prefetch `pf` bytes ahead stops: at byte offset `at` of the row's read columns
-// (`window` bytes of a `row_bytes` stride) it prefetches only while at + pf < window when the call
-// reads a column window (the unit split's down [u, I)): past the window's end lie the gap before the
-// next row's window, lines nobody reads (at u = 192 of a Qwen3.6 down, 6 of every 16). Whole rows and
-// a tile ahead (pf >= row_bytes: the same columns of later rows) are not limited.
+// The byte offset into a row's read columns (`window` bytes of a `row_bytes` stride) from which a
+// prefetch `pf` bytes ahead is skipped: window - pf when the call reads a column window (the unit
+// split's down [u, I)), since past the window's end lie the gap before the next row's window, lines
+// nobody reads (at u = 192 of a Qwen3.6 down, 6 of every 16). Whole rows and a tile ahead
+// (pf >= row_bytes: the same columns of later rows) are not limited.
 // window_prefetch(false) turns the limit off (the earlier kernels, for benchmarks: bench/unit_windows.py).
 bool window_prefetch();
 void set_window_prefetch(bool on);

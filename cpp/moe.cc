@@ -14,9 +14,9 @@
 namespace ftjax {
 namespace {
 constexpr int64_t kRowsPhase1 = 16;  // gate rows (and as many up rows) per work item (default of gate_up_item_rows)
-// Output rows of down per work item (the default of down_item_rows): 32 read the unit split's short down
-// windows 3-8% faster than 16 on the H200 host (each item restarts its rows' prefetch), and the decode
-// step's down round 4% faster (bench/RESULTS.md session 27).
+// Output rows of down per work item (the default of down_item_rows): 32 read a 1-token expert's down
+// windows [u, I) 5-8% faster than 16 on the H200 host (each item restarts its rows' prefetch), and the
+// decode step's down round 4-7% faster (bench/RESULTS.md session 27).
 constexpr int64_t kRowsPhase2 = 32;
 constexpr int64_t kMinItemsPerThread = 4;  // below it, items of half the rows (load balance)
 constexpr int64_t kMinClaimBytes = 32 << 10;  // weight bytes a thread claims at once, at least
