@@ -34,7 +34,6 @@ import jax.numpy as jnp
 import numpy as np
 
 import ftjax
-from ftjax import _host
 from ftjax.config import parse_hf_config
 from ftjax.experts import bandwidth as bw
 from ftjax.experts.cache import STAT_KEYS
@@ -42,8 +41,8 @@ from ftjax.experts.decode import BACKGROUND_YIELD_MODES, OffloadExperts
 from ftjax.experts.plan import PLAN_IMPLS, VICTIM_METHODS
 from ftjax.experts.resident import ResidentExperts
 from ftjax.experts.traces import ReplayRouting, synthetic_trace
-from ftjax.host import (GPU_SPIN_US, calibrate, configure_workers, expert_call_time_totals, gpu_workers, measure,
-                        tune_workers_for_gpu, worker_info)
+from ftjax.host import (GPU_SPIN_US, calibrate, configure_workers, expert_call_time_totals, gpu_workers,
+                        kernel_knobs, measure, parse_knobs, set_kernel_knobs, tune_workers_for_gpu, worker_info)
 from ftjax.models import get_family, make_step_fns
 from ftjax.models.params import param_shapes, unflatten
 
@@ -262,49 +261,21 @@ def round_robin(entries: dict, rounds: int, steps: int, warmup: int) -> dict:
     return out
 
 
-# --knob-variants: name -> (read, set) of a CPU kernel knob of the host runtime
-KNOBS = {"gate_up_rows": (_host.gate_up_item_rows, _host.set_gate_up_item_rows),
-         "down_rows": (_host.down_item_rows, _host.set_down_item_rows),
-         "window_prefetch": (_host.window_prefetch, _host.set_window_prefetch),
-         "prefetch_bytes": (_host.prefetch_bytes, _host.set_prefetch_bytes),
-         "short_row_bytes": (_host.short_row_bytes, _host.set_short_row_bytes)}
-
-
 def knob_settings(specs: list[str]) -> dict:
-    """`interleaved` settings for --knob-variants: 'split knobs default' (every knob as it is now) and one per
-    spec ('down_rows=32,window_prefetch=off'), each setting its knobs and the others back to the defaults."""
-    default = {k: read() for k, (read, _) in KNOBS.items()}
-
-    def parse(spec):
-        out = {}
-        for part in spec.split(","):
-            name, _, value = part.partition("=")
-            if name not in KNOBS or not value:
-                raise SystemExit(f"--knob-variants: '{part}' is not KNOB=VALUE with KNOB one of {', '.join(KNOBS)}")
-            if name == "window_prefetch":
-                if value not in ("on", "off"):
-                    raise SystemExit(f"--knob-variants: window_prefetch is on or off, got '{value}'")
-                out[name] = value == "on"
-            elif not value.lstrip("-").isdigit():
-                raise SystemExit(f"--knob-variants: {name} takes an integer, got '{value}'")
-            else:
-                out[name] = int(value)
-        return out
-
-    def apply(values):
-        for name, (_, set_) in KNOBS.items():
-            set_(values.get(name, default[name]))
-
-    settings = {"split knobs default": lambda: apply({})}
+    """`interleaved` settings for --knob-variants: 'split knobs default' (the CPU kernel knobs as they are now)
+    and one per spec ('down_rows=32,window_prefetch=off'), each setting its knobs and the others back to the
+    defaults. A bad spec or value exits here, before any work."""
+    default = kernel_knobs()
+    settings = {"split knobs default": lambda: set_kernel_knobs(**default)}
     for spec in specs:
-        values = parse(spec)
-        try:  # the setters check their values: a bad one fails now, not in the middle of a run
-            apply(values)
+        try:
+            values = dict(default, **parse_knobs(spec))
+            set_kernel_knobs(**values)  # checks every value
         except ValueError as e:
             raise SystemExit(f"--knob-variants: {spec}: {e}") from None
         finally:
-            apply({})
-        settings[f"split {spec}"] = lambda values=values: apply(values)
+            set_kernel_knobs(**default)
+        settings[f"split {spec}"] = lambda values=values: set_kernel_knobs(**values)
     return settings
 
 
@@ -393,10 +364,9 @@ def main(argv=None) -> int:
                     "spin SPIN_US before sleeping), e.g. 12:2000: the same executable, round robin with the "
                     "default pool (every setting sees the same stretch of the routing)")
     ap.add_argument("--knob-variants", nargs="+", default=[], metavar="KNOB=V[,KNOB=V]",
-                    help="also run lru-split with the CPU kernels' knobs set (gate_up_rows, down_rows: a round's rows "
-                         "per work item; "
-                         "window_prefetch: on/off; prefetch_bytes; short_row_bytes), e.g. down_rows=32 "
-                         "window_prefetch=off: the same executable, round robin with the defaults")
+                    help="also run lru-split with the CPU kernels' knobs set (ftjax.host.kernel_knobs: gate_up_rows, "
+                         "down_rows, prefetch_bytes, short_row_bytes, window_prefetch=on/off, tile_prefetch=on/off), "
+                         "e.g. down_rows=32 window_prefetch=off: the same executable, round robin with the defaults")
     ap.add_argument("--profile", metavar="DIR", help="also capture a profiler trace of 3 steps of each run "
                     "(perfetto JSON under DIR/<routing>-b<B>-<policy>-<cache>; summarise with bench/trace_summary.py)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "out" / "decode.json"))

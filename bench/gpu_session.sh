@@ -25,8 +25,9 @@
 # serve time per job and the worker-pool variants $WORKER_VARIANTS).
 # Session 26 steps: decode-b1-granule (the unit split's step: the default 8 units vs $GRANULES, fresh backends round
 # robin, b1 / 37%); bench/unit_windows.py (the CPU call on unit windows [u, I), standalone) runs without a step.
-# Session 27 steps: unit-windows (bench/unit_windows.py: the window prefetch on/off x down item rows $DOWN_ROWS, kernel
-# tests first, ~1 min), decode-b1-knobs (b1 / 37%: the same executable under the CPU kernels' knobs $KNOBS, round robin).
+# Session 27 steps: unit-windows (kernel tests, then bench/unit_windows.py under the CPU kernel knobs $WINDOW_KNOBS,
+# ~1 min), cpu-down-rows (the CPU table per $DOWN_ROWS), decode-b1-knobs (b1 / 37%: the same executable under the CPU
+# kernels' knobs $KNOBS, round robin).
 # Session 24 steps: fused-forms (the fused kernel 1's walk bands x SMEM / direct epilogue x exp / tanh sigmoid, alone and
 # in the Qwen prefill; its GPU tests), defaults-check (the prefill's defaults vs XLA's take, both shapes; tests/pallas on
 # the GPU less the fused kernel's own cases).
@@ -254,18 +255,18 @@ for s in "${steps[@]}"; do
        # $DOWN_ROWS (~1.5 min)
        run cpu_down_rows 200 python3 bench/host_runtime.py --no-gpu --down-rows ${DOWN_ROWS:-16 32} \
          --out "$OUT/cpu_down_rows.json" ;;
-    unit-windows)  # session 27: the CPU kernel tests (every tier, incl. AMX), then the CPU call on unit windows,
-       # window prefetch on/off x down item rows, round robin (~1 min)
+    unit-windows)  # session 27: the CPU kernel tests (every tier, incl. AMX), then the CPU call on unit windows
+       # under the defaults and each of $WINDOW_KNOBS, round robin (~1 min)
        run cpu_tests_windows 150 python3 -m pytest -q tests/host/test_kernels.py
        run unit_windows 150 python3 bench/unit_windows.py --workers ${WINDOW_WORKERS:-12} --calls 400 \
-         --starts 0 128 192 256 --down-rows ${DOWN_ROWS:-16 32} --window-prefetch on off \
+         --starts 0 128 192 256 --knob-variants ${WINDOW_KNOBS:-tile_prefetch=on down_rows=16,window_prefetch=off} \
          --out "$OUT/unit_windows.json" ;;
     decode-b1-knobs)  # session 27: b1 / 37%, the same executable under the CPU kernels' knobs $KNOBS, round robin
        # with the defaults ($KNOB_STEPS, $KNOB_BATCHES; ~3 min a batch)
        run decode_b1_knobs 540 python3 bench/decode.py --layers 40 --batches ${KNOB_BATCHES:-1} --routing trace \
          --fractions 0.37 \
          --policies lru-split lru-fill --no-sweep --no-online --steps ${KNOB_STEPS:-48} --warmup 24 \
-         --knob-variants ${KNOBS:-window_prefetch=off down_rows=32} --out "$OUT/decode_b1_knobs.json" ;;
+         --knob-variants ${KNOBS:-tile_prefetch=on down_rows=16,window_prefetch=off} --out "$OUT/decode_b1_knobs.json" ;;
     decode-b1-granule)  # session 26: the unit split's step, the default (8 units) against $GRANULES (default 32: a
        # cache line of a bf16 down row), fresh backends round robin, b1 / 37% ($GRANULE_BATCHES; ~5 min a batch)
        run decode_b1_granule 560 python3 bench/decode.py --layers 40 --batches ${GRANULE_BATCHES:-1} --routing trace \

@@ -47,6 +47,7 @@ std::atomic<int> g_tier{-1};
 std::atomic<int64_t> g_prefetch{kDefaultPrefetchBytes};
 std::atomic<int64_t> g_short_rows{kShortRowBytes};
 std::atomic<bool> g_window_prefetch{true};
+std::atomic<bool> g_tile_prefetch{false};
 }  // namespace
 
 #ifndef FTJAX_HAVE_AMX
@@ -106,6 +107,8 @@ void set_prefetch_bytes(int64_t bytes) {
 
 bool window_prefetch() { return g_window_prefetch.load(std::memory_order_relaxed); }
 void set_window_prefetch(bool on) { g_window_prefetch.store(on, std::memory_order_relaxed); }
+bool tile_prefetch() { return g_tile_prefetch.load(std::memory_order_relaxed); }
+void set_tile_prefetch(bool on) { g_tile_prefetch.store(on, std::memory_order_relaxed); }
 
 int64_t short_row_bytes() { return g_short_rows.load(std::memory_order_relaxed); }
 

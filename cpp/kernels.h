@@ -135,6 +135,30 @@ void set_window_prefetch(bool on);
 inline int64_t prefetch_stop(int64_t pf, int64_t window, int64_t row_bytes) {
   return window < row_bytes && pf < row_bytes && window_prefetch() ? window - pf : INT64_MAX;
 }
+// Long rows (pf < row_bytes) whose tile has another after it in the call: in the last pf bytes of each row's
+// window, prefetch the next tile's row instead (the same distance, shifted by R rows and back by the window),
+// so the next tile does not start on cold lines (a tile's 4 rows are 4 new pages, where the hardware's stream
+// prefetchers start over). tile_prefetch(false): as before (past the window's end: nothing for a column window,
+// the next row for whole rows).
+bool tile_prefetch();
+void set_tile_prefetch(bool on);
+// A tile's row prefetch: `pf` bytes ahead of the loads; from byte offset `stop` of the read columns on, either
+// none (jump == kNone) or `jump` bytes further (into the next tile's rows, up to their window's end).
+struct RowPrefetch {
+  static constexpr int64_t kNone = INT64_MIN;
+  int64_t pf, stop, jump, window;
+  // how far past the load at byte offset `at` of its row to prefetch; kNone: nothing
+  int64_t ahead(int64_t at) const {
+    if (at < stop) return pf;
+    return jump == kNone || at + pf - window >= window ? kNone : pf + jump;
+  }
+};
+inline RowPrefetch row_prefetch(int64_t rows, int64_t window, int64_t row_bytes, bool next_in_call) {
+  const int64_t pf = prefetch_distance(rows, row_bytes, next_in_call);
+  if (pf <= 0 || pf >= row_bytes) return {pf, INT64_MAX, 0, window};  // off, or a tile ahead (short rows)
+  if (next_in_call && tile_prefetch()) return {pf, window - pf, rows * row_bytes - window, window};
+  return {pf, prefetch_stop(pf, window, row_bytes), RowPrefetch::kNone, window};
+}
 
 // Per-tier entry points (defined only where compiled; see CMakeLists.txt).
 void dot_rows_scalar(const MatrixRef&, int64_t, int64_t, const ActRef&, float*);

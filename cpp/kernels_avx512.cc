@@ -17,13 +17,14 @@ namespace {
 // row streams while it computes does not keep enough lines in flight from the hardware prefetcher
 // alone (512 bytes: dev box int4 17.8 -> 24.5 GB/s with 2 threads; H200 host, 15 threads, Qwen-sized
 // bf16 experts 98 -> 112 GB/s of a 130 GB/s STREAM read: bench/RESULTS.md, session 5).
-// `stop` (prefetch_stop): no prefetch from that byte offset of the rows on.
+// `p` (row_prefetch): the distance, and where it stops or moves into the next tile's rows.
 template <int R, class T>
-inline void prefetch_rows(const T* const (&row)[R], int64_t elem, int64_t pf, int64_t stop) {
-  if (static_cast<int64_t>(sizeof(T)) * elem >= stop) return;
+inline void prefetch_rows(const T* const (&row)[R], int64_t elem, const RowPrefetch& p) {
+  const int64_t ahead = p.ahead(static_cast<int64_t>(sizeof(T)) * elem);
+  if (ahead == RowPrefetch::kNone) return;
 #pragma GCC unroll 16
   for (int i = 0; i < R; ++i)
-    _mm_prefetch(reinterpret_cast<const char*>(row[i] + elem) + pf, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(row[i] + elem) + ahead, _MM_HINT_T0);
 }
 inline int64_t bytes_of(const MatrixRef& w, int64_t elems) {
   return w.format == WeightFormat::kInt4 ? elems / 2 : elems * (w.format == WeightFormat::kF32 ? 4 : 2);
@@ -55,8 +56,8 @@ void tile(const MatrixRef& w, int64_t r, int64_t r_end, const ActRef& a, int j0,
   const float* x[N];
   for (int j = 0; j < N; ++j) x[j] = a.f32 + (j0 + j) * a.stride;
   int64_t k = 0;  // first column left for the scalar tail
-  const int64_t pf = prefetch_distance(R, row_bytes_of(w), r + 2 * R <= r_end);
-  const int64_t stop = prefetch_stop(pf, bytes_of(w, K), row_bytes_of(w));
+  const RowPrefetch prefetch = row_prefetch(R, bytes_of(w, K), row_bytes_of(w), r + 2 * R <= r_end);
+  const int64_t pf = prefetch.pf;
   if (w.format == WeightFormat::kInt4 && a.bf16_pair64 != nullptr && K % 64 == 0) {
     // Two groups (64 weights, 32 bytes) at a time: the bytes widen to 32 words; VPERMW of the words
     // (index: low 5 bits = low nibble + a repeated table) gives the even elements, of the words >> 4
@@ -75,7 +76,7 @@ void tile(const MatrixRef& w, int64_t r, int64_t r_end, const ActRef& a, int j0,
         xa[j] = (__m512bh)_mm512_loadu_si512(xp[j] + 64 * s);
         xb[j] = (__m512bh)_mm512_loadu_si512(xp[j] + 64 * s + 32);
       }
-      if (pf > 0 && (s & 1) == 0) prefetch_rows<R>(row, 32 * s, pf, stop);  // a line holds 2 spans
+      if (pf > 0 && (s & 1) == 0) prefetch_rows<R>(row, 32 * s, prefetch);  // a line holds 2 spans
 #pragma GCC unroll 16
       for (int i = 0; i < R; ++i) {
         const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row[i] + 32 * s)));
@@ -109,7 +110,7 @@ void tile(const MatrixRef& w, int64_t r, int64_t r_end, const ActRef& a, int j0,
       __m512bh xv[N];
 #pragma GCC unroll 16
       for (int j = 0; j < N; ++j) xv[j] = (__m512bh)_mm512_loadu_si512(xh[j] + 32 * g);
-      if (pf > 0 && (g & 3) == 0) prefetch_rows<R>(row, 16 * g, pf, stop);  // a line holds 4 groups
+      if (pf > 0 && (g & 3) == 0) prefetch_rows<R>(row, 16 * g, prefetch);  // a line holds 4 groups
 #pragma GCC unroll 16
       for (int i = 0; i < R; ++i) {
         // dword j = byte j; OR-ing in (byte << 12) puts the high nibble in the dword's high word and
@@ -130,7 +131,7 @@ void tile(const MatrixRef& w, int64_t r, int64_t r_end, const ActRef& a, int j0,
     const uint16_t* sc[R];
     int4_rows<R>(w, r, row, sc);
     for (int64_t g = 0; g < K / 32; ++g) {
-      if (pf > 0 && (g & 3) == 0) prefetch_rows<R>(row, 16 * g, pf, stop);
+      if (pf > 0 && (g & 3) == 0) prefetch_rows<R>(row, 16 * g, prefetch);
       __m512 xa[N], xb[N];
 #pragma GCC unroll 16
       for (int j = 0; j < N; ++j) {
@@ -162,7 +163,7 @@ void tile(const MatrixRef& w, int64_t r, int64_t r_end, const ActRef& a, int j0,
       __m512bh xv[N];
 #pragma GCC unroll 16
       for (int j = 0; j < N; ++j) xv[j] = (__m512bh)_mm512_loadu_si512(xh[j] + k);
-      if (pf > 0) prefetch_rows<R>(row, k, pf, stop);  // 32 bf16 = one line
+      if (pf > 0) prefetch_rows<R>(row, k, prefetch);  // 32 bf16 = one line
 #pragma GCC unroll 16
       for (int i = 0; i < R; ++i) {
         const __m512bh wv = (__m512bh)_mm512_loadu_si512(row[i] + k);
@@ -174,7 +175,7 @@ void tile(const MatrixRef& w, int64_t r, int64_t r_end, const ActRef& a, int j0,
     const uint16_t* row[R];
     for (int i = 0; i < R; ++i) row[i] = reinterpret_cast<const uint16_t*>(w.data) + (r + i) * w.ld;
     for (; k + 16 <= K; k += 16) {
-      if (pf > 0 && (k & 31) == 0) prefetch_rows<R>(row, k, pf, stop);
+      if (pf > 0 && (k & 31) == 0) prefetch_rows<R>(row, k, prefetch);
       __m512 xv[N];
 #pragma GCC unroll 16
       for (int j = 0; j < N; ++j) xv[j] = _mm512_loadu_ps(x[j] + k);
@@ -247,17 +248,22 @@ void pack_vnni_avx512(const uint16_t* xj, int64_t K, int64_t k0, int64_t k1, int
   }
 }
 
+// The lines of a call's first tile (rows r0 .. r0 + 3), `bytes` of each row from its window's start.
+inline void prefetch_first_tile(const MatrixRef& w, int64_t r0, int64_t r1, int64_t row_bytes, int64_t bytes) {
+  for (int64_t r = r0; r < std::min(r1, r0 + 4); ++r) {
+    const uintptr_t begin = reinterpret_cast<uintptr_t>(w.data) + r * row_bytes;
+    for (uintptr_t line = begin & ~uintptr_t{63}; line < begin + bytes; line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(line), _MM_HINT_T0);
+  }
+}
+
 void dot_rows_avx512bf16(const MatrixRef& w, int64_t r0, int64_t r1, const ActRef& a, float* out) {
-  const int64_t row_bytes = row_bytes_of(w);
-  if (prefetch_bytes() > 0 && row_bytes <= short_row_bytes()) {  // short rows: the first tile's own lines
-    // each row's lines of the columns read, [data, data + window): not the gap of a column window
-    // (window_prefetch(false): whole strides, as before)
-    const uintptr_t window = static_cast<uintptr_t>(window_prefetch() ? bytes_of(w, w.cols) : row_bytes);
-    for (int64_t r = r0; r < std::min(r1, r0 + 4); ++r) {
-      const uintptr_t begin = reinterpret_cast<uintptr_t>(w.data) + r * row_bytes;
-      for (uintptr_t line = begin & ~uintptr_t{63}; line < begin + window; line += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(line), _MM_HINT_T0);
-    }
+  const int64_t row_bytes = row_bytes_of(w), window = bytes_of(w, w.cols);
+  if (prefetch_bytes() > 0 && row_bytes <= short_row_bytes()) {
+    // short rows: the first tile's window lines (window_prefetch(false): whole strides, as before)
+    prefetch_first_tile(w, r0, r1, row_bytes, window_prefetch() ? window : row_bytes);
+  } else if (prefetch_bytes() > 0 && tile_prefetch()) {  // long rows: the first prefetch distance of each
+    prefetch_first_tile(w, r0, r1, row_bytes, std::min(prefetch_bytes(), window));
   }
   dot_rows_tiled<Avx512Tile, 4, 4>(w, r0, r1, a, out);
 }

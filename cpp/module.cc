@@ -226,6 +226,10 @@ NB_MODULE(_host, m) {
         "Whether a column window's rows stop their prefetch at the window's end (default True).");
   m.def("set_window_prefetch", &set_window_prefetch, "on"_a,
         "False: a column window's rows prefetch past its end as whole rows do (the earlier kernels).");
+  m.def("tile_prefetch", &tile_prefetch,
+        "Whether long rows prefetch the next tile's rows in the last prefetch distance of their window (default False).");
+  m.def("set_tile_prefetch", &set_tile_prefetch, "on"_a,
+        "True: a tile of long rows warms the next tile's rows as it ends (bench/unit_windows.py, decode --knob-variants).");
   m.def("configure_workers", [](int n_workers, int spin_us, bool pin) {
     if (spin_us < 0) throw std::invalid_argument("spin_us must be >= 0, got " + std::to_string(spin_us));
     configure_global_workers(WorkerConfig{n_workers, spin_us, pin});

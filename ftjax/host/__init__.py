@@ -2,6 +2,8 @@
 and CPU expert kernels, the XLA FFI targets (CPU; CUDA where built) and calibration."""
 from __future__ import annotations
 
+import operator
+
 from ftjax import _host
 from ftjax.host.ffi import cpu_experts, register_targets
 from ftjax.host.pool import HostPool
@@ -9,7 +11,7 @@ from ftjax.host.pool import HostPool
 __all__ = ["HostPool", "cpu_experts", "register_targets", "cpu_features", "cpu_brand", "available_tiers",
            "active_tier", "set_tier", "prefetch_bytes", "set_prefetch_bytes", "configure_workers",
            "tune_workers_for_gpu", "gpu_workers", "expert_call_totals", "expert_call_time_totals", "worker_info",
-           "cuda_built", "cuda_device_count"]
+           "cuda_built", "cuda_device_count", "kernel_knobs", "set_kernel_knobs", "parse_knobs"]
 
 
 def cpu_features() -> dict[str, bool]:
@@ -45,6 +47,61 @@ def set_prefetch_bytes(nbytes: int) -> None:
     """Set the weight-row prefetch distance of the AVX-512 and AMX kernels, 0 .. 1 MiB (0 = hardware
     prefetch only); ValueError outside that range. Results do not depend on it, only speed."""
     _host.set_prefetch_bytes(int(nbytes))
+
+
+# The CPU expert kernels' speed knobs (no result depends on them): name -> (read, set, kind).
+_KNOBS = {
+    "gate_up_rows": (_host.gate_up_item_rows, _host.set_gate_up_item_rows, int),  # rows per gate/up work item
+    "down_rows": (_host.down_item_rows, _host.set_down_item_rows, int),  # output rows per down work item
+    "prefetch_bytes": (_host.prefetch_bytes, _host.set_prefetch_bytes, int),  # in-row prefetch distance
+    "short_row_bytes": (_host.short_row_bytes, _host.set_short_row_bytes, int),  # rows prefetching a tile ahead
+    "window_prefetch": (_host.window_prefetch, _host.set_window_prefetch, bool),  # stop at a column window's end
+    "tile_prefetch": (_host.tile_prefetch, _host.set_tile_prefetch, bool),  # long rows warm the next tile
+}
+
+
+def kernel_knobs() -> dict:
+    """The CPU expert kernels' speed knobs as set now: gate_up_rows / down_rows (rows per work item of the
+    two rounds), prefetch_bytes, short_row_bytes, window_prefetch, tile_prefetch (cpp/kernels.h). No result
+    depends on them."""
+    return {name: read() for name, (read, _, _) in _KNOBS.items()}
+
+
+def set_kernel_knobs(**values) -> None:
+    """Set some of `kernel_knobs` (the others stay). A bad name or value raises ValueError and leaves every
+    knob as it was."""
+    unknown = sorted(set(values) - set(_KNOBS))
+    if unknown:
+        raise ValueError(f"unknown kernel knobs {unknown}; valid: {', '.join(_KNOBS)}")
+    before = kernel_knobs()
+    for name, value in values.items():
+        try:
+            if _KNOBS[name][2] is bool and value not in (True, False):
+                raise TypeError("expected True or False")
+            _KNOBS[name][1](bool(value) if _KNOBS[name][2] is bool else operator.index(value))
+        except (ValueError, TypeError) as e:
+            for other, old in before.items():
+                _KNOBS[other][1](old)
+            raise ValueError(f"kernel knob {name}={value!r}: {e}") from None
+
+
+def parse_knobs(spec: str) -> dict:
+    """'down_rows=32,window_prefetch=off' -> {'down_rows': 32, 'window_prefetch': False} (booleans: on / off;
+    the values are checked when set); ValueError naming the bad part."""
+    out = {}
+    for part in spec.split(","):
+        name, _, value = part.partition("=")
+        if name not in _KNOBS or not value:
+            raise ValueError(f"'{part}' is not KNOB=VALUE with KNOB one of {', '.join(_KNOBS)}")
+        if _KNOBS[name][2] is bool:
+            if value not in ("on", "off"):
+                raise ValueError(f"{name} is on or off, got '{value}'")
+            out[name] = value == "on"
+        elif value.lstrip("-").isdigit():
+            out[name] = int(value)
+        else:
+            raise ValueError(f"{name} takes an integer, got '{value}'")
+    return out
 
 
 GPU_SPIN_US = 2000  # beside a GPU: longer than the gap between the MoE layers of a decode step

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from ftjax import _host
-from ftjax.host import HostPool, available_tiers, expert_call_time_totals, expert_call_totals, quant, set_tier
+from ftjax.host import (HostPool, available_tiers, expert_call_time_totals, expert_call_totals, kernel_knobs,
+                        parse_knobs, quant, set_kernel_knobs, set_tier)
 from ftjax.host.reference import experts_reference
 
 TIERS = available_tiers()
@@ -173,11 +174,12 @@ def test_unit_start_computes_only_those_units(tier, fmt, act):
 
 @pytest.mark.parametrize("tier", TIERS)
 @pytest.mark.parametrize("fmt", ["bf16", "int4"])
-def test_window_prefetch_changes_speed_only(tier, fmt):
-    """A column window's prefetch stopping at the window's end (`set_window_prefetch`, on by default)
-    changes no result bit, on every tier: short rows (a tile ahead, the first tile's window lines) and
-    in-row prefetch (short_row_bytes 0; distances 64 B and 512 B, inside and past short windows), 1 and
-    4 tokens per expert (AMX groups from 3), and the results equal the reference."""
+def test_window_and_tile_prefetch_change_speed_only(tier, fmt):
+    """A column window's prefetch stopping at the window's end (`window_prefetch`, on by default) and long
+    rows warming the next tile (`tile_prefetch`) change no result bit, on every tier: short rows (a tile
+    ahead, the first tile's window lines) and in-row prefetch (short_row_bytes 0; distances 64 B and 512 B,
+    inside and past short windows), 1 and 4 tokens per expert (AMX groups from 3), and the results equal
+    the reference."""
     set_tier(tier)
     hidden, inter = 128, 256
     rng = np.random.default_rng(zlib.crc32(f"wpf{tier}{fmt}".encode()))
@@ -189,24 +191,45 @@ def test_window_prefetch_changes_speed_only(tier, fmt):
     unit = np.array([64, 64, 64, 64, 224, 32], np.int32)
     want = experts_reference(x.astype(np.float32), tok, eid, w, 6, ref["gate_up"], ref["down"], bf16_act=True,
                              unit_start=unit)
-    pf0, short0, wp0 = _host.prefetch_bytes(), _host.short_row_bytes(), _host.window_prefetch()
+    default = kernel_knobs()
     try:
         outs = []
-        for pf, short in ((pf0, short0), (64, 0), (512, 0)):
-            for on in (True, False):
-                _host.set_prefetch_bytes(pf)
-                _host.set_short_row_bytes(short)
-                _host.set_window_prefetch(on)
-                assert _host.window_prefetch() is on
+        for pf, short in ((default["prefetch_bytes"], default["short_row_bytes"]), (64, 0), (512, 0)):
+            for window, tile in ((True, False), (False, False), (True, True), (False, True)):
+                set_kernel_knobs(prefetch_bytes=pf, short_row_bytes=short, window_prefetch=window, tile_prefetch=tile)
+                assert (_host.window_prefetch(), _host.tile_prefetch()) == (window, tile)
                 outs.append(_host.run_experts(pool._h, x.view(np.uint16), tok, eid, w, 6, x_bf16=True,
                                               unit_start=unit))
         for o in outs[1:]:
             np.testing.assert_array_equal(o, outs[0])
         assert rel_err(outs[0], want) < 2e-2
     finally:
-        _host.set_prefetch_bytes(pf0)
-        _host.set_short_row_bytes(short0)
-        _host.set_window_prefetch(wp0)
+        set_kernel_knobs(**default)
+
+
+def test_kernel_knobs_set_parse_and_refuse():
+    """`kernel_knobs` / `set_kernel_knobs` / `parse_knobs`: a round trip; a bad name, value or type raises
+    ValueError and leaves every knob as it was (also those set before it in the same call)."""
+    default = kernel_knobs()
+    assert set(default) == {"gate_up_rows", "down_rows", "prefetch_bytes", "short_row_bytes", "window_prefetch",
+                            "tile_prefetch"}
+    try:
+        set_kernel_knobs(down_rows=64, tile_prefetch=True)
+        assert kernel_knobs() == dict(default, down_rows=64, tile_prefetch=True)
+        for bad in (dict(down_rows=128, gate_up_rows=12), dict(down_rows=128, window_prefetch="off"),
+                    dict(down_rows=128, prefetch_bytes=1.5), dict(down_rows=128, nonsense=1)):
+            with pytest.raises(ValueError):
+                set_kernel_knobs(**bad)
+            assert kernel_knobs() == dict(default, down_rows=64, tile_prefetch=True)
+    finally:
+        set_kernel_knobs(**default)
+    assert kernel_knobs() == default
+    assert parse_knobs("down_rows=32,window_prefetch=off,tile_prefetch=on") == {
+        "down_rows": 32, "window_prefetch": False, "tile_prefetch": True}
+    for bad, msg in (("rows=4", "not KNOB=VALUE"), ("down_rows", "not KNOB=VALUE"), ("tile_prefetch=1", "on or off"),
+                     ("down_rows=x", "integer")):
+        with pytest.raises(ValueError, match=msg):
+            parse_knobs(bad)
 
 
 def test_unit_start_is_validated():
