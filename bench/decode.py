@@ -41,10 +41,12 @@ from ftjax.experts.decode import BACKGROUND_YIELD_MODES, OffloadExperts
 from ftjax.experts.plan import PLAN_IMPLS, VICTIM_METHODS
 from ftjax.experts.resident import ResidentExperts
 from ftjax.experts.traces import ReplayRouting, synthetic_trace
-from ftjax.host import (GPU_SPIN_US, calibrate, configure_workers, expert_call_time_totals, gpu_workers,
-                        kernel_knobs, measure, parse_knobs, set_kernel_knobs, tune_workers_for_gpu, worker_info)
+from ftjax.host import (GPU_SPIN_US, calibrate, configure_workers, expert_call_time_totals, gpu_workers, measure,
+                        tune_workers_for_gpu, worker_info)
 from ftjax.models import get_family, make_step_fns
 from ftjax.models.params import param_shapes, unflatten
+
+from decode_rounds import CALL_TIMES, ROUNDS, interleaved, knob_settings, round_robin  # bench/ sibling
 
 TOKENIZER = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "qwen3-tokenizer"  # --tokenizer
 QWEN36 = {
@@ -220,63 +222,6 @@ class Run:
                 "cpu_mb_per_job": (b1 - b0) / max(1, j1 - j0) / 1e6,
                 "cpu_gbps": (b1 - b0) / (c1 - c0) / 1e9 if c1 > c0 else 0.0,
                 **{f"call_{k}": (p1[k] - p0[k]) / max(1, p1["calls"] - p0["calls"]) for k in CALL_TIMES}}
-
-
-# the CPU expert call's own times per call (us; expert_call_time_totals): whole call, setup, per round wall
-# and the caller's wait for the other threads
-CALL_TIMES = ("total_us", "setup_us", "layouts_us", "phase1_us", "phase1_wait_us", "phase2_us", "phase2_wait_us")
-
-
-ROUNDS = 4  # interleaved(): rounds of the round robin
-
-
-def interleaved(run, settings: dict, rounds: int, steps: int, warmup: int) -> dict:
-    """Time ``run`` under each of ``settings`` (name -> a function that applies it) in ``rounds`` rounds of
-    ``steps // rounds`` steps each (``warmup`` untimed steps after every switch), round robin, so that every
-    setting sees the same stretch of the routing; the rounds' figures combined per setting."""
-    return round_robin({name: (run, apply) for name, apply in settings.items()}, rounds, steps, warmup)
-
-
-def round_robin(entries: dict, rounds: int, steps: int, warmup: int) -> dict:
-    """`interleaved` over (run, apply) pairs per name: several runs (e.g. differently compiled backends, each
-    stepping its own copy of the trace, so each sees the same stretches), or one run under several settings."""
-    per = max(1, steps // rounds)
-    parts = {name: [] for name in entries}
-    for _ in range(rounds):
-        for name, (run, apply) in entries.items():
-            apply()
-            parts[name].append(run.timed(warmup, per))
-    out = {}
-    for name, rs in parts.items():
-        run = entries[name][0]
-        n = per * len(rs)
-        sec = sum(r["step_ms"] for r in rs) * per / 1e3
-        mean = lambda k: sum(r[k] for r in rs) / len(rs)  # noqa: E731  (equal steps per round)
-        out[name] = {"tok_s": run.batch * n / sec, "step_ms": sec / n * 1e3, "warm_steps": run.warm_steps,
-                     "rounds": len(rs), "round_tok_s": [r["tok_s"] for r in rs],
-                     **{k: mean(k) for k in ("dispatch_ms", "miss_rate", "misses_per_step", "fills_per_layer",
-                                             "cpu_per_layer", "deferred_per_layer", "cpu_jobs_per_step",
-                                             "cpu_serve_ms", "cpu_us_per_job", "cpu_mb_per_job", "cpu_gbps",
-                                             *(f"call_{k}" for k in CALL_TIMES))}}
-    return out
-
-
-def knob_settings(specs: list[str]) -> dict:
-    """`interleaved` settings for --knob-variants: 'split knobs default' (the CPU kernel knobs as they are now)
-    and one per spec ('down_rows=32,window_prefetch=off'), each setting its knobs and the others back to the
-    defaults. A bad spec or value exits here, before any work."""
-    default = kernel_knobs()
-    settings = {"split knobs default": lambda: set_kernel_knobs(**default)}
-    for spec in specs:
-        try:
-            values = dict(default, **parse_knobs(spec))
-            set_kernel_knobs(**values)  # checks every value
-        except ValueError as e:
-            raise SystemExit(f"--knob-variants: {spec}: {e}") from None
-        finally:
-            set_kernel_knobs(**default)
-        settings[f"split {spec}"] = lambda values=values: set_kernel_knobs(**values)
-    return settings
 
 
 def fill_steps(slots: int, num_layers: int) -> int:
