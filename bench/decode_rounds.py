@@ -3,7 +3,7 @@ steps each in turn so that every setting sees the same stretch of the routing, a
 of --knob-variants."""
 from __future__ import annotations
 
-from ftjax.host import kernel_knobs, parse_knobs, set_kernel_knobs
+from ftjax.host import kernel_knobs, knob_variants, set_kernel_knobs
 
 # the CPU expert call's own times per call (us; expert_call_time_totals): whole call, setup, per round wall
 # and the caller's wait for the other threads
@@ -49,14 +49,9 @@ def knob_settings(specs: list[str]) -> dict:
     and one per spec ('down_rows=32,window_prefetch=off'), each setting its knobs and the others back to the
     defaults. A bad spec or value exits here, before any work."""
     default = kernel_knobs()
-    settings = {"split knobs default": lambda: set_kernel_knobs(**default)}
-    for spec in specs:
-        try:
-            values = dict(default, **parse_knobs(spec))
-            set_kernel_knobs(**values)  # checks every value
-        except ValueError as e:
-            raise SystemExit(f"--knob-variants: {spec}: {e}") from None
-        finally:
-            set_kernel_knobs(**default)
-        settings[f"split {spec}"] = lambda values=values: set_kernel_knobs(**values)
-    return settings
+    try:
+        variants = knob_variants(specs)
+    except ValueError as e:
+        raise SystemExit(f"--knob-variants: {e}") from None
+    return {"split knobs default": lambda: set_kernel_knobs(**default),
+            **{f"split {spec}": (lambda v=v: set_kernel_knobs(**v)) for spec, v in variants.items()}}

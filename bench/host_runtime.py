@@ -26,7 +26,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ftjax import _host  # noqa: E402
-from ftjax.host import measure  # noqa: E402
+from ftjax.host import knob_variants, measure  # noqa: E402
 
 SHAPES = {"qwen3.6 (H2048 I512)": measure.ExpertShape(2048, 512), "large (H4096 I2048)": measure.ExpertShape(4096, 2048)}
 
@@ -184,13 +184,10 @@ def main(argv=None) -> int:
     ap.add_argument("--no-cpu", action="store_true", help="skip the CPU kernel table (fill and handshake only)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "out" / "host_runtime.json"))
     args = ap.parse_args(argv)
-    default_rows = _host.down_item_rows()
-    for rows in args.down_rows or []:  # the setter checks (a power of two in [4, 1024]): fail before any work
-        try:
-            _host.set_down_item_rows(rows)
-        except ValueError as e:
-            ap.error(f"--down-rows {rows}: {e}")
-    _host.set_down_item_rows(default_rows)
+    try:  # every value checked before any work
+        knob_variants([f"down_rows={rows}" for rows in args.down_rows or []])
+    except ValueError as e:
+        ap.error(f"--down-rows: {e}")
     # scalar is the correctness reference, far too slow to time on GiB windows
     tiers = [t for t in _host.available_tiers() if t != "scalar"] if args.all_tiers else [_host.active_tier()]
     if args.tiers:

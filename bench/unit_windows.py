@@ -23,7 +23,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ftjax import _host  # noqa: E402
-from ftjax.host import expert_call_time_totals, kernel_knobs, measure, parse_knobs, set_kernel_knobs  # noqa: E402
+from ftjax.host import expert_call_time_totals, kernel_knobs, knob_variants, measure, set_kernel_knobs  # noqa: E402
 from ftjax.host.calibrate import QWEN36  # noqa: E402
 
 
@@ -43,15 +43,10 @@ def main(argv=None) -> int:
     if bad:
         ap.error(f"unit starts must lie in [0, {I}): {bad}")
     default = kernel_knobs()
-    variants = {"default": default}
-    for spec in args.knob_variants:
-        try:
-            variants[spec] = dict(default, **parse_knobs(spec))
-            set_kernel_knobs(**variants[spec])  # checks every value before any work
-        except ValueError as e:
-            ap.error(f"--knob-variants {spec}: {e}")
-        finally:
-            set_kernel_knobs(**default)
+    try:
+        variants = {"default": default, **knob_variants(args.knob_variants)}  # every value checked before any work
+    except ValueError as e:
+        ap.error(f"--knob-variants {e}")
     if args.workers >= 0:
         _host.configure_workers(args.workers, 2000, True)
     pool = measure.make_pool(QWEN36, "bf16", int(args.window_gib * 2**30))

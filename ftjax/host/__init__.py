@@ -11,7 +11,8 @@ from ftjax.host.pool import HostPool
 __all__ = ["HostPool", "cpu_experts", "register_targets", "cpu_features", "cpu_brand", "available_tiers",
            "active_tier", "set_tier", "prefetch_bytes", "set_prefetch_bytes", "configure_workers",
            "tune_workers_for_gpu", "gpu_workers", "expert_call_totals", "expert_call_time_totals", "worker_info",
-           "cuda_built", "cuda_device_count", "kernel_knobs", "set_kernel_knobs", "parse_knobs"]
+           "cuda_built", "cuda_device_count", "kernel_knobs", "set_kernel_knobs", "parse_knobs",
+           "knob_variants"]
 
 
 def cpu_features() -> dict[str, bool]:
@@ -101,6 +102,23 @@ def parse_knobs(spec: str) -> dict:
             out[name] = int(value)
         else:
             raise ValueError(f"{name} takes an integer, got '{value}'")
+    return out
+
+
+def knob_variants(specs: list[str]) -> dict[str, dict]:
+    """Each spec of `parse_knobs` as a whole `kernel_knobs` dict (the knobs it does not name as they are now),
+    every value checked by setting it (the knobs are back as they were after): {spec: knobs}. ValueError
+    naming the bad spec."""
+    now = kernel_knobs()
+    out = {}
+    for spec in specs:
+        try:
+            out[spec] = dict(now, **parse_knobs(spec))
+            set_kernel_knobs(**out[spec])
+        except ValueError as e:
+            raise ValueError(f"{spec}: {e}") from None
+        finally:
+            set_kernel_knobs(**now)
     return out
 
 

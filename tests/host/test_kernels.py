@@ -7,7 +7,7 @@ import pytest
 
 from ftjax import _host
 from ftjax.host import (HostPool, available_tiers, expert_call_time_totals, expert_call_totals, kernel_knobs,
-                        parse_knobs, quant, set_kernel_knobs, set_tier)
+                        knob_variants, parse_knobs, quant, set_kernel_knobs, set_tier)
 from ftjax.host.reference import experts_reference
 
 TIERS = available_tiers()
@@ -208,7 +208,7 @@ def test_window_and_tile_prefetch_change_speed_only(tier, fmt):
 
 
 def test_kernel_knobs_set_parse_and_refuse():
-    """`kernel_knobs` / `set_kernel_knobs` / `parse_knobs`: a round trip; a bad name, value or type raises
+    """`kernel_knobs` / `set_kernel_knobs` / `parse_knobs` / `knob_variants`: a round trip; a bad name, value or type raises
     ValueError and leaves every knob as it was (also those set before it in the same call)."""
     default = kernel_knobs()
     assert set(default) == {"gate_up_rows", "down_rows", "prefetch_bytes", "short_row_bytes", "window_prefetch",
@@ -230,6 +230,13 @@ def test_kernel_knobs_set_parse_and_refuse():
                      ("down_rows=x", "integer")):
         with pytest.raises(ValueError, match=msg):
             parse_knobs(bad)
+    # knob_variants: whole knob dicts per spec, checked by setting them, the knobs back as they were
+    assert knob_variants(["down_rows=64", "tile_prefetch=on,gate_up_rows=8"]) == {
+        "down_rows=64": dict(default, down_rows=64), "tile_prefetch=on,gate_up_rows=8": dict(
+            default, tile_prefetch=True, gate_up_rows=8)}
+    with pytest.raises(ValueError, match="down_rows=12: .*power of two"):
+        knob_variants(["down_rows=64", "down_rows=12"])
+    assert kernel_knobs() == default
 
 
 def test_unit_start_is_validated():
