@@ -25,6 +25,8 @@
 # serve time per job and the worker-pool variants $WORKER_VARIANTS).
 # Session 26 steps: decode-b1-granule (the unit split's step: the default 8 units vs $GRANULES, fresh backends round
 # robin, b1 / 37%); bench/unit_windows.py (the CPU call on unit windows [u, I), standalone) runs without a step.
+# Session 28 steps: cpu-int4 (kernel tests; the int4 table, the q15 / VPDPBUSD loop against the bf16 one, AMX and
+# AVX-512 tiers, and per core).
 # Session 27 steps: unit-windows (kernel tests, then bench/unit_windows.py under the CPU kernel knobs $WINDOW_KNOBS,
 # ~1 min), cpu-down-rows (the CPU table per $DOWN_ROWS), decode-b1-knobs (b1 / 37%: the same executable under the CPU
 # kernels' knobs $KNOBS, round robin).
@@ -252,9 +254,15 @@ for s in "${steps[@]}"; do
          --fractions 0.37 --policies lru-split lru-fill --no-sweep --no-online --steps ${WORKER_STEPS:-32} --warmup 24 \
          --worker-variants ${WORKER_VARIANTS:-14:2000 13:2000 11:2000} --out "$OUT/decode_b1_workers.json" ;;
     cpu-down-rows)  # session 27: the CPU kernel table (both shapes and formats, the best tier) per down item rows
-       # $DOWN_ROWS (~1.5 min)
-       run cpu_down_rows 200 python3 bench/host_runtime.py --no-gpu --down-rows ${DOWN_ROWS:-16 32} \
+       # (the default and $DOWN_ROWS; ~1.5 min)
+       run cpu_down_rows 200 python3 bench/host_runtime.py --no-gpu --knob-variants ${DOWN_ROWS:-down_rows=16} \
          --out "$OUT/cpu_down_rows.json" ;;
+    cpu-int4)  # session 28: the CPU kernel tests (every tier), then the int4 table on the AMX and AVX-512 tiers with
+       # the q15 / VPDPBUSD loop up to 2 tokens per expert (default), never (0) and always (64), and per core
+       # ($INT4_TIERS; ~4 min)
+       run cpu_tests_int4 150 python3 -m pytest -q tests/host/test_kernels.py
+       run cpu_int4 300 python3 bench/host_runtime.py --no-gpu --formats int4 --tiers ${INT4_TIERS:-amx avx512bf16} \
+         --calls 20 --per-core --knob-variants int4_vnni_tokens=0 int4_vnni_tokens=64 --out "$OUT/cpu_int4.json" ;;
     unit-windows)  # session 27: the CPU kernel tests (every tier, incl. AMX), then the CPU call on unit windows
        # under the defaults and each of $WINDOW_KNOBS, round robin (~1 min)
        run cpu_tests_windows 150 python3 -m pytest -q tests/host/test_kernels.py

@@ -26,72 +26,77 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ftjax import _host  # noqa: E402
-from ftjax.host import knob_variants, measure  # noqa: E402
+from ftjax.host import kernel_knobs, knob_variants, measure, set_kernel_knobs  # noqa: E402
 
 SHAPES = {"qwen3.6 (H2048 I512)": measure.ExpertShape(2048, 512), "large (H4096 I2048)": measure.ExpertShape(4096, 2048)}
 
 
 def cpu_part(window_gib: float, calls: int, tiers: list[str], prefetch: list[int],
              formats: tuple[str, ...] = ("bf16", "int4"), short_rows: list[int] | None = None,
-             down_rows: list[int] | None = None) -> list[dict]:
+             variants: dict[str, dict] | None = None) -> list[dict]:
+    """`variants`: {name: whole kernel_knobs dict} to time each case under (default: the knobs as they are);
+    prefetch / short_rows override theirs."""
     window = int(window_gib * 2**30)
-    default_pf, default_short, default_rows = _host.prefetch_bytes(), _host.short_row_bytes(), _host.down_item_rows()
-    short_rows = short_rows or [default_short]
-    down_rows = down_rows or [default_rows]
+    default = kernel_knobs()
+    short_rows = short_rows or [default["short_row_bytes"]]
+    variants = variants or {"default": default}
     stream = measure.stream_read_gbps(window)
     rows = []
     for name, shape in SHAPES.items():
         for fmt in formats:
             pool = measure.make_pool(shape, fmt, window)
-            for tier, pf, short, dr in [(t, p, s, d) for t in tiers for p in prefetch for s in short_rows
-                                        for d in down_rows]:
+            for tier, pf, short, v in [(t, p, s, v) for t in tiers for p in prefetch for s in short_rows
+                                       for v in variants]:
                 _host.set_tier(tier)
-                _host.set_prefetch_bytes(pf)
-                _host.set_short_row_bytes(short)
-                _host.set_down_item_rows(dr)
+                set_kernel_knobs(**dict(variants[v], prefetch_bytes=pf, short_row_bytes=short))
+                dr = _host.down_item_rows()
                 # (tokens, routes per token): decode calls of 1 and 8 tokens x top-8, and the 1-2 expert
                 # calls a CPU branch gets per layer when most misses are filled
                 for tokens, k in ((1, shape.top_k), (8, shape.top_k), (1, 1), (1, 2)):
                     r = measure.cpu_kernel_gbps(pool, dataclasses.replace(shape, top_k=k), tokens, calls=calls)
                     rows.append({"shape": name, "format": fmt, "tier": tier, "prefetch": pf, "short_rows": short,
-                                 "down_rows": dr, "tokens": tokens,
+                                 "down_rows": dr, "knobs": v, "tokens": tokens,
                                  "top_k": k, **r, "stream_gbps": stream, "ratio": r["gbps"] / stream})
             pool.close()
             del pool
     _host.set_tier("auto")
-    _host.set_prefetch_bytes(default_pf)
-    _host.set_short_row_bytes(default_short)
-    _host.set_down_item_rows(default_rows)
+    set_kernel_knobs(**default)
     return rows
 
 
-def core_part(calls: int) -> list[dict]:
+def core_part(calls: int, formats: tuple[str, ...] = ("bf16", "int4"),
+              variants: dict[str, dict] | None = None) -> list[dict]:
     """One thread (the caller, no workers), one expert hit by every token of each call, so its weights
     stay in the caches: the kernel's compute rate per core, to compare with a core's share of STREAM."""
     info = _host.worker_info()
     _host.configure_workers(0, info["spin_us"], False)
+    default = kernel_knobs()
+    variants = variants or {"default": default}
     rows = []
     try:
         for name, shape in SHAPES.items():
-            for fmt in ("bf16", "int4"):
+            for fmt in formats:
                 pool = measure.make_pool(shape, fmt, 1)
                 nbytes = pool.expert_bytes("gate_up") + pool.expert_bytes("down")
-                for tokens in (1, 4, 8):
+                for v, tokens in [(v, t) for v in variants for t in (1, 2, 4, 8)]:
+                    set_kernel_knobs(**variants[v])
                     x = np.random.default_rng(tokens).standard_normal((tokens, shape.hidden)).astype(np.float32)
                     xb = (x.view(np.uint32) >> 16).astype(np.uint16)
                     tok, eid = np.arange(tokens, dtype=np.int32), np.zeros(tokens, np.int32)
                     w = np.ones(tokens, np.float32)
                     times = []
-                    for _ in range(calls + 3):
+                    # 30 calls of warm-up: the dev box's one-token call fell from 236 to ~50 us over its first 30
+                    for _ in range(calls + 30):
                         t0 = time.perf_counter()
                         _host.run_experts(pool._h, xb, tok, eid, w, tokens, x_bf16=True)
                         times.append(time.perf_counter() - t0)
-                    t = float(np.median(times[3:]))
-                    rows.append({"shape": name, "format": fmt, "tokens": tokens, "us": t * 1e6,
+                    t = float(np.median(times[30:]))
+                    rows.append({"shape": name, "format": fmt, "knobs": v, "tokens": tokens, "us": t * 1e6,
                                  "gbps": nbytes / t / 1e9,
                                  "ns_per_weight_token": t * 1e9 / (3 * shape.hidden * shape.inter * tokens)})
                 pool.close()
     finally:
+        set_kernel_knobs(**default)
         _host.configure_workers(info["n_workers"], info["spin_us"], info["pin"])
     return rows
 
@@ -173,8 +178,9 @@ def main(argv=None) -> int:
     ap.add_argument("--short-rows", type=int, nargs="+", default=None,
                     help="short-row limits (bytes) to time: rows up to it prefetch a micro-tile ahead (0 = never; "
                          "default: the built-in one)")
-    ap.add_argument("--down-rows", type=int, nargs="+", default=None,
-                    help="down's output rows per work item to time (_host.set_down_item_rows; default: the built-in)")
+    ap.add_argument("--knob-variants", nargs="+", default=[], metavar="KNOB=V[,KNOB=V]",
+                    help="also time every case under these CPU kernel knobs (ftjax.host.kernel_knobs; the others at "
+                         "their defaults), e.g. down_rows=16 int4_vnni_tokens=0")
     ap.add_argument("--threads", type=int, nargs="+", default=None,
                     help="time the CPU table at these thread counts (caller + workers; STREAM with the same "
                          "threads), e.g. 1 2 4 8 15: does the per-thread rate hold as threads are added?")
@@ -185,9 +191,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(Path(__file__).parent / "out" / "host_runtime.json"))
     args = ap.parse_args(argv)
     try:  # every value checked before any work
-        knob_variants([f"down_rows={rows}" for rows in args.down_rows or []])
+        variants = {"default": kernel_knobs(), **knob_variants(args.knob_variants)}
     except ValueError as e:
-        ap.error(f"--down-rows: {e}")
+        ap.error(f"--knob-variants {e}")
     # scalar is the correctness reference, far too slow to time on GiB windows
     tiers = [t for t in _host.available_tiers() if t != "scalar"] if args.all_tiers else [_host.active_tier()]
     if args.tiers:
@@ -207,41 +213,42 @@ def main(argv=None) -> int:
             _host.configure_workers(n - 1, info["spin_us"], info["pin"])
         try:
             rows = cpu_part(args.window_gib, args.calls, tiers, prefetch, tuple(args.formats), args.short_rows,
-                            args.down_rows)
+                            variants)
         finally:
             if args.threads:
                 _host.configure_workers(info["n_workers"], info["spin_us"], info["pin"])
         res["kernel"] += [dict(r, threads=n) for r in rows]
+    kw = max(len(v) for v in variants)
     if res["kernel"]:
         print(f"CPU: {res['cpu']}, {info['n_threads']} threads; STREAM read with the same threads "
               f"({args.window_gib} GiB); per thread = GB/s / threads")
-        print(f"{'shape':22} {'fmt':5} {'tier':11} {'pf B':>5} {'short':>5} {'rows2':>5} {'thr':>3} {'tok':>3} {'k':>2} "
+        print(f"{'shape':22} {'fmt':5} {'tier':11} {'pf B':>5} {'short':>5} {'knobs':{kw}} {'thr':>3} {'tok':>3} {'k':>2} "
               f"{'ms':>7} "
               f"{'GB/s':>7} {'/thread':>7} {'STREAM':>7} {'/STREAM':>8}")
     for r in res["kernel"]:
-        print(f"{r['shape']:22} {r['format']:5} {r['tier']:11} {r['prefetch']:5d} {r['short_rows']:5d} {r['down_rows']:5d} "
+        print(f"{r['shape']:22} {r['format']:5} {r['tier']:11} {r['prefetch']:5d} {r['short_rows']:5d} {r['knobs']:{kw}} "
               f"{r['threads']:3d} "
               f"{r['tokens']:>3} {r['top_k']:>2} {r['ms']:7.3f} {r['gbps']:7.1f} {r['gbps'] / r['threads']:7.2f} "
               f"{r['stream_gbps']:7.1f} {r['ratio']:8.2f}")
     if res["kernel"]:
         print("\nWhere the calls go (us, the kernel's clock, medians): setup, then per round its wall time / the caller's"
               "\nwait for other threads; 'outside' = the timed call minus the kernel's total (binding, y allocation)")
-        print(f"{'shape':22} {'fmt':5} {'tier':11} {'rows2':>5} {'tok':>3} {'k':>2} {'total':>7} {'setup':>6} {'layouts':>13} "
+        print(f"{'shape':22} {'fmt':5} {'tier':11} {'knobs':{kw}} {'tok':>3} {'k':>2} {'total':>7} {'setup':>6} {'layouts':>13} "
               f"{'phase1':>13} {'phase2':>13} {'outside':>7}")
         for r in res["kernel"]:
             p = r["profile"]
             rounds = " ".join(f"{p[k + '_us']:7.1f}/{p[k + '_wait_us']:5.1f}" for k in ("layouts", "phase1", "phase2"))
-            print(f"{r['shape']:22} {r['format']:5} {r['tier']:11} {r['down_rows']:5d} {r['tokens']:>3} {r['top_k']:>2} "
+            print(f"{r['shape']:22} {r['format']:5} {r['tier']:11} {r['knobs']:{kw}} {r['tokens']:>3} {r['top_k']:>2} "
                   f"{p['total_us']:7.1f} "
                   f"{p['setup_us']:6.1f} {rounds} {r['ms'] * 1e3 - p['total_us']:7.1f}")
     if args.per_core:
-        res["per_core"] = core_part(args.calls)
+        res["per_core"] = core_part(args.calls, tuple(args.formats), variants)
         full = [r for r in res["kernel"] if r["threads"] == info["n_threads"]]
         share = full[0]["stream_gbps"] / info["n_threads"] if full else float("nan")
         print(f"\nOne thread, one cache-resident expert, bf16 activations (a core's share of STREAM: {share:.1f} GB/s)")
-        print(f"{'shape':22} {'fmt':5} {'tok':>3} {'us':>8} {'GB/s':>7} {'ns/(weight*token)':>18}")
+        print(f"{'shape':22} {'fmt':5} {'knobs':{kw}} {'tok':>3} {'us':>8} {'GB/s':>7} {'ns/(weight*token)':>18}")
         for r in res["per_core"]:
-            print(f"{r['shape']:22} {r['format']:5} {r['tokens']:3d} {r['us']:8.1f} {r['gbps']:7.1f} "
+            print(f"{r['shape']:22} {r['format']:5} {r['knobs']:{kw}} {r['tokens']:3d} {r['us']:8.1f} {r['gbps']:7.1f} "
                   f"{r['ns_per_weight_token']:18.4f}")
     if not args.no_gpu and _host.cuda_built() and _host.cuda_device_count() > 0:
         res["gpu"] = _host.cuda_device_name(0)

@@ -41,6 +41,7 @@ CpuFeatures detect_cpu_features() {
   f.avx512f = zmm && (b & (1u << 16));
   f.avx512bw = f.avx512f && (b & (1u << 30));
   f.avx512vl = f.avx512f && (b & (1u << 31));
+  f.avx512vnni = f.avx512f && (c & (1u << 11));
   // AMX also needs the OS to enable tile state (XCR0 bits 17, 18) and to grant it to this
   // process (arch_prctl ARCH_REQ_XCOMP_PERM, done by the AMX kernel before first use).
   f.amx_bf16 = (d & (1u << 22)) && os_saves_amx_state();

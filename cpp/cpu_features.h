@@ -11,6 +11,7 @@ struct CpuFeatures {
   bool avx512bw = false;
   bool avx512vl = false;
   bool avx512bf16 = false;
+  bool avx512vnni = false;
   bool amx_bf16 = false;
   bool amx_tile = false;
 };

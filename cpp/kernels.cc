@@ -32,8 +32,10 @@ bool supported(Tier t) {
   switch (t) {
     case Tier::kScalar: return true;
     case Tier::kAvx2: return f.avx2 && f.fma;
-    case Tier::kAvx512Bf16: return f.avx512f && f.avx512bw && f.avx512vl && f.avx512bf16;
-    case Tier::kAmx: return f.amx_tile && f.amx_bf16 && f.avx512bf16 && f.avx512bw && f.avx512vl && amx_enable();
+    // VNNI: every CPU with AVX512-BF16 has it (Cooper Lake, Sapphire Rapids on, Zen 4 on)
+    case Tier::kAvx512Bf16: return f.avx512f && f.avx512bw && f.avx512vl && f.avx512bf16 && f.avx512vnni;
+    case Tier::kAmx:
+      return f.amx_tile && f.amx_bf16 && f.avx512bf16 && f.avx512bw && f.avx512vl && f.avx512vnni && amx_enable();
   }
   return false;
 }
@@ -48,6 +50,7 @@ std::atomic<int64_t> g_prefetch{kDefaultPrefetchBytes};
 std::atomic<int64_t> g_short_rows{kShortRowBytes};
 std::atomic<bool> g_window_prefetch{true};
 std::atomic<bool> g_tile_prefetch{false};
+std::atomic<int64_t> g_int4_vnni_tokens{kInt4VnniTokens};
 }  // namespace
 
 #ifndef FTJAX_HAVE_AMX
@@ -109,6 +112,12 @@ bool window_prefetch() { return g_window_prefetch.load(std::memory_order_relaxed
 void set_window_prefetch(bool on) { g_window_prefetch.store(on, std::memory_order_relaxed); }
 bool tile_prefetch() { return g_tile_prefetch.load(std::memory_order_relaxed); }
 void set_tile_prefetch(bool on) { g_tile_prefetch.store(on, std::memory_order_relaxed); }
+int64_t int4_vnni_tokens() { return g_int4_vnni_tokens.load(std::memory_order_relaxed); }
+void set_int4_vnni_tokens(int64_t tokens) {
+  if (tokens < 0 || tokens > 64)
+    throw std::invalid_argument("int4 VNNI tokens must be in [0, 64], got " + std::to_string(tokens));
+  g_int4_vnni_tokens.store(tokens, std::memory_order_relaxed);
+}
 
 int64_t short_row_bytes() { return g_short_rows.load(std::memory_order_relaxed); }
 
@@ -188,6 +197,17 @@ void pack_vnni(const uint16_t* xj, int64_t K, int64_t k0, int64_t k1, int n, int
   pack_vnni_avx512(xj, K, k0, std::min(k1, vnni_pairs(K) * 2), n, j, dst, int4_order);
 #else
   throw std::logic_error("pack_vnni: only the AMX tier reads this layout, and this build has no AVX-512");
+#endif
+}
+
+void to_q15(const uint16_t* x, int64_t k0, int64_t k1, int8_t* base, int64_t S) {
+#ifdef FTJAX_HAVE_AVX512BF16
+  if (k0 % 8 || k1 % 8 || k0 < 0 || k1 > 2 * S)
+    throw std::logic_error("to_q15: columns [" + std::to_string(k0) + ", " + std::to_string(k1) +
+                           ") are not whole lanes of 8 inside the vector");
+  to_q15_avx512(x, k0, k1, base, S);
+#else
+  throw std::logic_error("to_q15: only the AVX-512 tiers read this layout, and this build has none");
 #endif
 }
 

@@ -41,7 +41,35 @@ struct ActRef {
   // column order (int4_order for int4 weights). nullptr: bf16 weights get them packed by the tier,
   // int4 weights go to the AVX-512 tier.
   const uint32_t* vnni = nullptr;
+  // Optional (int4 weights, bf16 activations, AVX-512 tiers): the vectors in the q15 layout (below), vector j
+  // at q15 + j * kQ15Streams * q15_stream, each stream q15_stream bytes; a column window's ActRef points
+  // c0 / 2 bytes in. nullptr: not provided (the tiers use bf16_pair64 or bf16).
+  const int8_t* q15 = nullptr;
+  int64_t q15_stream = 0;
 };
+
+// The q15 layout of a bf16 vector of length K (K % 8 == 0) for the int4 VNNI loop (VPDPBUSD: unsigned
+// nibbles times signed bytes). Each lane of 8 columns (k = 8d .. 8d + 7, the columns of packed bytes 4d ..
+// 4d + 3 of an int4 row) has a power-of-two scale 2^-s, s chosen from the lane's largest exponent so that
+// q = round(x * 2^s) fits [-16384, 16383]; q = 128 * hi + lo, hi in [-128, 127], lo in [0, 127]. Exact for
+// every element within 2^6 of the lane's largest; the others round by at most 2^-14 of the lane's largest
+// (bf16 itself keeps 2^-9: the products differ from exact bf16 ones far below the activations' own rounding).
+// Six streams of K / 2 bytes each, column k's entries at byte k / 2 of the first four, its lane's at byte
+// 4 * (k / 8) of the last two (so a column window's entries all sit c0 / 2 bytes in):
+//   0: hi of the even columns, 1: hi of the odd columns, 2: lo of the even, 3: lo of the odd (int8 each);
+//   4: -8 * (sum of the lane's q) as int32 (the nibbles' offset of 8, taken out once per lane);
+//   5: 2^-s as f32 (NaN when the lane holds an inf or NaN).
+constexpr int kQ15Streams = 6;
+inline int64_t q15_bytes(int64_t K) { return kQ15Streams * (K / 2); }
+// Writes columns [k0, k1) (multiples of 8) of x's layout at base (stream bytes S = K / 2). In AVX-512.
+void to_q15(const uint16_t* x, int64_t k0, int64_t k1, int8_t* base, int64_t S);
+// Up to how many tokens per expert int4 x bf16 calls on the AVX-512 loops use the q15 layout and VPDPBUSD (more:
+// the pair64 order and VDPBF16PS, the loop before; 0: never). The AMX tier's int4 tiles (kAmxMinTokens+) are not
+// affected. Default kInt4VnniTokens: dev box (Zen 4, one core, cache-resident expert) 1 token 1.11-1.34x faster,
+// 4-8 tokens 0.75-0.87x (bench/RESULTS.md session 28).
+constexpr int64_t kInt4VnniTokens = 2;
+int64_t int4_vnni_tokens();
+void set_int4_vnni_tokens(int64_t tokens);  // 0 .. 64
 
 // The AMX B-tile layout of n bf16 vectors of length K: dst[p * n + j] = the pair (x_j[c(2p)],
 // x_j[c(2p + 1)]) as one dword (low word first), for p < vnni_pairs(K), zero past K (so a last
@@ -168,6 +196,7 @@ void dot_rows_amx(const MatrixRef&, int64_t, int64_t, const ActRef&, float*);
 void pack_vnni_avx512(const uint16_t* xj, int64_t K, int64_t k0, int64_t k1, int n, int j, uint32_t* dst,
                       bool int4_order);
 void to_pair64_avx512(const uint16_t* x, int64_t K, uint16_t* dst);
+void to_q15_avx512(const uint16_t* x, int64_t k0, int64_t k1, int8_t* base, int64_t S);
 bool amx_enable();  // asks the kernel for AMX tile state; false if refused
 
 inline float bf16_to_f32(uint16_t b) {

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 
 #include "kernels.h"
 #include "kernels_tiling.h"
@@ -35,6 +36,10 @@ inline __m512 load_bf16x16(const uint16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
+// VPERMW indices that put scale word d / 4 of a span into the high word of dword d (the low words masked to 0).
+alignas(64) constexpr uint16_t kQ15ScaleIdx[32] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 0, 1, 0, 1, 0, 1,
+                                                   0, 2, 0, 2, 0, 2, 0, 2, 0, 3, 0, 3, 0, 3, 0, 3};
+
 // The packed nibbles and the bf16 scales of int4 rows r .. r + R - 1.
 template <int R>
 inline void int4_rows(const MatrixRef& w, int64_t r, const uint8_t* (&row)[R], const uint16_t* (&sc)[R]) {
@@ -58,7 +63,57 @@ void tile(const MatrixRef& w, int64_t r, int64_t r_end, const ActRef& a, int j0,
   int64_t k = 0;  // first column left for the scalar tail
   const RowPrefetch prefetch = row_prefetch(R, bytes_of(w, K), row_bytes_of(w), r + 2 * R <= r_end);
   const int64_t pf = prefetch.pf;
-  if (w.format == WeightFormat::kInt4 && a.bf16_pair64 != nullptr && K % 64 == 0) {
+  if (w.format == WeightFormat::kInt4 && a.q15 != nullptr) {
+    // The q15 layout (kernels.h), 128 columns (64 packed bytes, 4 groups) at a time: the low and the high
+    // nibbles (the even and the odd columns) stay unsigned bytes that VPDPBUSD multiplies with the
+    // activations' hi and lo bytes (dword lane d: packed bytes 4d .. 4d + 3, one lane of the layout);
+    // 128 * hi_sum + lo_sum (lo_sum starting from the lane's -8 * sum q) is the exact integer (|.| < 2^22),
+    // then one f32 FMA per lane scales it by its group's bf16 scale (dword d's high word <- scale d / 4)
+    // times the lane's 2^-s. A last span of 1-3 groups loads masked (a column window of 32k columns).
+    const __m512i low4 = _mm512_set1_epi8(0x0F), scale_idx = _mm512_load_si512(kQ15ScaleIdx);
+    const uint8_t* row[R];
+    const uint16_t* sc[R];
+    const int8_t* xq[N];
+    int4_rows<R>(w, r, row, sc);
+    const int64_t S = a.q15_stream;
+    for (int j = 0; j < N; ++j) xq[j] = a.q15 + (j0 + j) * kQ15Streams * S;
+    const auto span = [&](auto tail, int64_t c, __mmask64 mb, __mmask16 ml, __mmask8 mw) __attribute__((always_inline)) {
+      constexpr bool kTail = decltype(tail)::value;
+      const auto ld = [&](const void* p) __attribute__((always_inline)) {
+        return kTail ? _mm512_maskz_loadu_epi8(mb, p) : _mm512_loadu_si512(p);
+      };
+      if (pf > 0) prefetch_rows<R>(row, c / 2, prefetch);  // a span is one line
+#pragma GCC unroll 16
+      for (int i = 0; i < R; ++i) {
+        const __m512i v = ld(row[i] + c / 2);
+        const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+        const __m128i sw = kTail ? _mm_maskz_loadu_epi16(mw, sc[i] + c / 32)
+                                 : _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc[i] + c / 32));
+        const __m512 scale =
+            _mm512_castsi512_ps(_mm512_maskz_permutexvar_epi16(0xAAAAAAAAu, scale_idx, _mm512_castsi128_si512(sw)));
+#pragma GCC unroll 16
+        for (int j = 0; j < N; ++j) {
+          const int8_t* q = xq[j] + c / 2;
+          __m512i sh = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, ld(q));
+          sh = _mm512_dpbusd_epi32(sh, hi, ld(q + S));
+          __m512i sl = _mm512_dpbusd_epi32(kTail ? _mm512_maskz_loadu_epi32(ml, q + 4 * S) : _mm512_loadu_si512(q + 4 * S),
+                                           lo, ld(q + 2 * S));
+          sl = _mm512_dpbusd_epi32(sl, hi, ld(q + 3 * S));
+          const __m512 lane_scale = kTail ? _mm512_maskz_loadu_ps(ml, q + 5 * S) : _mm512_loadu_ps(q + 5 * S);
+          acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(sh, 7), sl)),
+                                      _mm512_mul_ps(scale, lane_scale), acc[i][j]);
+        }
+      }
+    };
+    int64_t c = 0;
+    for (; c + 128 <= K; c += 128) span(std::false_type{}, c, ~__mmask64{0}, 0xFFFF, 0xF);
+    if (c < K) {
+      const int g = static_cast<int>((K - c) / 32);  // 1-3 groups left (int4 columns come in groups)
+      span(std::true_type{}, c, (__mmask64{1} << (16 * g)) - 1, static_cast<__mmask16>((1u << (4 * g)) - 1),
+           static_cast<__mmask8>((1u << g) - 1));
+    }
+    k = K;
+  } else if (w.format == WeightFormat::kInt4 && a.bf16_pair64 != nullptr && K % 64 == 0) {
     // Two groups (64 weights, 32 bytes) at a time: the bytes widen to 32 words; VPERMW of the words
     // (index: low 5 bits = low nibble + a repeated table) gives the even elements, of the words >> 4
     // the odd ones, each multiplied with the activations in pair64 order. Lanes 0-7 of the product
@@ -229,6 +284,44 @@ void to_pair64_avx512(const uint16_t* x, int64_t K, uint16_t* dst) {
     const __m512i a = _mm512_loadu_si512(x + s), b = _mm512_loadu_si512(x + s + 32);
     _mm512_storeu_si512(dst + s, _mm512_permutex2var_epi16(a, even, b));
     _mm512_storeu_si512(dst + s + 32, _mm512_permutex2var_epi16(a, odd, b));
+  }
+}
+
+void to_q15_avx512(const uint16_t* x, int64_t k0, int64_t k1, int8_t* base, int64_t S) {
+  // 16 columns (two lanes) at a time: the lane's largest exponent field e (bf16 bits 7-14) reaches every
+  // dword of its half by three XOR-permute maxima; x * 2^(140 - e) < 2^14 rounds to q (nearest even); the
+  // qwords' low dwords are the even columns (VPMOVQB stores their low bytes), >> 32 the odd ones.
+  int32_t* const ncorr = reinterpret_cast<int32_t*>(base + 4 * S);
+  float* const lane_scale = reinterpret_cast<float*>(base + 5 * S);
+  const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const __m512i x4 = _mm512_xor_si512(iota, _mm512_set1_epi32(4)), x2 = _mm512_xor_si512(iota, _mm512_set1_epi32(2)),
+                x1 = _mm512_xor_si512(iota, _mm512_set1_epi32(1));
+  const __m512i lanes = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 8, 0);  // dwords 0 and 8 first
+  for (int64_t k = k0; k < k1; k += 16) {
+    const bool two = k + 16 <= k1;
+    const __m512i d = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(two ? 0xFFFF : 0x00FF, x + k));
+    __m512i e = _mm512_and_si512(_mm512_srli_epi32(d, 7), _mm512_set1_epi32(0xFF));
+    e = _mm512_max_epu32(e, _mm512_permutexvar_epi32(x4, e));
+    e = _mm512_max_epu32(e, _mm512_permutexvar_epi32(x2, e));
+    e = _mm512_max_epu32(e, _mm512_permutexvar_epi32(x1, e));
+    e = _mm512_max_epu32(e, _mm512_set1_epi32(14));  // zero lanes (and subnormals, which round to 0)
+    const __m512 up = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_sub_epi32(_mm512_set1_epi32(267), e), 23));
+    const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(d, 16)), up));
+    const __m512i hi = _mm512_srai_epi32(q, 7), lo = _mm512_and_si512(q, _mm512_set1_epi32(127));
+    const __mmask8 mq = two ? 0xFF : 0x0F;
+    _mm512_mask_cvtepi64_storeu_epi8(base + k / 2, mq, hi);
+    _mm512_mask_cvtepi64_storeu_epi8(base + S + k / 2, mq, _mm512_srli_epi64(hi, 32));
+    _mm512_mask_cvtepi64_storeu_epi8(base + 2 * S + k / 2, mq, lo);
+    _mm512_mask_cvtepi64_storeu_epi8(base + 3 * S + k / 2, mq, _mm512_srli_epi64(lo, 32));
+    __m512i sum = _mm512_add_epi32(q, _mm512_permutexvar_epi32(x4, q));
+    sum = _mm512_add_epi32(sum, _mm512_permutexvar_epi32(x2, sum));
+    sum = _mm512_add_epi32(sum, _mm512_permutexvar_epi32(x1, sum));
+    const __m512i neg8 = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(sum, 3));
+    __m512 ls = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_sub_epi32(e, _mm512_set1_epi32(13)), 23));  // 2^(e - 140)
+    ls = _mm512_mask_blend_ps(_mm512_cmpeq_epi32_mask(e, _mm512_set1_epi32(255)), ls, _mm512_set1_ps(__builtin_nanf("")));
+    const __mmask16 ml = two ? 0x3 : 0x1;
+    _mm512_mask_storeu_epi32(ncorr + k / 8, ml, _mm512_permutexvar_epi32(lanes, neg8));
+    _mm512_mask_storeu_ps(lane_scale + k / 8, ml, _mm512_permutexvar_ps(lanes, ls));
   }
 }
 

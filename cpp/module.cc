@@ -76,6 +76,62 @@ nb::ndarray<nb::numpy, float, nb::ndim<2>> run_experts_py(PoolHandle& h, nb::nda
   return nb::ndarray<nb::numpy, float, nb::ndim<2>>(y, {static_cast<size_t>(T), static_cast<size_t>(H)}, owner);
 }
 
+// One expert matrix's rows times n activation vectors on the calling thread, in the active tier, with the
+// layouts a call of run_experts would give it (the q15 layout or the pair64 order for int4 x bf16): the kernel
+// alone, for tests. Columns [col0, cols) only (a column window; x keeps all the columns).
+nb::ndarray<nb::numpy, float, nb::ndim<2>> dot_rows_py(PoolHandle& h, const std::string& bank, int64_t expert,
+                                                      nb::ndarray<nb::ndim<2>, nb::c_contig, nb::device::cpu> x,
+                                                      bool x_bf16, int64_t col0) {
+  ExpertPool& pool = h.get();
+  if (bank != "gate_up" && bank != "down") throw std::invalid_argument("bank is gate_up or down, got '" + bank + "'");
+  const Bank& b = bank == "gate_up" ? pool.gate_up() : pool.down();
+  if (expert < 0 || expert >= pool.n_experts())
+    throw std::invalid_argument("expert " + std::to_string(expert) + " outside [0, " + std::to_string(pool.n_experts()) + ")");
+  const bool int4 = b.format == WeightFormat::kInt4;
+  const int64_t K = b.cols, n = static_cast<int64_t>(x.shape(0));
+  if (col0 < 0 || col0 >= K || (int4 && col0 % 32))
+    throw std::invalid_argument("col0 " + std::to_string(col0) + " is not a column of [0, " + std::to_string(K) + ")" +
+                                (int4 ? " on an int4 group boundary (multiple of 32)" : ""));
+  if (static_cast<int64_t>(x.shape(1)) != K || n < 1)
+    throw std::invalid_argument("x must be [n >= 1, " + std::to_string(K) + "]");
+  if (x_bf16 ? x.dtype() != nb::dtype<uint16_t>() : x.dtype() != nb::dtype<float>())
+    throw std::invalid_argument(x_bf16 ? "bf16 x must be passed as uint16 bits" : "x must be float32");
+  std::vector<float> xf(n * K);
+  std::vector<uint16_t> pair;
+  std::vector<int8_t> q15;
+  const uint16_t* xh = x_bf16 ? static_cast<const uint16_t*>(x.data()) : nullptr;
+  for (int64_t i = 0; i < n * K; ++i) xf[i] = xh ? bf16_to_f32(xh[i]) : static_cast<const float*>(x.data())[i];
+  const Tier tier = active_tier();
+  const bool simd = xh && int4 && tier >= Tier::kAvx512Bf16;
+  if (simd && n <= int4_vnni_tokens()) {
+    q15.resize(n * q15_bytes(K));
+    for (int64_t j = 0; j < n; ++j) to_q15(xh + j * K, 0, K, &q15[j * q15_bytes(K)], K / 2);
+  } else if (simd && K % 64 == 0 && col0 % 64 == 0) {
+    pair.resize(n * K);
+    for (int64_t j = 0; j < n; ++j) to_pair64(xh + j * K, K, &pair[j * K]);
+  }
+  const MatrixRef w = column_window(matrix_of(b, expert), col0, K - col0);
+  const ActRef a{xf.data() + col0, xh ? xh + col0 : nullptr, K, static_cast<int>(n),
+                 pair.empty() ? nullptr : pair.data() + col0, nullptr, q15.empty() ? nullptr : q15.data() + col0 / 2, K / 2};
+  float* out = new float[b.rows * n];
+  nb::capsule owner(out, [](void* p) noexcept { delete[] static_cast<float*>(p); });
+  {
+    nb::gil_scoped_release release;
+    dot_rows_for(tier)(w, 0, b.rows, a, out);
+  }
+  return nb::ndarray<nb::numpy, float, nb::ndim<2>>(out, {static_cast<size_t>(b.rows), static_cast<size_t>(n)}, owner);
+}
+
+// The q15 layout (kernels.h) of one bf16 vector, as its bytes: the layout alone, for tests.
+nb::ndarray<nb::numpy, int8_t, nb::ndim<1>> q15_layout_py(nb::ndarray<const uint16_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> x) {
+  const int64_t K = static_cast<int64_t>(x.shape(0));
+  if (K % 8 || K == 0) throw std::invalid_argument("the q15 layout takes whole lanes of 8 columns, got " + std::to_string(K));
+  int8_t* out = new int8_t[q15_bytes(K)];
+  nb::capsule owner(out, [](void* p) noexcept { delete[] static_cast<int8_t*>(p); });
+  to_q15(x.data(), 0, K, out, K / 2);
+  return nb::ndarray<nb::numpy, int8_t, nb::ndim<1>>(out, {static_cast<size_t>(q15_bytes(K))}, owner);
+}
+
 nb::dict worker_info() {
   const WorkerPool& w = global_workers();
   nb::dict d;
@@ -134,6 +190,7 @@ NB_MODULE(_host, m) {
     d["avx512bw"] = f.avx512bw;
     d["avx512vl"] = f.avx512vl;
     d["avx512bf16"] = f.avx512bf16;
+    d["avx512vnni"] = f.avx512vnni;
     d["amx_bf16"] = f.amx_bf16;
     d["amx_tile"] = f.amx_tile;
     return d;
@@ -171,6 +228,10 @@ NB_MODULE(_host, m) {
         "n_valid"_a, "x_bf16"_a = false, "unit_start"_a = nb::none(),
         "The CPU expert kernel outside JAX (tests, benchmarks). unit_start [tasks] (optional): each task "
         "computes only its expert's intermediate units [u, I).");
+  m.def("dot_rows", &dot_rows_py, "pool"_a, "bank"_a, "expert"_a, "x"_a, "x_bf16"_a = false, "col0"_a = 0,
+        "One expert matrix's rows [rows, n] times x [n, cols] (columns [col0, cols)) on the calling thread, in the "
+        "active tier (kernel tests).");
+  m.def("q15_layout", &q15_layout_py, "x"_a, "The q15 activation layout of a bf16 vector (uint16 bits), as bytes (tests).");
   m.def("available_tiers", [] {
     std::vector<std::string> out;
     for (Tier t : available_tiers()) out.push_back(tier_name(t));
@@ -230,6 +291,10 @@ NB_MODULE(_host, m) {
         "Whether long rows prefetch the next tile's rows in the last prefetch distance of their window (default False).");
   m.def("set_tile_prefetch", &set_tile_prefetch, "on"_a,
         "True: a tile of long rows warms the next tile's rows as it ends (bench/unit_windows.py, decode --knob-variants).");
+  m.def("int4_vnni_tokens", &int4_vnni_tokens,
+        "Up to how many tokens per expert int4 x bf16 calls on the AVX-512 loops use q15 activations and VPDPBUSD.");
+  m.def("set_int4_vnni_tokens", &set_int4_vnni_tokens, "tokens"_a,
+        "Set it (0 .. 64; 0: always the bf16 products, VDPBF16PS, the earlier loop).");
   m.def("configure_workers", [](int n_workers, int spin_us, bool pin) {
     if (spin_us < 0) throw std::invalid_argument("spin_us must be >= 0, got " + std::to_string(spin_us));
     configure_global_workers(WorkerConfig{n_workers, spin_us, pin});

@@ -46,7 +46,9 @@ struct CallBuffers {
   std::vector<float> xg, act;                        // [n, H], [n, I]: f32
   std::vector<uint16_t> xg_h, act_h, xg_p, act_p;    // bf16 bits; pair64 order
   std::vector<uint32_t> xg_v, act_v_;                // B-tile layouts: [n, PH], [n, PI] dwords
-  void size(int64_t n, int64_t H, int64_t I, bool bf16, bool pair_x, bool pair_act, bool vnni) {
+  std::vector<int8_t> xg_q, act_q;                   // q15 layouts: [n, q15_bytes(H)], [n, q15_bytes(I)]
+  void size(int64_t n, int64_t H, int64_t I, bool bf16, bool pair_x, bool pair_act, bool vnni, bool q15_x,
+            bool q15_act) {
     grow(xg, n * H);
     grow(act, n * I);
     if (bf16) {
@@ -59,6 +61,8 @@ struct CallBuffers {
       grow(xg_v, n * vnni_pairs(H));
       grow(act_v_, n * vnni_pairs(I));
     }
+    if (q15_x) grow(xg_q, n * q15_bytes(H));
+    if (q15_act) grow(act_q, n * q15_bytes(I));
   }
   const uint32_t* act_v() const { return act_v_.data(); }
   // phase 1 writes the intermediate's B layout a word at a time (the kernels read it as dwords)
@@ -70,7 +74,7 @@ struct CallBuffers {
   size_t bytes() const {
     return (xg.capacity() + act.capacity()) * 4 +
            (xg_h.capacity() + act_h.capacity() + xg_p.capacity() + act_p.capacity()) * 2 +
-           (xg_v.capacity() + act_v_.capacity()) * 4;
+           (xg_v.capacity() + act_v_.capacity()) * 4 + xg_q.capacity() + act_q.capacity();
   }
   void trim() {
     if (bytes() > kKeepBufferBytes) *this = CallBuffers();
@@ -160,18 +164,27 @@ void run_experts(WorkerPool& workers, const ExpertCall& c, Tier tier) {
   const DotRowsFn dot = dot_rows_for(tier);
   // Layouts of the activations a group's kernels read (kernels.h): bf16 bits in bf16 mode (f32
   // always, for the tiers and tails that multiply in f32); for int4 weights on the AVX-512 loops the
-  // pair64 order; for groups the AMX tier takes (kAmxMinTokens+ tokens) the B-tile layout.
+  // q15 layout for groups of up to int4_vnni_tokens() tokens, the pair64 order for the others; for groups the AMX
+  // tier takes (kAmxMinTokens+ tokens) the B-tile layout.
   const bool int4_x = pool.gate_up().format == WeightFormat::kInt4, int4_act = pool.down().format == WeightFormat::kInt4;
   const auto amx_group = [&](int64_t g) {
     return c.x_bf16 && tier == Tier::kAmx && start[g + 1] - start[g] >= kAmxMinTokens;
   };
-  const bool pair = c.x_bf16 && tier >= Tier::kAvx512Bf16;  // only those tiers read the pair64 order
-  const bool pair_x = pair && int4_x && H % 64 == 0, pair_act = pair && int4_act && I % 64 == 0;
+  const bool simd = c.x_bf16 && tier >= Tier::kAvx512Bf16;  // only those tiers read the pair64 and q15 layouts
+  const int64_t q15_tokens = int4_vnni_tokens();
+  const auto q15_group = [&](int64_t g) { return simd && !amx_group(g) && start[g + 1] - start[g] <= q15_tokens; };
+  bool any_q15 = false, any_pair = false;
+  for (int64_t g = 0; g < groups; ++g) {
+    any_q15 |= q15_group(g);
+    any_pair |= simd && !amx_group(g) && !q15_group(g);
+  }
+  const bool q15_x = any_q15 && int4_x, q15_act = any_q15 && int4_act;  // int4 columns come in groups of 32
+  const bool pair_x = any_pair && int4_x && H % 64 == 0, pair_act = any_pair && int4_act && I % 64 == 0;
   bool any_amx = false;
   for (int64_t g = 0; g < groups && !any_amx; ++g) any_amx = amx_group(g);
   const int64_t PH = vnni_pairs(H), PI = vnni_pairs(I);
   CallBuffers& b = call_buffers();
-  b.size(n, H, I, c.x_bf16, pair_x, pair_act, any_amx);
+  b.size(n, H, I, c.x_bf16, pair_x, pair_act, any_amx, q15_x, q15_act);
   std::vector<int64_t> group_of(n);
   for (int64_t g = 0; g < groups; ++g) std::fill(&group_of[start[g]], &group_of[start[g + 1]], g);
 
@@ -221,6 +234,8 @@ void run_experts(WorkerPool& workers, const ExpertCall& c, Tier tier) {
       // the intermediate's pad positions [I, 2 PI) of this route stay zero (phase 1 writes [u, I))
       uint16_t* av = b.act_v_words() + 2 * r0 * PI;
       for (int64_t pos = I; pos < 2 * PI; ++pos) av[2 * ((pos / 2) * nr + (r - r0)) + (pos & 1)] = 0;
+    } else if (q15_x && q15_group(g)) {
+      to_q15(xh, 0, H, &b.xg_q[r * q15_bytes(H)], H / 2);
     } else if (pair_x) {
       to_pair64(xh, H, &b.xg_p[r * H]);
     }
@@ -228,7 +243,8 @@ void run_experts(WorkerPool& workers, const ExpertCall& c, Tier tier) {
   record_round(0, layout_items, t_layouts);
 
   // Phase 1: act[r, i] = silu(gate_e[i] . x_r) * (up_e[i] . x_r), items = (group, block of i).
-  const int64_t min_rows = any_amx ? 16 : 4;
+  // (the q15 layout of the intermediate is written a lane of 8 at a time: items of 8+ rows)
+  const int64_t min_rows = any_amx ? 16 : q15_act ? 8 : 4;
   const int64_t rows1 = rows_per_item(I, groups, std::max(gate_up_item_rows(), min_rows), workers.n_threads(), min_rows);
   const int64_t blocks1 = (I + rows1 - 1) / rows1;
   const int64_t item1_bytes = rows1 * static_cast<int64_t>(pool.gate_up().expert_bytes) / I;  // 2 rows1 of 2I rows
@@ -238,9 +254,10 @@ void run_experts(WorkerPool& workers, const ExpertCall& c, Tier tier) {
     const int64_t i0 = std::max((item % blocks1) * rows1, unit_of(order[r0]));  // the group's units only
     if (i0 >= i1) return;
     const MatrixRef w = matrix_of(pool.gate_up(), c.expert_ids[order[r0]]);
-    const bool vnni_act = amx_group(g);
+    const bool vnni_act = amx_group(g), q15_g = q15_group(g);
     const ActRef a{&b.xg[r0 * H], c.x_bf16 ? &b.xg_h[r0 * H] : nullptr, H, static_cast<int>(nr),
-                   pair_x && !vnni_act ? &b.xg_p[r0 * H] : nullptr, vnni_act ? &b.xg_v[r0 * PH] : nullptr};
+                   pair_x && !vnni_act && !q15_g ? &b.xg_p[r0 * H] : nullptr, vnni_act ? &b.xg_v[r0 * PH] : nullptr,
+                   q15_x && q15_g ? &b.xg_q[r0 * q15_bytes(H)] : nullptr, H / 2};
     uint16_t* act_v = vnni_act ? b.act_v_words() + 2 * r0 * PI : nullptr;
     std::vector<float>& buf = scratch(2 * rows1 * nr);
     float* gate = buf.data();
@@ -256,7 +273,7 @@ void run_experts(WorkerPool& workers, const ExpertCall& c, Tier tier) {
           if (vnni_act) {  // one word of the pair dword: items never write the same word
             const int64_t pos = int4_act ? amx_int4_position(i) : i;
             act_v[2 * ((pos / 2) * nr + j) + (pos & 1)] = h;
-          } else if (pair_act) {
+          } else if (pair_act && !q15_g) {
             b.act_p[(r0 + j) * I + pair64_index(i)] = h;
           }
           v = bf16_to_f32(h);
@@ -264,6 +281,8 @@ void run_experts(WorkerPool& workers, const ExpertCall& c, Tier tier) {
         b.act[(r0 + j) * I + i] = v;
       }
     }
+    if (q15_act && q15_g)  // [i0, i1): whole lanes (multiples of 8: the unit start is one of 32)
+      for (int64_t j = 0; j < nr; ++j) to_q15(&b.act_h[(r0 + j) * I], i0, i1, &b.act_q[(r0 + j) * q15_bytes(I)], I / 2);
   }, min_chunk(item1_bytes));
   record_round(1, groups * blocks1, t_phase1);
   prof.rows1 = rows1;
@@ -281,10 +300,11 @@ void run_experts(WorkerPool& workers, const ExpertCall& c, Tier tier) {
       // the down columns of the group's units; pair64 spans stay aligned only from a multiple of 64
       const MatrixRef w = column_window(matrix_of(pool.down(), c.expert_ids[order[r0]]), u, I - u);
       // the B layout of the window [u, I) from pair u / 2 on: whole 32-column steps only when u % 32 == 0
-      const bool vnni_act = amx_group(g);
+      const bool vnni_act = amx_group(g), q15_g = q15_group(g);
       const ActRef a{&b.act[r0 * I + u], c.x_bf16 ? &b.act_h[r0 * I + u] : nullptr, I, static_cast<int>(nr),
-                     pair_act && !vnni_act && u % 64 == 0 ? &b.act_p[r0 * I + u] : nullptr,
-                     vnni_act && u % 32 == 0 ? b.act_v() + r0 * PI + u / 2 * nr : nullptr};
+                     pair_act && !vnni_act && !q15_g && u % 64 == 0 ? &b.act_p[r0 * I + u] : nullptr,
+                     vnni_act && u % 32 == 0 ? b.act_v() + r0 * PI + u / 2 * nr : nullptr,
+                     q15_act && q15_g ? &b.act_q[r0 * q15_bytes(I) + u / 2] : nullptr, I / 2};
       float* out = scratch(rows2 * nr).data();
       dot(w, h0, h1, a, out);
       for (int64_t j = 0; j < nr; ++j) {

@@ -58,13 +58,16 @@ _KNOBS = {
     "short_row_bytes": (_host.short_row_bytes, _host.set_short_row_bytes, int),  # rows prefetching a tile ahead
     "window_prefetch": (_host.window_prefetch, _host.set_window_prefetch, bool),  # stop at a column window's end
     "tile_prefetch": (_host.tile_prefetch, _host.set_tile_prefetch, bool),  # long rows warm the next tile
+    # int4 x bf16 on the AVX-512 loops, up to this many tokens per expert: q15 activations and VPDPBUSD (more:
+    # bf16 products); the two agree within 2^-14 of each activation lane's largest element, not bit for bit
+    "int4_vnni_tokens": (_host.int4_vnni_tokens, _host.set_int4_vnni_tokens, int),
 }
 
 
 def kernel_knobs() -> dict:
     """The CPU expert kernels' speed knobs as set now: gate_up_rows / down_rows (rows per work item of the
-    two rounds), prefetch_bytes, short_row_bytes, window_prefetch, tile_prefetch (cpp/kernels.h). No result
-    depends on them."""
+    two rounds), prefetch_bytes, short_row_bytes, window_prefetch, tile_prefetch, int4_vnni_tokens
+    (cpp/kernels.h). No result depends on them, except int4_vnni_tokens's last bits (int4 weights, bf16 activations)."""
     return {name: read() for name, (read, _, _) in _KNOBS.items()}
 
 
