@@ -65,7 +65,7 @@ def cpu_part(window_gib: float, calls: int, tiers: list[str], prefetch: list[int
 
 
 def core_part(calls: int, formats: tuple[str, ...] = ("bf16", "int4"),
-              variants: dict[str, dict] | None = None) -> list[dict]:
+              variants: dict[str, dict] | None = None, tiers: list[str] | None = None) -> list[dict]:
     """One thread (the caller, no workers), one expert hit by every token of each call, so its weights
     stay in the caches: the kernel's compute rate per core, to compare with a core's share of STREAM."""
     info = _host.worker_info()
@@ -78,7 +78,9 @@ def core_part(calls: int, formats: tuple[str, ...] = ("bf16", "int4"),
             for fmt in formats:
                 pool = measure.make_pool(shape, fmt, 1)
                 nbytes = pool.expert_bytes("gate_up") + pool.expert_bytes("down")
-                for v, tokens in [(v, t) for v in variants for t in (1, 2, 4, 8)]:
+                for tier, v, tokens in [(tr, v, t) for tr in tiers or [_host.active_tier()] for v in variants
+                                        for t in (1, 2, 4, 8)]:
+                    _host.set_tier(tier)
                     set_kernel_knobs(**variants[v])
                     x = np.random.default_rng(tokens).standard_normal((tokens, shape.hidden)).astype(np.float32)
                     xb = (x.view(np.uint32) >> 16).astype(np.uint16)
@@ -91,12 +93,13 @@ def core_part(calls: int, formats: tuple[str, ...] = ("bf16", "int4"),
                         _host.run_experts(pool._h, xb, tok, eid, w, tokens, x_bf16=True)
                         times.append(time.perf_counter() - t0)
                     t = float(np.median(times[30:]))
-                    rows.append({"shape": name, "format": fmt, "knobs": v, "tokens": tokens, "us": t * 1e6,
+                    rows.append({"shape": name, "format": fmt, "tier": tier, "knobs": v, "tokens": tokens, "us": t * 1e6,
                                  "gbps": nbytes / t / 1e9,
                                  "ns_per_weight_token": t * 1e9 / (3 * shape.hidden * shape.inter * tokens)})
                 pool.close()
     finally:
         set_kernel_knobs(**default)
+        _host.set_tier("auto")
         _host.configure_workers(info["n_workers"], info["spin_us"], info["pin"])
     return rows
 
@@ -242,13 +245,14 @@ def main(argv=None) -> int:
                   f"{p['total_us']:7.1f} "
                   f"{p['setup_us']:6.1f} {rounds} {r['ms'] * 1e3 - p['total_us']:7.1f}")
     if args.per_core:
-        res["per_core"] = core_part(args.calls, tuple(args.formats), variants)
+        res["per_core"] = core_part(args.calls, tuple(args.formats), variants, tiers)
         full = [r for r in res["kernel"] if r["threads"] == info["n_threads"]]
         share = full[0]["stream_gbps"] / info["n_threads"] if full else float("nan")
         print(f"\nOne thread, one cache-resident expert, bf16 activations (a core's share of STREAM: {share:.1f} GB/s)")
-        print(f"{'shape':22} {'fmt':5} {'knobs':{kw}} {'tok':>3} {'us':>8} {'GB/s':>7} {'ns/(weight*token)':>18}")
+        print(f"{'shape':22} {'fmt':5} {'tier':11} {'knobs':{kw}} {'tok':>3} {'us':>8} {'GB/s':>7} {'ns/(weight*token)':>18}")
         for r in res["per_core"]:
-            print(f"{r['shape']:22} {r['format']:5} {r['knobs']:{kw}} {r['tokens']:3d} {r['us']:8.1f} {r['gbps']:7.1f} "
+            print(f"{r['shape']:22} {r['format']:5} {r['tier']:11} {r['knobs']:{kw}} {r['tokens']:3d} {r['us']:8.1f} "
+                  f"{r['gbps']:7.1f} "
                   f"{r['ns_per_weight_token']:18.4f}")
     if not args.no_gpu and _host.cuda_built() and _host.cuda_device_count() > 0:
         res["gpu"] = _host.cuda_device_name(0)
