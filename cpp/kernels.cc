@@ -50,7 +50,7 @@ std::atomic<int64_t> g_prefetch{kDefaultPrefetchBytes};
 std::atomic<int64_t> g_short_rows{kShortRowBytes};
 std::atomic<bool> g_window_prefetch{true};
 std::atomic<bool> g_tile_prefetch{false};
-std::atomic<int64_t> g_int4_vnni_tokens{kInt4VnniTokens};
+std::atomic<int64_t> g_int4_vnni_tokens{-1};  // -1: the default for this CPU, on first read
 }  // namespace
 
 #ifndef FTJAX_HAVE_AMX
@@ -112,7 +112,13 @@ bool window_prefetch() { return g_window_prefetch.load(std::memory_order_relaxed
 void set_window_prefetch(bool on) { g_window_prefetch.store(on, std::memory_order_relaxed); }
 bool tile_prefetch() { return g_tile_prefetch.load(std::memory_order_relaxed); }
 void set_tile_prefetch(bool on) { g_tile_prefetch.store(on, std::memory_order_relaxed); }
-int64_t int4_vnni_tokens() { return g_int4_vnni_tokens.load(std::memory_order_relaxed); }
+int64_t int4_vnni_tokens() {
+  const int64_t t = g_int4_vnni_tokens.load(std::memory_order_relaxed);
+  if (t >= 0) return t;
+  const int64_t d = supported(Tier::kAmx) && compiled(Tier::kAmx) ? 64 : kInt4VnniTokens;
+  g_int4_vnni_tokens.store(d, std::memory_order_relaxed);
+  return d;
+}
 void set_int4_vnni_tokens(int64_t tokens) {
   if (tokens < 0 || tokens > 64)
     throw std::invalid_argument("int4 VNNI tokens must be in [0, 64], got " + std::to_string(tokens));

@@ -167,11 +167,12 @@ void run_experts(WorkerPool& workers, const ExpertCall& c, Tier tier) {
   // q15 layout for groups of up to int4_vnni_tokens() tokens, the pair64 order for the others; for groups the AMX
   // tier takes (kAmxMinTokens+ tokens) the B-tile layout.
   const bool int4_x = pool.gate_up().format == WeightFormat::kInt4, int4_act = pool.down().format == WeightFormat::kInt4;
-  const auto amx_group = [&](int64_t g) {
-    return c.x_bf16 && tier == Tier::kAmx && start[g + 1] - start[g] >= kAmxMinTokens;
+  const int64_t q15_tokens = int4_vnni_tokens();
+  const auto amx_group = [&](int64_t g) {  // (int4 groups of up to q15_tokens tokens: the VNNI loop)
+    const int64_t nr = start[g + 1] - start[g];
+    return c.x_bf16 && tier == Tier::kAmx && nr >= kAmxMinTokens && !(int4_x && nr <= q15_tokens);
   };
   const bool simd = c.x_bf16 && tier >= Tier::kAvx512Bf16;  // only those tiers read the pair64 and q15 layouts
-  const int64_t q15_tokens = int4_vnni_tokens();
   const auto q15_group = [&](int64_t g) { return simd && !amx_group(g) && start[g + 1] - start[g] <= q15_tokens; };
   bool any_q15 = false, any_pair = false;
   for (int64_t g = 0; g < groups; ++g) {

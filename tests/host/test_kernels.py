@@ -439,17 +439,23 @@ def test_gpu_spin_only_for_a_pool_the_user_left_alone(monkeypatch):
 @pytest.mark.parametrize("workers", [0, 15])
 def test_amx_tier_takes_its_calls(fmt, workers):
     """Which loops the AMX tier runs (its per-route call counters): an expert of 8 tokens goes to the
-    tile path of its format, 1-2 tokens per expert to the AVX-512 loops, with 1 thread and with 16
-    (work items never shrink below the 16-row tile then; they once did on the 16-core GPU host, and
-    a dispatch slip once sent every int4 call of 3+ tokens to AVX-512, all results still right)."""
+    tile path of its format (int4: only past int4_vnni_tokens; up to it, the VNNI loop of the AVX-512 tier),
+    1-2 tokens per expert to the AVX-512 loops, with 1 thread and with 16 (work items never shrink below the
+    16-row tile then; they once did on the 16-core GPU host, and a dispatch slip once sent every int4 call of
+    3+ tokens to AVX-512, all results still right)."""
     info = _host.worker_info()
     _host.configure_workers(workers, info["spin_us"], False)
+    default = kernel_knobs()
     try:
         rng = np.random.default_rng(zlib.crc32(f"route{fmt}".encode()))
         pool, ref = make_pool(rng, fmt, 2, 256, 128)
         x = rng.standard_normal((8, 256)).astype(BF16)
         set_tier("amx")
-        for tok, eid, path in [(np.arange(8), np.zeros(8), fmt), (np.array([0, 1, 2]), np.array([0, 1, 1]), "avx512")]:
+        cases = [(np.arange(8), np.zeros(8), fmt, 4), (np.array([0, 1, 2]), np.array([0, 1, 1]), "avx512", 4)]
+        if fmt == "int4":
+            cases.append((np.arange(8), np.zeros(8), "avx512", 8))
+        for tok, eid, path, vnni_tokens in cases:
+            set_kernel_knobs(int4_vnni_tokens=vnni_tokens)
             tok, eid = tok.astype(np.int32), eid.astype(np.int32)
             w = rng.random(tok.size).astype(np.float32)
             before = _host.amx_route_counts()
@@ -460,6 +466,7 @@ def test_amx_tier_takes_its_calls(fmt, workers):
                                      bf16_act=True)
             assert rel_err(y, want) < 2e-2
     finally:
+        set_kernel_knobs(**default)
         _host.configure_workers(info["n_workers"], info["spin_us"], info["pin"])
 
 
