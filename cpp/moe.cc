@@ -208,12 +208,29 @@ void run_experts(WorkerPool& workers, const ExpertCall& c, Tier tier) {
   // kVnniColumns columns of its B-tile layout, packed by one thread for all of the group's tokens
   // straight from x (one item per route instead wrote interleaved dwords of the same lines from
   // several threads: 86 us of 1.26 ms in a bf16 8 x 8 call on the H200 host).
-  std::vector<int64_t> vnni_first{n};  // per group: its first vnni item (AMX groups only have some)
+  // A route alone on its expert (outside the AMX tiles) reads its token's copies from the first such route of that
+  // token (src_of), which alone builds them: batch-1 decode builds one layout for all its experts.
+  std::vector<int64_t> src_of(n), builds, solo_of_token(c.T, -1);
+  for (int64_t r = 0; r < n; ++r) {
+    const int64_t g = group_of[r];
+    src_of[r] = r;
+    if (start[g + 1] - start[g] == 1 && !amx_group(g)) {
+      int64_t& first = solo_of_token[c.token_idx[order[r]]];
+      if (first >= 0) {
+        src_of[r] = first;
+        continue;
+      }
+      first = r;
+    }
+    builds.push_back(r);
+  }
+  const int64_t nb = static_cast<int64_t>(builds.size());
+  std::vector<int64_t> vnni_first{nb};  // per group: its first vnni item (AMX groups only have some)
   for (int64_t g = 0; g < groups; ++g)
     vnni_first.push_back(vnni_first.back() + (amx_group(g) ? (H + kVnniColumns - 1) / kVnniColumns : 0));
   const int64_t layout_items = vnni_first.back();
   const RoundTiming t_layouts = workers.parallel_for(layout_items, [&](int64_t item, int) {
-    if (item >= n) {
+    if (item >= nb) {
       const int64_t g = std::upper_bound(vnni_first.begin(), vnni_first.end(), item) - vnni_first.begin() - 1;
       const int64_t r0 = start[g], nr = start[g + 1] - r0, k0 = (item - vnni_first[g]) * kVnniColumns;
       for (int64_t j = 0; j < nr; ++j)
@@ -221,7 +238,7 @@ void run_experts(WorkerPool& workers, const ExpertCall& c, Tier tier) {
                   static_cast<int>(nr), static_cast<int>(j), &b.xg_v[r0 * PH], int4_x);
       return;
     }
-    const int64_t r = item, t = c.token_idx[order[r]], g = group_of[r], r0 = start[g], nr = start[g + 1] - r0;
+    const int64_t r = builds[item], t = c.token_idx[order[r]], g = group_of[r], r0 = start[g], nr = start[g + 1] - r0;
     float* xf = &b.xg[r * H];
     if (!c.x_bf16) {
       std::memcpy(xf, static_cast<const float*>(c.x) + t * H, H * 4);
@@ -240,7 +257,7 @@ void run_experts(WorkerPool& workers, const ExpertCall& c, Tier tier) {
     } else if (pair_x) {
       to_pair64(xh, H, &b.xg_p[r * H]);
     }
-  }, layout_items <= 2 ? layout_items : 1);  // one or two routes (decode at batch 1): the caller alone, no wake-up
+  }, layout_items <= 2 ? layout_items : 1);  // one or two layouts (decode at batch 1): the caller alone, no wake-up
   record_round(0, layout_items, t_layouts);
 
   // Phase 1: act[r, i] = silu(gate_e[i] . x_r) * (up_e[i] . x_r), items = (group, block of i).
@@ -256,9 +273,10 @@ void run_experts(WorkerPool& workers, const ExpertCall& c, Tier tier) {
     if (i0 >= i1) return;
     const MatrixRef w = matrix_of(pool.gate_up(), c.expert_ids[order[r0]]);
     const bool vnni_act = amx_group(g), q15_g = q15_group(g);
-    const ActRef a{&b.xg[r0 * H], c.x_bf16 ? &b.xg_h[r0 * H] : nullptr, H, static_cast<int>(nr),
-                   pair_x && !vnni_act && !q15_g ? &b.xg_p[r0 * H] : nullptr, vnni_act ? &b.xg_v[r0 * PH] : nullptr,
-                   q15_x && q15_g ? &b.xg_q[r0 * q15_bytes(H)] : nullptr, H / 2};
+    const int64_t s0 = src_of[r0];  // where the group's copies are (r0, or an earlier route of a lone token)
+    const ActRef a{&b.xg[s0 * H], c.x_bf16 ? &b.xg_h[s0 * H] : nullptr, H, static_cast<int>(nr),
+                   pair_x && !vnni_act && !q15_g ? &b.xg_p[s0 * H] : nullptr, vnni_act ? &b.xg_v[r0 * PH] : nullptr,
+                   q15_x && q15_g ? &b.xg_q[s0 * q15_bytes(H)] : nullptr, H / 2};
     uint16_t* act_v = vnni_act ? b.act_v_words() + 2 * r0 * PI : nullptr;
     std::vector<float>& buf = scratch(2 * rows1 * nr);
     float* gate = buf.data();
