@@ -34,8 +34,8 @@ SHAPES = {"qwen3.6 (H2048 I512)": measure.ExpertShape(2048, 512), "large (H4096 
 def cpu_part(window_gib: float, calls: int, tiers: list[str], prefetch: list[int],
              formats: tuple[str, ...] = ("bf16", "int4"), short_rows: list[int] | None = None,
              variants: dict[str, dict] | None = None) -> list[dict]:
-    """`variants`: {name: whole kernel_knobs dict} to time each case under (default: the knobs as they are);
-    prefetch / short_rows override theirs."""
+    """`variants`: {name: whole kernel_knobs dict} to time each case under, their calls round robin (default: the
+    knobs as they are); prefetch / short_rows override theirs."""
     window = int(window_gib * 2**30)
     default = kernel_knobs()
     short_rows = short_rows or [default["short_row_bytes"]]
@@ -45,18 +45,18 @@ def cpu_part(window_gib: float, calls: int, tiers: list[str], prefetch: list[int
     for name, shape in SHAPES.items():
         for fmt in formats:
             pool = measure.make_pool(shape, fmt, window)
-            for tier, pf, short, v in [(t, p, s, v) for t in tiers for p in prefetch for s in short_rows
-                                       for v in variants]:
+            for tier, pf, short in [(t, p, s) for t in tiers for p in prefetch for s in short_rows]:
                 _host.set_tier(tier)
-                set_kernel_knobs(**dict(variants[v], prefetch_bytes=pf, short_row_bytes=short))
-                dr = _host.down_item_rows()
+                knobs = {v: dict(variants[v], prefetch_bytes=pf, short_row_bytes=short) for v in variants}
                 # (tokens, routes per token): decode calls of 1 and 8 tokens x top-8, and the 1-2 expert
                 # calls a CPU branch gets per layer when most misses are filled
                 for tokens, k in ((1, shape.top_k), (8, shape.top_k), (1, 1), (1, 2)):
-                    r = measure.cpu_kernel_gbps(pool, dataclasses.replace(shape, top_k=k), tokens, calls=calls)
-                    rows.append({"shape": name, "format": fmt, "tier": tier, "prefetch": pf, "short_rows": short,
-                                 "down_rows": dr, "knobs": v, "tokens": tokens,
-                                 "top_k": k, **r, "stream_gbps": stream, "ratio": r["gbps"] / stream})
+                    res = measure.cpu_kernel_variants(pool, dataclasses.replace(shape, top_k=k), tokens, knobs,
+                                                      calls=calls)
+                    for v, r in res.items():
+                        rows.append({"shape": name, "format": fmt, "tier": tier, "prefetch": pf, "short_rows": short,
+                                     "down_rows": knobs[v]["down_rows"], "knobs": v, "tokens": tokens,
+                                     "top_k": k, **r, "stream_gbps": stream, "ratio": r["gbps"] / stream})
             pool.close()
             del pool
     _host.set_tier("auto")

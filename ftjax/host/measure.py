@@ -78,33 +78,50 @@ def cpu_kernel_gbps(pool: HostPool, shape: ExpertShape, tokens: int, calls: int 
                     act: str = "bf16") -> dict:
     """Decode-shaped calls (``tokens`` x top-k routes) walking a rotating window through the pool,
     so weights come from DRAM. Returns weight bytes read per second (median call) and the time."""
+    return cpu_kernel_variants(pool, shape, tokens, {"": None}, calls, seed, act)[""]
+
+
+def cpu_kernel_variants(pool: HostPool, shape: ExpertShape, tokens: int, variants: dict, calls: int = 20,
+                        seed: int = 0, act: str = "bf16") -> dict:
+    """`cpu_kernel_gbps` under each of `variants` ({name: kernel_knobs dict to set, or None: as they are}), the
+    variants' calls round robin (call i of every variant, then call i + 1: a host's drift over the run falls on all
+    of them alike), each call on its own fresh window. {name: result}; the knobs are left as the last variant set."""
+    from ftjax.host import set_kernel_knobs
+
     rng = np.random.default_rng(seed)
     n = pool.n_experts
     x = rng.standard_normal((tokens, shape.hidden)).astype(np.float32)
     if act == "bf16":
         x = (x.view(np.uint32) >> 16).astype(np.uint16)  # bf16 bits (truncated), passed as uint16
-    times, uniq_bytes, profiles = [], [], []
+    runs = {v: ([], [], []) for v in variants}  # times, unique bytes, profiles
     cursor = 0
     for _ in range(calls + 2):
-        # each token picks top_k distinct experts out of a fresh window of 2*top_k experts
-        window = (cursor + np.arange(2 * shape.top_k)) % n
-        cursor = (cursor + 2 * shape.top_k) % n
-        eid = np.concatenate([rng.choice(window, shape.top_k, replace=False) for _ in range(tokens)]).astype(np.int32)
-        tok = np.repeat(np.arange(tokens, dtype=np.int32), shape.top_k)
-        w = np.full(eid.size, 0.125, np.float32)
-        t0 = time.perf_counter()
-        _host.run_experts(pool._h, x, tok, eid, w, eid.size, x_bf16=act == "bf16")
-        times.append(time.perf_counter() - t0)
-        profiles.append(_host.last_expert_call())
-        uniq_bytes.append(len(np.unique(eid)) * (pool.expert_bytes("gate_up") + pool.expert_bytes("down")))
-    times, uniq_bytes = np.array(times[2:]), np.array(uniq_bytes[2:])  # first calls warm the threads
-    rates = uniq_bytes / times
-    # the same bytes over the kernel's own clock (its total: no binding, no y allocation; what a call inside
-    # the jitted step pays, the FFI handler passing its buffers straight through)
-    kernel_rates = uniq_bytes / (np.array([p["total_us"] for p in profiles[2:]]) * 1e-6)
-    # where the calls went (the kernel's own clock, median per field): setup, and per round
-    # (layouts, phase1, phase2) the wall time and the caller's wait for the other threads
-    profile = {k: float(np.median([p[k] for p in profiles[2:]])) for k in profiles[0]}
-    return {"gbps": float(np.median(rates)) / 1e9, "kernel_gbps": float(np.median(kernel_rates)) / 1e9,
-            "ms": float(np.median(times)) * 1e3,
-            "bytes_per_call": float(np.median(uniq_bytes)), "profile": profile}
+        for v, knobs in variants.items():
+            if knobs is not None:
+                set_kernel_knobs(**knobs)
+            # each token picks top_k distinct experts out of a fresh window of 2*top_k experts
+            window = (cursor + np.arange(2 * shape.top_k)) % n
+            cursor = (cursor + 2 * shape.top_k) % n
+            eid = np.concatenate([rng.choice(window, shape.top_k, replace=False) for _ in range(tokens)]).astype(np.int32)
+            tok = np.repeat(np.arange(tokens, dtype=np.int32), shape.top_k)
+            w = np.full(eid.size, 0.125, np.float32)
+            t0 = time.perf_counter()
+            _host.run_experts(pool._h, x, tok, eid, w, eid.size, x_bf16=act == "bf16")
+            times, uniq_bytes, profiles = runs[v]
+            times.append(time.perf_counter() - t0)
+            profiles.append(_host.last_expert_call())
+            uniq_bytes.append(len(np.unique(eid)) * (pool.expert_bytes("gate_up") + pool.expert_bytes("down")))
+    out = {}
+    for v, (times, uniq_bytes, profiles) in runs.items():
+        times, uniq_bytes = np.array(times[2:]), np.array(uniq_bytes[2:])  # first calls warm the threads
+        rates = uniq_bytes / times
+        # the same bytes over the kernel's own clock (its total: no binding, no y allocation; what a call inside
+        # the jitted step pays, the FFI handler passing its buffers straight through)
+        kernel_rates = uniq_bytes / (np.array([p["total_us"] for p in profiles[2:]]) * 1e-6)
+        # where the calls went (the kernel's own clock, median per field): setup, and per round
+        # (layouts, phase1, phase2) the wall time and the caller's wait for the other threads
+        profile = {k: float(np.median([p[k] for p in profiles[2:]])) for k in profiles[0]}
+        out[v] = {"gbps": float(np.median(rates)) / 1e9, "kernel_gbps": float(np.median(kernel_rates)) / 1e9,
+                  "ms": float(np.median(times)) * 1e3,
+                  "bytes_per_call": float(np.median(uniq_bytes)), "profile": profile}
+    return out
