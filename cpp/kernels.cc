@@ -206,6 +206,16 @@ void pack_vnni(const uint16_t* xj, int64_t K, int64_t k0, int64_t k1, int n, int
 #endif
 }
 
+void dot_rows_sum(const MatrixRef* ws, const ActRef* as, const float* wts, int n, int64_t r0, int64_t r1, float* out) {
+#ifdef FTJAX_HAVE_AVX512BF16
+  for (int m = 0; m < n; ++m)
+    if (as[m].n != 1) throw std::logic_error("dot_rows_sum: one activation vector per matrix, got " + std::to_string(as[m].n));
+  dot_rows_sum_avx512bf16(ws, as, wts, n, r0, r1, out);
+#else
+  throw std::logic_error("dot_rows_sum: only the AVX-512 tiers have it, and this build has none");
+#endif
+}
+
 void to_q15(const uint16_t* x, int64_t k0, int64_t k1, int8_t* base, int64_t S) {
 #ifdef FTJAX_HAVE_AVX512BF16
   if (k0 % 8 || k1 % 8 || k0 < 0 || k1 > 2 * S)

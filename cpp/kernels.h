@@ -127,6 +127,11 @@ alignas(64) inline constexpr uint16_t kInt4Bf16[32] = {
 // out[(r - r0) * a.n + j] = sum_k W[r, k] * a_j[k], for r in [r0, r1).
 using DotRowsFn = void (*)(const MatrixRef& w, int64_t r0, int64_t r1, const ActRef& a, float* out);
 
+// out[r - r0] = sum_m wts[m] * (W_m[r, :] . a_m) for r in [r0, r1): n matrices (an expert's rows each, column
+// windows allowed), each with one activation vector (as[m].n == 1). AVX-512 tiers only: the MoE driver sums a
+// token's lone experts' down rows with it (down_sum), instead of one dot_rows call, reduction and store per expert.
+void dot_rows_sum(const MatrixRef* ws, const ActRef* as, const float* wts, int n, int64_t r0, int64_t r1, float* out);
+
 const char* tier_name(Tier t);
 std::vector<Tier> available_tiers();  // compiled in and supported by this CPU, best last
 Tier active_tier();
@@ -194,6 +199,8 @@ void dot_rows_scalar(const MatrixRef&, int64_t, int64_t, const ActRef&, float*);
 void dot_rows_avx2(const MatrixRef&, int64_t, int64_t, const ActRef&, float*);
 void dot_rows_avx512bf16(const MatrixRef&, int64_t, int64_t, const ActRef&, float*);
 void dot_rows_amx(const MatrixRef&, int64_t, int64_t, const ActRef&, float*);
+void dot_rows_sum_avx512bf16(const MatrixRef* ws, const ActRef* as, const float* wts, int n, int64_t r0, int64_t r1,
+                             float* out);
 void pack_vnni_avx512(const uint16_t* xj, int64_t K, int64_t k0, int64_t k1, int n, int j, uint32_t* dst,
                       bool int4_order);
 void to_pair64_avx512(const uint16_t* x, int64_t K, uint16_t* dst);

@@ -60,15 +60,13 @@ inline __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
   return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
 
-// r_end: the end of the call's rows (its work item): short rows prefetch the next tile only inside it.
+// acc[i][j] += the lanes of W[r + i, :k] . a_j (j < N, vectors j0 ..), returns k: the first column left for a scalar
+// tail (K for int4 and whole steps). r_end: the end of the call's rows (its work item): short rows prefetch the next
+// tile only inside it.
 template <int R, int N>
-void tile(const MatrixRef& w, int64_t r, int64_t r_end, const ActRef& a, int j0, float* out) {
+inline __attribute__((always_inline)) int64_t accumulate(const MatrixRef& w, int64_t r, int64_t r_end, const ActRef& a,
+                                                         int j0, __m512 (&acc)[R][N]) {
   const int64_t K = w.cols;
-  __m512 acc[R][N];
-#pragma GCC unroll 16
-  for (int i = 0; i < R; ++i)
-#pragma GCC unroll 16
-    for (int j = 0; j < N; ++j) acc[i][j] = _mm512_setzero_ps();
   const float* x[N];
   for (int j = 0; j < N; ++j) x[j] = a.f32 + (j0 + j) * a.stride;
   int64_t k = 0;  // first column left for the scalar tail
@@ -267,6 +265,25 @@ void tile(const MatrixRef& w, int64_t r, int64_t r_end, const ActRef& a, int j0,
       }
     }
   }
+  return k;
+}
+
+// The scalar tail of row r's dot with x from column k on (f32 / bf16 weights of odd widths only).
+inline float tail_dot(const MatrixRef& w, int64_t r, int64_t k, const float* x) {
+  float s = 0.f;
+  for (int64_t kk = k; kk < w.cols; ++kk) s += dense_weight(w, r, kk) * x[kk];
+  return s;
+}
+
+template <int R, int N>
+void tile(const MatrixRef& w, int64_t r, int64_t r_end, const ActRef& a, int j0, float* out) {
+  const int64_t K = w.cols;
+  __m512 acc[R][N];
+#pragma GCC unroll 16
+  for (int i = 0; i < R; ++i)
+#pragma GCC unroll 16
+    for (int j = 0; j < N; ++j) acc[i][j] = _mm512_setzero_ps();
+  const int64_t k = accumulate<R, N>(w, r, r_end, a, j0, acc);
   if constexpr (R % 4 == 0) {
     if (k == K) {  // no tail: rows four at a time, one shuffle tree for the four sums
 #pragma GCC unroll 16
@@ -280,14 +297,39 @@ void tile(const MatrixRef& w, int64_t r, int64_t r_end, const ActRef& a, int j0,
       return;
     }
   }
-  for (int i = 0; i < R; ++i) {
-    for (int j = 0; j < N; ++j) {
-      float s = _mm512_reduce_add_ps(acc[i][j]);
-      for (int64_t kk = k; kk < K; ++kk) {  // tail of odd widths (f32/bf16 only)
-        s += dense_weight(w, r + i, kk) * x[j][kk];
-      }
-      out[i * a.n + j0 + j] = s;
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < N; ++j)  // (the tail: odd widths, f32 / bf16 only)
+      out[i * a.n + j0 + j] = _mm512_reduce_add_ps(acc[i][j]) + tail_dot(w, r + i, k, a.f32 + (j0 + j) * a.stride);
+}
+
+// out[i] = sum_m wts[m] * (W_m[r + i, :] . a_m), one token per matrix: each matrix's products accumulate in its own
+// lanes, scaled into the sum's lanes by its weight; one shuffle tree per four rows at the end.
+template <int R>
+void tile_sum(const MatrixRef* ws, const ActRef* as, const float* wts, int n, int64_t r, int64_t r_end, float* out) {
+  __m512 tot[R];
+  float tail[R] = {};
+#pragma GCC unroll 16
+  for (int i = 0; i < R; ++i) tot[i] = _mm512_setzero_ps();
+  for (int m = 0; m < n; ++m) {
+    __m512 acc[R][1];
+#pragma GCC unroll 16
+    for (int i = 0; i < R; ++i) acc[i][0] = _mm512_setzero_ps();
+    const int64_t k = accumulate<R, 1>(ws[m], r, r_end, as[m], 0, acc);
+    const __m512 wv = _mm512_set1_ps(wts[m]);
+#pragma GCC unroll 16
+    for (int i = 0; i < R; ++i) tot[i] = _mm512_fmadd_ps(acc[i][0], wv, tot[i]);
+    if (k < ws[m].cols)
+      for (int i = 0; i < R; ++i) tail[i] += wts[m] * tail_dot(ws[m], r + i, k, as[m].f32);
+  }
+  if constexpr (R % 4 == 0) {
+#pragma GCC unroll 16
+    for (int i = 0; i < R; i += 4) {
+      alignas(16) float s[4];
+      _mm_store_ps(s, reduce4(tot[i], tot[i + 1], tot[i + 2], tot[i + 3]));
+      for (int q = 0; q < 4; ++q) out[i + q] = s[q] + tail[i + q];
     }
+  } else {
+    for (int i = 0; i < R; ++i) out[i] = _mm512_reduce_add_ps(tot[i]) + tail[i];
   }
 }
 
@@ -375,20 +417,41 @@ inline void prefetch_first_tile(const MatrixRef& w, int64_t r0, int64_t r1, int6
   }
 }
 
-void dot_rows_avx512bf16(const MatrixRef& w, int64_t r0, int64_t r1, const ActRef& a, float* out) {
+// A call's start: its first tile's lines, for short rows (window_prefetch(false): whole strides, as before) and, with
+// tile_prefetch, the first prefetch distance of long rows.
+inline void prefetch_call_start(const MatrixRef& w, int64_t r0, int64_t r1, int64_t tile_rows) {
   const int64_t row_bytes = row_bytes_of(w), window = bytes_of(w, w.cols);
-  // One token on int4 rows in the q15 layout: tiles of 8 rows (their per-tile work, the sums' shuffle tree and
-  // the pointers, over twice the rows; dev box, one core, 1 MiB of int4 in K = 512 / 256 rows: 23.4 -> 18.9 /
-  // 30.5 -> 25.0 us; 16 rows spill). Otherwise 4 rows x up to 4 tokens.
-  const bool rows8 = w.format == WeightFormat::kInt4 && a.q15 != nullptr && a.n == 1;
-  const int64_t tile_rows = rows8 ? 8 : 4;
-  if (prefetch_bytes() > 0 && row_bytes <= short_row_bytes()) {
-    // short rows: the first tile's window lines (window_prefetch(false): whole strides, as before)
+  if (prefetch_bytes() > 0 && row_bytes <= short_row_bytes())
     prefetch_first_tile(w, r0, r1, tile_rows, row_bytes, window_prefetch() ? window : row_bytes);
-  } else if (prefetch_bytes() > 0 && tile_prefetch()) {  // long rows: the first prefetch distance of each
+  else if (prefetch_bytes() > 0 && tile_prefetch())
     prefetch_first_tile(w, r0, r1, tile_rows, row_bytes, std::min(prefetch_bytes(), window));
-  }
-  if (rows8) return dot_rows_tiled<Avx512Tile, 8, 1>(w, r0, r1, a, out);
+}
+
+// One token on int4 rows in the q15 layout: tiles of 8 rows (their per-tile work, the sums' shuffle tree and the
+// pointers, over twice the rows; dev box, one core, 1 MiB of int4 in K = 512 / 256 rows: 23.4 -> 18.9 / 30.5 ->
+// 25.0 us; 16 rows spill). Otherwise 4 rows x up to 4 tokens.
+inline bool rows8(const MatrixRef& w, const ActRef& a) {
+  return w.format == WeightFormat::kInt4 && a.q15 != nullptr && a.n == 1;
+}
+
+void dot_rows_sum_avx512bf16(const MatrixRef* ws, const ActRef* as, const float* wts, int n, int64_t r0, int64_t r1,
+                             float* out) {
+  bool all8 = true;
+  for (int m = 0; m < n; ++m) all8 = all8 && rows8(ws[m], as[m]);
+  const int64_t R = all8 ? 8 : 4;
+  for (int m = 0; m < n; ++m) prefetch_call_start(ws[m], r0, r1, R);
+  int64_t r = r0;
+  if (all8)
+    for (; r + 8 <= r1; r += 8) tile_sum<8>(ws, as, wts, n, r, r1, out + (r - r0));
+  else
+    for (; r + 4 <= r1; r += 4) tile_sum<4>(ws, as, wts, n, r, r1, out + (r - r0));
+  for (; r < r1; ++r) tile_sum<1>(ws, as, wts, n, r, r1, out + (r - r0));
+}
+
+void dot_rows_avx512bf16(const MatrixRef& w, int64_t r0, int64_t r1, const ActRef& a, float* out) {
+  const bool r8 = rows8(w, a);
+  prefetch_call_start(w, r0, r1, r8 ? 8 : 4);
+  if (r8) return dot_rows_tiled<Avx512Tile, 8, 1>(w, r0, r1, a, out);
   dot_rows_tiled<Avx512Tile, 4, 4>(w, r0, r1, a, out);
 }
 

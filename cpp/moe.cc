@@ -9,6 +9,7 @@
 #include <numeric>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace ftjax {
@@ -92,6 +93,7 @@ std::vector<float>& scratch(size_t n) {
 }
 std::atomic<int64_t> g_gate_up_rows{kRowsPhase1};
 std::atomic<int64_t> g_down_rows{kRowsPhase2};
+std::atomic<bool> g_down_sum{true};
 void check_item_rows(int64_t rows, const char* what) {
   if (rows < 4 || rows > 1024 || (rows & (rows - 1)))
     throw std::invalid_argument(std::string(what) + " item rows must be a power of two in [4, 1024], got " +
@@ -108,6 +110,8 @@ void set_gate_up_item_rows(int64_t rows) {
   g_gate_up_rows.store(rows, std::memory_order_relaxed);
 }
 int64_t down_item_rows() { return g_down_rows.load(std::memory_order_relaxed); }
+bool down_sum() { return g_down_sum.load(std::memory_order_relaxed); }
+void set_down_sum(bool on) { g_down_sum.store(on, std::memory_order_relaxed); }
 void set_down_item_rows(int64_t rows) {
   check_item_rows(rows, "down");
   g_down_rows.store(rows, std::memory_order_relaxed);
@@ -311,19 +315,57 @@ void run_experts(WorkerPool& workers, const ExpertCall& c, Tier tier) {
   const int64_t rows2 = rows_per_item(H, 1, std::max(down_item_rows(), min_rows), workers.n_threads(), min_rows);
   const int64_t blocks2 = (H + rows2 - 1) / rows2;
   const int64_t item2_bytes = groups * rows2 * static_cast<int64_t>(pool.down().expert_bytes) / H;  // of each down
+  // The down columns of group g's units and their activations' layouts.
+  const auto down_of = [&](int64_t g) -> std::pair<MatrixRef, ActRef> {
+    const int64_t r0 = start[g], nr = start[g + 1] - r0, u = unit_of(order[r0]);
+    // pair64 spans stay aligned only from a multiple of 64; the B layout of the window [u, I) from pair u / 2 on:
+    // whole 32-column steps only when u % 32 == 0
+    const bool vnni_act = amx_group(g), q15_g = q15_group(g);
+    return {column_window(matrix_of(pool.down(), c.expert_ids[order[r0]]), u, I - u),
+            ActRef{&b.act[r0 * I + u], c.x_bf16 ? &b.act_h[r0 * I + u] : nullptr, I, static_cast<int>(nr),
+                   pair_act && !vnni_act && !q15_g && u % 64 == 0 ? &b.act_p[r0 * I + u] : nullptr,
+                   vnni_act && u % 32 == 0 ? b.act_v() + r0 * PI + u / 2 * nr : nullptr,
+                   q15_act && q15_g ? &b.act_q[r0 * q15_bytes(I) + u / 2] : nullptr, I / 2}};
+  };
+  // down_sum: the groups of one route (outside the AMX tiles) sum their rows per token in one pass (dot_rows_sum);
+  // sums[s0, s1) = such groups of one token, in group order (batch-1 decode: every expert of the call, one pass).
+  std::vector<int64_t> sums, sum_start{0};
+  if (down_sum() && tier >= Tier::kAvx512Bf16) {
+    for (int64_t g = 0; g < groups; ++g)
+      if (start[g + 1] - start[g] == 1 && !amx_group(g) && unit_of(order[start[g]]) < I) sums.push_back(g);
+    std::stable_sort(sums.begin(), sums.end(), [&](int64_t a, int64_t b2) {
+      return c.token_idx[order[start[a]]] < c.token_idx[order[start[b2]]];
+    });
+    for (size_t i = 1; i <= sums.size(); ++i)
+      if (i == sums.size() || c.token_idx[order[start[sums[i]]]] != c.token_idx[order[start[sums[i - 1]]]])
+        sum_start.push_back(static_cast<int64_t>(i));
+  }
+  std::vector<char> summed(groups, 0);
+  for (int64_t g : sums) summed[g] = 1;
   const RoundTiming t_phase2 = workers.parallel_for(blocks2, [&](int64_t item, int) {
     const int64_t h0 = item * rows2, h1 = std::min(H, h0 + rows2);
+    for (size_t p = 0; p + 1 < sum_start.size(); ++p) {
+      thread_local std::vector<MatrixRef> ws;
+      thread_local std::vector<ActRef> as;
+      thread_local std::vector<float> wts;
+      ws.clear();
+      as.clear();
+      wts.clear();
+      for (int64_t i = sum_start[p]; i < sum_start[p + 1]; ++i) {
+        const auto [w, a] = down_of(sums[i]);
+        ws.push_back(w);
+        as.push_back(a);
+        wts.push_back(c.weights[order[start[sums[i]]]]);
+      }
+      float* out = scratch(rows2).data();
+      dot_rows_sum(ws.data(), as.data(), wts.data(), static_cast<int>(ws.size()), h0, h1, out);
+      float* yt = c.y + c.token_idx[order[start[sums[sum_start[p]]]]] * H;
+      for (int64_t h = h0; h < h1; ++h) yt[h] += out[h - h0];
+    }
     for (int64_t g = 0; g < groups; ++g) {
       const int64_t r0 = start[g], nr = start[g + 1] - r0, u = unit_of(order[r0]);
-      if (u == I) continue;  // no unit of this expert here
-      // the down columns of the group's units; pair64 spans stay aligned only from a multiple of 64
-      const MatrixRef w = column_window(matrix_of(pool.down(), c.expert_ids[order[r0]]), u, I - u);
-      // the B layout of the window [u, I) from pair u / 2 on: whole 32-column steps only when u % 32 == 0
-      const bool vnni_act = amx_group(g), q15_g = q15_group(g);
-      const ActRef a{&b.act[r0 * I + u], c.x_bf16 ? &b.act_h[r0 * I + u] : nullptr, I, static_cast<int>(nr),
-                     pair_act && !vnni_act && !q15_g && u % 64 == 0 ? &b.act_p[r0 * I + u] : nullptr,
-                     vnni_act && u % 32 == 0 ? b.act_v() + r0 * PI + u / 2 * nr : nullptr,
-                     q15_act && q15_g ? &b.act_q[r0 * q15_bytes(I) + u / 2] : nullptr, I / 2};
+      if (u == I || summed[g]) continue;  // no unit of this expert here, or summed above
+      const auto [w, a] = down_of(g);
       float* out = scratch(rows2 * nr).data();
       dot(w, h0, h1, a, out);
       for (int64_t j = 0; j < nr; ++j) {

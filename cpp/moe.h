@@ -37,6 +37,11 @@ int64_t gate_up_item_rows();
 void set_gate_up_item_rows(int64_t rows);
 int64_t down_item_rows();
 void set_down_item_rows(int64_t rows);
+// Whether down's round sums a token's lone experts (groups of one route, outside the AMX tiles) in one pass per work
+// item (dot_rows_sum, AVX-512 tiers; default true) instead of one dot_rows call, reduction and store per expert.
+// The sums' order differs: results agree within f32 rounding, not bit for bit.
+bool down_sum();
+void set_down_sum(bool on);
 
 // Where the last run_experts call (any thread) spent its time, in microseconds: the whole call, the
 // work before the first round (checks, sort), and per round (activation layouts, phase 1 = gate/up,

@@ -214,7 +214,7 @@ def test_kernel_knobs_set_parse_and_refuse():
     ValueError and leaves every knob as it was (also those set before it in the same call)."""
     default = kernel_knobs()
     assert set(default) == {"gate_up_rows", "down_rows", "prefetch_bytes", "short_row_bytes", "window_prefetch",
-                            "tile_prefetch", "int4_vnni_tokens"}
+                            "tile_prefetch", "int4_vnni_tokens", "down_sum"}
     try:
         set_kernel_knobs(down_rows=64, tile_prefetch=True)
         assert kernel_knobs() == dict(default, down_rows=64, tile_prefetch=True)
@@ -568,3 +568,40 @@ def test_int4_dot_rows_bf16(tier, vnni):
         _host.dot_rows(pool._h, "gate_up", 1, x.view(np.uint16), x_bf16=True, col0=48)
     with pytest.raises(ValueError, match="bank is gate_up or down"):
         _host.dot_rows(pool._h, "up", 1, x.view(np.uint16), x_bf16=True)
+
+
+@pytest.mark.parametrize("tier", TIERS)
+@pytest.mark.parametrize("fmt,act", [("f32", "f32"), ("bf16", "bf16"), ("bf16", "f32"), ("int4", "bf16"),
+                                     ("int4", "f32")])
+def test_down_sum_agrees_with_per_expert_calls(tier, fmt, act):
+    """`down_sum` (a token's lone experts' down rows summed in one pass, the AVX-512 tiers) against one call per
+    expert: equal within f32 rounding, both equal to the reference; tokens with 1-5 lone experts beside a group of
+    several tokens, unit windows [u, I) (some empty), odd-width rows (f32 / bf16: 37 x 48) and whole int4 groups."""
+    set_tier(tier)
+    hidden, inter = (64, 96) if fmt == "int4" else (37, 48)
+    rng = np.random.default_rng(zlib.crc32(f"dsum{tier}{fmt}{act}".encode()))
+    pool, ref = make_pool(rng, fmt, 9, hidden, inter)
+    x = rng.standard_normal((4, hidden)).astype(np.float32)
+    if act == "bf16":
+        x = x.astype(BF16)
+    tok = np.array([0, 0, 0, 0, 0, 1, 1, 2, 3, 3, 3], np.int32)
+    eid = np.array([1, 2, 3, 4, 5, 2, 6, 7, 8, 8, 8], np.int32)  # token 3 three times on expert 8: one group
+    eid[8:] = 8
+    tok[8:] = [1, 2, 3]
+    unit = np.array([0, 1, 2, 3, 0, 0, 1, 3, 0, 0, 0], np.int32) * (inter // 3)  # 3: u = I, no unit (int4: 32s)
+    w = rng.random(tok.size).astype(np.float32)
+    want = experts_reference(x.astype(np.float32), tok, eid, w, tok.size, ref["gate_up"], ref["down"],
+                             bf16_act=act == "bf16", unit_start=unit)
+    default = kernel_knobs()
+    try:
+        outs = {}
+        for on in (True, False):
+            set_kernel_knobs(down_sum=on)
+            outs[on] = _host.run_experts(pool._h, x.view(np.uint16) if act == "bf16" else x, tok, eid, w, tok.size,
+                                         x_bf16=act == "bf16", unit_start=unit)
+    finally:
+        set_kernel_knobs(**default)
+    assert rel_err(outs[True], outs[False]) < (1e-5 if act == "f32" else 1e-2)
+    tol = 2e-5 if act == "f32" else 2e-2
+    for o in outs.values():
+        assert rel_err(o, want) < tol
