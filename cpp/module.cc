@@ -291,9 +291,9 @@ NB_MODULE(_host, m) {
         "Whether long rows prefetch the next tile's rows in the last prefetch distance of their window (default False).");
   m.def("set_tile_prefetch", &set_tile_prefetch, "on"_a,
         "True: a tile of long rows warms the next tile's rows as it ends (bench/unit_windows.py, decode --knob-variants).");
-  m.def("down_sum", &down_sum, "Whether down's round sums a token's lone experts in one pass (default True).");
+  m.def("down_sum", &down_sum, "Whether down's round sums a token's lone experts in one pass (default False).");
   m.def("set_down_sum", &set_down_sum, "on"_a,
-        "False: one dot_rows call, reduction and store per expert in down's round (the earlier form).");
+        "True: a token's lone experts' down rows summed in one pass per work item (False: one call each).");
   m.def("int4_vnni_tokens", &int4_vnni_tokens,
         "Up to how many tokens per expert int4 x bf16 calls on the AVX-512 loops use q15 activations and VPDPBUSD.");
   m.def("set_int4_vnni_tokens", &set_int4_vnni_tokens, "tokens"_a,

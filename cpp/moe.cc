@@ -93,7 +93,7 @@ std::vector<float>& scratch(size_t n) {
 }
 std::atomic<int64_t> g_gate_up_rows{kRowsPhase1};
 std::atomic<int64_t> g_down_rows{kRowsPhase2};
-std::atomic<bool> g_down_sum{true};
+std::atomic<bool> g_down_sum{false};
 void check_item_rows(int64_t rows, const char* what) {
   if (rows < 4 || rows > 1024 || (rows & (rows - 1)))
     throw std::invalid_argument(std::string(what) + " item rows must be a power of two in [4, 1024], got " +

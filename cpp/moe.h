@@ -38,8 +38,11 @@ void set_gate_up_item_rows(int64_t rows);
 int64_t down_item_rows();
 void set_down_item_rows(int64_t rows);
 // Whether down's round sums a token's lone experts (groups of one route, outside the AMX tiles) in one pass per work
-// item (dot_rows_sum, AVX-512 tiers; default true) instead of one dot_rows call, reduction and store per expert.
-// The sums' order differs: results agree within f32 rounding, not bit for bit.
+// item (dot_rows_sum, AVX-512 tiers) instead of one dot_rows call, reduction and store per expert. The sums' order
+// differs: results agree within f32 rounding, not bit for bit. Off by default: on the H200 host (bench/RESULTS.md
+// session 28, round robin) the b1 decode step ran 2.1% faster with it (down round 36.1 against 37.2 us), within the
+// step's noise, while the standalone 1 x 8 calls' down round ran from 4% faster (Qwen3.6 int4) to 7-16% slower
+// (Qwen3.6 bf16, large int4): 8 experts' rows interleaved per tile instead of one expert's 32 rows after another.
 bool down_sum();
 void set_down_sum(bool on);
 
