@@ -193,12 +193,13 @@ def test_window_and_tile_prefetch_change_speed_only(tier, fmt):
                              unit_start=unit)
     default = kernel_knobs()
     try:
-        for vnni in (64, 0):  # each int4 loop (q15 / bf16) bit for bit under the prefetch knobs
+        for vnni, dsum in ((64, False), (0, False), (64, True)):  # each loop (int4: q15 / bf16; down summed per token
+            # or not) bit for bit under the prefetch knobs
             outs = []
             for pf, short in ((default["prefetch_bytes"], default["short_row_bytes"]), (64, 0), (512, 0)):
                 for window, tile in ((True, False), (False, False), (True, True), (False, True)):
                     set_kernel_knobs(prefetch_bytes=pf, short_row_bytes=short, window_prefetch=window,
-                                     tile_prefetch=tile, int4_vnni_tokens=vnni)
+                                     tile_prefetch=tile, int4_vnni_tokens=vnni, down_sum=dsum)
                     assert (_host.window_prefetch(), _host.tile_prefetch()) == (window, tile)
                     outs.append(_host.run_experts(pool._h, x.view(np.uint16), tok, eid, w, 6, x_bf16=True,
                                                   unit_start=unit))
