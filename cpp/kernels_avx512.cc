@@ -67,8 +67,8 @@ template <int R, int N>
 inline __attribute__((always_inline)) int64_t accumulate(const MatrixRef& w, int64_t r, int64_t r_end, const ActRef& a,
                                                          int j0, __m512 (&acc)[R][N]) {
   const int64_t K = w.cols;
-  const float* x[N];
-  for (int j = 0; j < N; ++j) x[j] = a.f32 + (j0 + j) * a.stride;
+  const float* x[N];  // (f32 / bf16 weights only: int4 in the q15 layout comes without an f32 copy)
+  for (int j = 0; j < N; ++j) x[j] = a.f32 != nullptr ? a.f32 + (j0 + j) * a.stride : nullptr;
   int64_t k = 0;  // first column left for the scalar tail
   const RowPrefetch prefetch = row_prefetch(R, bytes_of(w, K), row_bytes_of(w), r + 2 * R <= r_end);
   const int64_t pf = prefetch.pf;
@@ -268,10 +268,10 @@ inline __attribute__((always_inline)) int64_t accumulate(const MatrixRef& w, int
   return k;
 }
 
-// The scalar tail of row r's dot with x from column k on (f32 / bf16 weights of odd widths only).
-inline float tail_dot(const MatrixRef& w, int64_t r, int64_t k, const float* x) {
+// The scalar tail of row r's dot with vector j of a from column k on (f32 / bf16 weights of odd widths only).
+inline float tail_dot(const MatrixRef& w, int64_t r, int64_t k, const ActRef& a, int j) {
   float s = 0.f;
-  for (int64_t kk = k; kk < w.cols; ++kk) s += dense_weight(w, r, kk) * x[kk];
+  for (int64_t kk = k; kk < w.cols; ++kk) s += dense_weight(w, r, kk) * a.f32[j * a.stride + kk];
   return s;
 }
 
@@ -299,7 +299,7 @@ void tile(const MatrixRef& w, int64_t r, int64_t r_end, const ActRef& a, int j0,
   }
   for (int i = 0; i < R; ++i)
     for (int j = 0; j < N; ++j)  // (the tail: odd widths, f32 / bf16 only)
-      out[i * a.n + j0 + j] = _mm512_reduce_add_ps(acc[i][j]) + tail_dot(w, r + i, k, a.f32 + (j0 + j) * a.stride);
+      out[i * a.n + j0 + j] = _mm512_reduce_add_ps(acc[i][j]) + tail_dot(w, r + i, k, a, j0 + j);
 }
 
 // out[i] = sum_m wts[m] * (W_m[r + i, :] . a_m), one token per matrix: each matrix's products accumulate in its own
@@ -319,7 +319,7 @@ void tile_sum(const MatrixRef* ws, const ActRef* as, const float* wts, int n, in
 #pragma GCC unroll 16
     for (int i = 0; i < R; ++i) tot[i] = _mm512_fmadd_ps(acc[i][0], wv, tot[i]);
     if (k < ws[m].cols)
-      for (int i = 0; i < R; ++i) tail[i] += wts[m] * tail_dot(ws[m], r + i, k, as[m].f32);
+      for (int i = 0; i < R; ++i) tail[i] += wts[m] * tail_dot(ws[m], r + i, k, as[m], 0);
   }
   if constexpr (R % 4 == 0) {
 #pragma GCC unroll 16

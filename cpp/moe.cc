@@ -251,12 +251,14 @@ void run_experts(WorkerPool& workers, const ExpertCall& c, Tier tier) {
     const uint16_t* src = static_cast<const uint16_t*>(c.x) + t * H;
     uint16_t* xh = &b.xg_h[r * H];
     std::memcpy(xh, src, H * 2);
-    for (int64_t h = 0; h < H; ++h) xf[h] = bf16_to_f32(xh[h]);
+    const bool q15_g = q15_x && q15_group(g);
+    if (!q15_g)  // (the q15 loop reads no f32 copy: int4 rows leave no tail)
+      for (int64_t h = 0; h < H; ++h) xf[h] = bf16_to_f32(xh[h]);
     if (amx_group(g)) {
       // the intermediate's pad positions [I, 2 PI) of this route stay zero (phase 1 writes [u, I))
       uint16_t* av = b.act_v_words() + 2 * r0 * PI;
       for (int64_t pos = I; pos < 2 * PI; ++pos) av[2 * ((pos / 2) * nr + (r - r0)) + (pos & 1)] = 0;
-    } else if (q15_x && q15_group(g)) {
+    } else if (q15_g) {
       to_q15(xh, 0, H, &b.xg_q[r * q15_bytes(H)], H / 2);
     } else if (pair_x) {
       to_pair64(xh, H, &b.xg_p[r * H]);
@@ -278,7 +280,8 @@ void run_experts(WorkerPool& workers, const ExpertCall& c, Tier tier) {
     const MatrixRef w = matrix_of(pool.gate_up(), c.expert_ids[order[r0]]);
     const bool vnni_act = amx_group(g), q15_g = q15_group(g);
     const int64_t s0 = src_of[r0];  // where the group's copies are (r0, or an earlier route of a lone token)
-    const ActRef a{&b.xg[s0 * H], c.x_bf16 ? &b.xg_h[s0 * H] : nullptr, H, static_cast<int>(nr),
+    const ActRef a{q15_x && q15_g ? nullptr : &b.xg[s0 * H], c.x_bf16 ? &b.xg_h[s0 * H] : nullptr, H,
+                   static_cast<int>(nr),
                    pair_x && !vnni_act && !q15_g ? &b.xg_p[s0 * H] : nullptr, vnni_act ? &b.xg_v[r0 * PH] : nullptr,
                    q15_x && q15_g ? &b.xg_q[s0 * q15_bytes(H)] : nullptr, H / 2};
     uint16_t* act_v = vnni_act ? b.act_v_words() + 2 * r0 * PI : nullptr;
