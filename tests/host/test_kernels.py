@@ -1,36 +1,14 @@
 """CPU expert kernels (every ISA tier on this machine) against the float64 numpy reference."""
 import zlib
 
-import ml_dtypes
 import numpy as np
 import pytest
+from kernel_helpers import BF16, TIERS, make_pool, rel_err
 
 from ftjax import _host
-from ftjax.host import (HostPool, available_tiers, expert_call_time_totals, expert_call_totals, kernel_knobs,
-                        knob_variants, parse_knobs, quant, set_kernel_knobs, set_tier)
-from ftjax.host.reference import experts_reference, q15_reference
-
-TIERS = available_tiers()
-BF16 = np.dtype(ml_dtypes.bfloat16)
-
-
-@pytest.fixture(autouse=True)
-def _restore_tier():
-    yield
-    set_tier("auto")
-
-
-def make_pool(rng, fmt, n, hidden, inter):
-    banks = {"gate_up": rng.standard_normal((n, 2 * inter, hidden)).astype(np.float32) * 0.2,
-             "down": rng.standard_normal((n, hidden, inter)).astype(np.float32) * 0.2}
-    if fmt == "bf16":
-        banks = {k: v.astype(BF16) for k, v in banks.items()}
-    pool = HostPool(n, hidden, inter, fmt).fill(banks)
-    if fmt == "int4":  # the reference multiplies the dequantized weights
-        ref = {b: quant.dequantize_int4(*pool.int4_parts(b)) for b in ("gate_up", "down")}
-    else:
-        ref = {b: pool.bank(b).astype(np.float32) for b in ("gate_up", "down")}
-    return pool, ref
+from ftjax.host import (expert_call_time_totals, expert_call_totals, kernel_knobs, knob_variants, parse_knobs, quant,
+                        set_kernel_knobs, set_tier)
+from ftjax.host.reference import experts_reference
 
 
 def run(pool, x, tok, eid, w, n_valid):
@@ -43,10 +21,6 @@ def tasks(rng, T, n_tasks, n_experts, k=None):
     eid = rng.integers(0, n_experts, n_tasks).astype(np.int32)
     eid[: n_tasks // 3] = eid[0]  # duplicate experts: several tokens on one expert
     return tok, eid, rng.random(n_tasks).astype(np.float32)
-
-
-def rel_err(y, ref):
-    return float(np.abs(y - ref).max() / max(np.abs(ref).max(), 1e-30))
 
 
 @pytest.mark.parametrize("tier", TIERS)
@@ -500,75 +474,6 @@ def test_item_rows_change_speed_only():
         _host.set_gate_up_item_rows(default[0])
         _host.set_down_item_rows(default[1])
         _host.configure_workers(info["n_workers"], info["spin_us"], info["pin"])
-
-
-SIMD_TIERS = [t for t in TIERS if t in ("avx512bf16", "amx")]
-
-
-def bf16_lanes(rng, n, K, spread):
-    """bf16 vectors [n, K] whose lanes of 8 columns mix magnitudes over 2^spread (random signs, some zero
-    lanes, some subnormals): spread <= 6 keeps every element exact in the q15 layout."""
-    mag = rng.uniform(1, 2, (n, K)) * np.exp2(rng.integers(-spread, 1, (n, K)) + rng.integers(-20, 20, (n, K // 8)).repeat(8, 1))
-    x = (mag * rng.choice([-1.0, 1.0], (n, K))).astype(np.float32)
-    x[:, 8:16] = 0.0
-    return x.astype(BF16)
-
-
-@pytest.mark.skipif(not SIMD_TIERS, reason="the q15 layout is AVX-512 code; this CPU has no AVX-512 tier")
-def test_q15_layout_equals_numpy():
-    """The q15 layout (int4 x bf16 activations for VPDPBUSD) byte for byte equal to its numpy reference: wide
-    and narrow lanes, zeros, subnormals, the largest finite bf16, a tail lane (length % 16 == 8); a lane with an
-    inf or NaN gets a NaN scale."""
-    rng = np.random.default_rng(15)
-    for K, spread in ((8, 3), (24, 12), (256, 30), (2048, 6)):
-        x = bf16_lanes(rng, 1, K, spread)[0]
-        if K >= 24:
-            x[16:18] = np.array([3e38, -1e-39], np.float32).astype(BF16)  # the largest finite, a subnormal
-        bits = x.view(np.uint16)
-        np.testing.assert_array_equal(_host.q15_layout(bits), q15_reference(bits))
-    bits = bf16_lanes(rng, 1, 32, 4)[0].view(np.uint16).copy()
-    bits[3], bits[20] = 0x7F80, 0x7FC0  # +inf in lane 0, NaN in lane 2
-    got, want = _host.q15_layout(bits), q15_reference(bits)
-    lane_scale = got[5 * 16:].view(np.float32)
-    assert np.isnan(lane_scale[[0, 2]]).all() and np.isfinite(lane_scale[[1, 3]]).all()
-    np.testing.assert_array_equal(lane_scale[[1, 3]], want[5 * 16:].view(np.float32)[[1, 3]])
-    with pytest.raises(ValueError, match="whole lanes of 8"):
-        _host.q15_layout(np.zeros(12, np.uint16))
-
-
-@pytest.mark.parametrize("tier", TIERS)
-@pytest.mark.parametrize("vnni", [64, 0])
-def test_int4_dot_rows_bf16(tier, vnni):
-    """One int4 matrix times 1-5 bf16 vectors, whole and column windows (starting at 32, 96, 160: a last span
-    of 1-3 groups), through `_host.dot_rows` (the kernel alone, no bf16 rounding of an intermediate): with
-    activations exact in the q15 layout (lanes within 2^6), equal to the float64 reference to f32 summation;
-    with lanes over 2^30, within the layout's bound (2^-14 of each lane's largest element per product)."""
-    set_tier(tier)
-    default = kernel_knobs()
-    set_kernel_knobs(int4_vnni_tokens=vnni)
-    try:
-        rng = np.random.default_rng(zlib.crc32(f"dot{tier}{vnni}".encode()))
-        rows, K = 64, 352  # 2 spans of 128 and 3 groups; 64 rows: 16 tiles of 4 (AMX: 4 tiles of 16)
-        pool, ref = make_pool(rng, "int4", 3, K, rows // 2)  # gate_up [2 * inter, hidden] = [64, 352]
-        w = ref["gate_up"][1].astype(np.float64)
-        for n in (1, 2, 3, 5):
-            for spread, exact in ((6, True), (30, False)):
-                x = bf16_lanes(rng, n, K, spread)
-                xf = x.astype(np.float64)
-                for col0 in (0, 32, 96, 160):
-                    got = _host.dot_rows(pool._h, "gate_up", 1, x.view(np.uint16), x_bf16=True, col0=col0)
-                    want = w[:, col0:] @ xf[:, col0:].T
-                    scale = np.abs(w[:, col0:]) @ np.abs(xf[:, col0:]).T  # f32 summation bound's scale
-                    lane_max = np.abs(xf[:, col0:]).reshape(n, -1, 8).max(2).repeat(8, 1)
-                    bound = 1e-6 * scale + (0 if exact or not vnni or tier not in SIMD_TIERS else
-                                            (np.abs(w[:, col0:]) @ lane_max.T) * 2.0 ** -14)
-                    assert (np.abs(got - want) <= bound).all(), (n, spread, col0, np.abs(got - want).max())
-    finally:
-        set_kernel_knobs(**default)
-    with pytest.raises(ValueError, match="group boundary"):
-        _host.dot_rows(pool._h, "gate_up", 1, x.view(np.uint16), x_bf16=True, col0=48)
-    with pytest.raises(ValueError, match="bank is gate_up or down"):
-        _host.dot_rows(pool._h, "up", 1, x.view(np.uint16), x_bf16=True)
 
 
 @pytest.mark.parametrize("tier", TIERS)
