@@ -115,7 +115,7 @@ void set_tile_prefetch(bool on) { g_tile_prefetch.store(on, std::memory_order_re
 int64_t int4_vnni_tokens() {
   const int64_t t = g_int4_vnni_tokens.load(std::memory_order_relaxed);
   if (t >= 0) return t;
-  const int64_t d = supported(Tier::kAmx) && compiled(Tier::kAmx) ? 64 : kInt4VnniTokens;
+  const int64_t d = supported(Tier::kAmx) && compiled(Tier::kAmx) ? kInt4VnniTokensAmx : kInt4VnniTokens;
   g_int4_vnni_tokens.store(d, std::memory_order_relaxed);
   return d;
 }
