@@ -25,10 +25,10 @@ MatrixRef matrix_of(const Bank& bank, int64_t expert);
 // Columns [c0, c0 + n) of w (every row): the same memory, ld unchanged. int4: c0 and n multiples of 32.
 MatrixRef column_window(const MatrixRef& w, int64_t c0, int64_t n);
 
-// n activation vectors of length cols, each in f32 (always) and, when the call runs in bf16
-// activations, also as bf16 bits (the same values) for the tiers that multiply in bf16.
+// n activation vectors of length cols, each in f32 and, when the call runs in bf16 activations, also as bf16 bits
+// (the same values) for the tiers that multiply in bf16.
 struct ActRef {
-  const float* f32;
+  const float* f32;  // nullptr only with q15 (int4 rows leave no tail; the q15 loop reads no f32)
   const uint16_t* bf16;  // nullptr: f32 activations
   int64_t stride;        // elements between vectors
   int n;

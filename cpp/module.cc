@@ -76,9 +76,9 @@ nb::ndarray<nb::numpy, float, nb::ndim<2>> run_experts_py(PoolHandle& h, nb::nda
   return nb::ndarray<nb::numpy, float, nb::ndim<2>>(y, {static_cast<size_t>(T), static_cast<size_t>(H)}, owner);
 }
 
-// One expert matrix's rows times n activation vectors on the calling thread, in the active tier, with the
-// layouts a call of run_experts would give it (the q15 layout or the pair64 order for int4 x bf16): the kernel
-// alone, for tests. Columns [col0, cols) only (a column window; x keeps all the columns).
+// One expert matrix's rows times n activation vectors on the calling thread, in the active tier, with the q15 layout
+// (up to int4_vnni_tokens vectors) or the pair64 order for int4 x bf16, never the AMX B-tile layout (the AMX tier
+// takes its AVX-512 loops here): the kernel alone, for tests. Columns [col0, cols) only (a column window; x keeps all the columns).
 nb::ndarray<nb::numpy, float, nb::ndim<2>> dot_rows_py(PoolHandle& h, const std::string& bank, int64_t expert,
                                                       nb::ndarray<nb::ndim<2>, nb::c_contig, nb::device::cpu> x,
                                                       bool x_bf16, int64_t col0) {
