@@ -52,3 +52,53 @@ def q15_reference(bits):
     return np.concatenate([hi[0::2].astype(np.int8), hi[1::2].astype(np.int8), lo[0::2].astype(np.int8),
                            lo[1::2].astype(np.int8), (-8 * q.reshape(-1, 8).sum(1)).astype(np.int32).view(np.int8),
                            lane_scale.view(np.int8)])
+
+
+def amx8_groups_per_step(nb: int) -> int:
+    """Groups of 32 columns that share one C tile of the amx8 path for nb tokens (16 int32 columns, 2 per token)."""
+    return 8 if nb == 1 else 4 if nb == 2 else 2 if nb <= 4 else 1
+
+
+def amx8_quantize(bits):
+    """The amx8 layout's activations of bf16 vectors [nb, K] (uint16 bits, K % 32 == 0): per group of 32 columns the
+    largest exponent field e (at least 14), s = 140 - e, q = round-half-even(x * 2^s) (int64, 0 in groups holding an
+    inf or NaN), and e ([nb, K / 32])."""
+    bits = np.atleast_2d(np.asarray(bits, np.uint16))
+    nb, K = bits.shape
+    x = (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    e = np.maximum(((bits >> 7) & 0xFF).astype(np.int64).reshape(nb, K // 32, 32).max(2), 14)
+    with np.errstate(invalid="ignore"):
+        q = np.rint(x * np.exp2(np.repeat(140 - e, 32, axis=1)))
+    q = np.where(np.repeat(e == 255, 32, axis=1) | ~np.isfinite(q), 0, q).astype(np.int64)
+    return q, e
+
+
+def amx8_reference(bits):
+    """The amx8 layout (cpp/kernels.h) of 1-8 bf16 vectors [nb, K], as the bytes ``_host.amx8_layout`` writes: per
+    group g of 32 columns a B tile of 8 rows x 64 bytes (row k4, byte 4 c + b: A-tile column a = 4 k4 + b, i.e. weight
+    column 2 a for a < 16, else 2 (a - 16) + 1; column c = slot * 2 nb + 2 t + p, slot = g % groups_per_step, holding
+    vector t's h = q >> 7 (p = 0) or l = q - 128 h (p = 1)), then 16 float32 factors (128 * 2^-s and 2^-s in those
+    columns, NaN for a group holding an inf or NaN, 0 elsewhere)."""
+    bits = np.atleast_2d(np.asarray(bits, np.uint16))
+    nb, K = bits.shape
+    q, e = amx8_quantize(bits)
+    h = q >> 7
+    parts = (h, q - 128 * h)
+    a = np.arange(32)
+    column = np.where(a < 16, 2 * a, 2 * (a - 16) + 1)
+    gp = amx8_groups_per_step(nb)
+    out = np.zeros((K // 32, 576), np.int8)
+    for g in range(K // 32):
+        tile = np.zeros((8, 16, 4), np.int8)
+        factors = np.zeros(16, np.float32)
+        for t in range(nb):
+            c = g % gp * 2 * nb + 2 * t
+            if e[t, g] == 255:
+                factors[c:c + 2] = np.nan
+                continue
+            for p, part in enumerate(parts):
+                tile[:, c + p, :] = part[t, 32 * g + column].reshape(8, 4)
+            factors[c:c + 2] = np.exp2(e[t, g] - 140.0) * np.array([128.0, 1.0])
+        out[g, :512] = tile.reshape(-1)
+        out[g, 512:] = factors.view(np.int8)
+    return out.reshape(-1)
