@@ -10,6 +10,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <limits>
 #include <stdexcept>
@@ -19,6 +20,7 @@
 #include "kernels.h"
 
 namespace ftjax {
+std::atomic<int> g_amx8_probe{0};  // TEMPORARY (session 29 diagnosis): 1 no expansion, 2 no products, 4 no C tiles
 namespace {
 
 // GCC's tile intrinsics are macros that paste the tile number into the instruction: each number is spelled out.
@@ -184,7 +186,8 @@ struct Amx8Block {
     const int64_t shift4 = 0x0004000400040004;
     const __m512i shifts = _mm512_set_epi64(shift4, shift4, 0, 0, shift4, shift4, 0, 0);  // 128-bit lanes 0, 4, 0, 4
     alignas(64) int8_t abuf[2][kBatch / 2][16][64];
-    alignas(64) thread_local int32_t cbuf[2][kSteps][16][16];
+    alignas(64) int32_t cbuf[2][kSteps][16][16];  // (every column stored: no stale lanes)
+    const int probe = g_amx8_probe.load(std::memory_order_relaxed);
     __m512 acc[16];
 #pragma GCC unroll 16
     for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
@@ -192,6 +195,7 @@ struct Amx8Block {
     // Group pair p's 32 packed bytes a row, broadcast as 128-bit lanes P0 P0 P1 P1, shifted by 0 4 0 4 bits per word
     // and looked up: A-tile bytes [low nibbles of group 2p (its even columns), high nibbles, the same of 2p + 1].
     const auto expand = [&](int64_t t) __attribute__((always_inline)) {
+      if (probe & 1) return;
       const int64_t p0 = t * kBatch / 2, p1 = std::min<int64_t>(p0 + kBatch / 2, (G + 1) / 2);
       for (int64_t p = p0; p < p1; ++p) {
         const bool half = 2 * p + 1 == G;
@@ -208,6 +212,7 @@ struct Amx8Block {
       }
     };
     const auto scale = [&](int64_t t) __attribute__((always_inline)) {
+      if (probe & 4) return;
       const int64_t gb = t * kBatch;
       const int steps = static_cast<int>((std::min<int64_t>(kBatch, G - gb) + GP - 1) / GP);
       for (int st = 0; st < steps; ++st) {
@@ -228,10 +233,10 @@ struct Amx8Block {
     for (int64_t t = 0; t < batches; ++t) {
       publish(abuf);
       const int ng = static_cast<int>(std::min<int64_t>(kBatch, G - t * kBatch));
-      products<0>(ng, abuf[t & 1], lay + t * kBatch * kAmx8GroupBytes);
+      if (!(probe & 2)) products<0>(ng, abuf[t & 1], lay + t * kBatch * kAmx8GroupBytes);
       if (t + 1 < batches) expand(t + 1);
       if (t > 0) scale(t - 1);
-      stores<0>((ng + GP - 1) / GP, cbuf[t & 1]);
+      if (!(probe & 4)) stores<0>((ng + GP - 1) / GP, cbuf[t & 1]);
       publish(cbuf);
     }
     scale(batches - 1);

@@ -7,6 +7,7 @@
 #include <nanobind/stl/vector.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <memory>
 #include <optional>
@@ -25,6 +26,9 @@ namespace nb = nanobind;
 using namespace nb::literals;
 
 namespace ftjax {
+#ifdef FTJAX_HAVE_AMX8
+extern std::atomic<int> g_amx8_probe;
+#endif
 namespace {
 
 // Python owner of a registered pool: dropping it unregisters the id (a jitted call still using
@@ -274,6 +278,9 @@ NB_MODULE(_host, m) {
         "active tier, or with amx8 on the amx8 path (int4 x bf16; AMX-INT8 or its tile model) (kernel tests).");
   m.def("amx8_layout", &amx8_layout_py, "x"_a,
         "The amx8 activation layout of 1-8 bf16 vectors [nb, K] (uint16 bits), as bytes (tests).");
+#ifdef FTJAX_HAVE_AMX8
+  m.def("_amx8_probe", [](int bits) { g_amx8_probe.store(bits); }, "bits"_a, "TEMPORARY: diagnosis of the amx8 path.");
+#endif
   m.def("amx8_runs", &amx8_runs, "Whether the amx8 path (int4 x bf16 on AMX-INT8) runs here (or its tile model is on).");
   m.def("int4_amx8_tokens", &int4_amx8_tokens,
         "Up to how many tokens per expert int4 x bf16 calls take the amx8 path where it runs (0: never).");
