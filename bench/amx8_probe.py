@@ -1,6 +1,6 @@
 """TEMPORARY (session 29): where the amx8 path's time goes on one core. One cache-resident int4 expert matrix
 (Qwen3.6 gate/up [1024, 2048] and down [2048, 512]) times 1 / 8 bf16 vectors through `_host.dot_rows` on one thread,
-the amx8 path whole and with parts left out (probe bits: 1 no expansion, 2 no tile products, 4 no C tiles / scaling;
+the amx8 path whole and with parts left out (probe bits: 1 no expansion, 2 no tile products, 4 no C tiles / scaling, 8 / 16 three / four staging buffers;
 results wrong then, times only), against the q15 loop; round robin, medians."""
 import argparse
 import sys
@@ -26,7 +26,7 @@ set_kernel_knobs(int4_vnni_tokens=8)
 rng = np.random.default_rng(0)
 pool, _ = make_pool(rng, "int4", 1, 2048, 512)
 variants = [("q15", None), ("amx8", 0), ("amx8 -expand", 1), ("amx8 -tdp", 2), ("amx8 -C", 4),
-            ("amx8 -expand-C", 5), ("amx8 -all", 7)]
+            ("amx8 -expand-C", 5), ("amx8 -all", 7), ("amx8 ring3", 8), ("amx8 ring4", 16)]
 print(f"{'bank':8s} {'tok':>3s} " + " ".join(f"{n:>14s}" for n, _ in variants) + "   (us per call, medians)")
 for bank, K in (("gate_up", 2048), ("down", 512)):
     rows = 1024 if bank == "gate_up" else 2048

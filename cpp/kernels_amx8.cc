@@ -20,7 +20,7 @@
 #include "kernels.h"
 
 namespace ftjax {
-std::atomic<int> g_amx8_probe{0};  // TEMPORARY (session 29 diagnosis): 1 no expansion, 2 no products, 4 no C tiles
+std::atomic<int> g_amx8_probe{0};  // TEMPORARY (session 29 diagnosis): 1 no expansion, 2 no products, 4 no C tiles, 8 / 16 staging depth 3 / 4
 namespace {
 
 // GCC's tile intrinsics are macros that paste the tile number into the instruction: each number is spelled out.
@@ -185,7 +185,8 @@ struct Amx8Block {
     const __m512i lane_group = _mm512_load_si512(lane_q), table = _mm512_load_si512(kNibbleLess8);
     const int64_t shift4 = 0x0004000400040004;
     const __m512i shifts = _mm512_set_epi64(shift4, shift4, 0, 0, shift4, shift4, 0, 0);  // 128-bit lanes 0, 4, 0, 4
-    alignas(64) int8_t abuf[2][kBatch / 2][16][64];
+    alignas(64) int8_t abuf[4][kBatch / 2][16][64];
+    const int depth = probe & 16 ? 4 : probe & 8 ? 3 : 2;  // staging buffers: batches expanded depth - 1 ahead
     alignas(64) int32_t cbuf[2][kSteps][16][16];  // (every column stored: no stale lanes)
     const int probe = g_amx8_probe.load(std::memory_order_relaxed);
     __m512 acc[16];
@@ -207,7 +208,7 @@ struct Amx8Block {
           const __m256i v = half ? _mm256_maskz_loadu_epi8(0xFFFF, src) : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
           __m512i z = _mm512_castsi256_si512(v);
           z = _mm512_srlv_epi16(_mm512_shuffle_i64x2(z, z, 0x50), shifts);
-          _mm512_store_si512(abuf[t & 1][p - p0][i], _mm512_permutexvar_epi8(z, table));
+          _mm512_store_si512(abuf[t % depth][p - p0][i], _mm512_permutexvar_epi8(z, table));
         }
       }
     };
@@ -229,12 +230,12 @@ struct Amx8Block {
         }
       }
     };
-    expand(0);
+    for (int64_t t = 0; t < std::min<int64_t>(depth - 1, batches); ++t) expand(t);
     for (int64_t t = 0; t < batches; ++t) {
       publish(abuf);
       const int ng = static_cast<int>(std::min<int64_t>(kBatch, G - t * kBatch));
-      if (!(probe & 2)) products<0>(ng, abuf[t & 1], lay + t * kBatch * kAmx8GroupBytes);
-      if (t + 1 < batches) expand(t + 1);
+      if (!(probe & 2)) products<0>(ng, abuf[t % depth], lay + t * kBatch * kAmx8GroupBytes);
+      if (t + depth - 1 < batches) expand(t + depth - 1);
       if (t > 0) scale(t - 1);
       if (!(probe & 4)) stores<0>((ng + GP - 1) / GP, cbuf[t & 1]);
       publish(cbuf);
