@@ -185,10 +185,10 @@ struct Amx8Block {
     const __m512i lane_group = _mm512_load_si512(lane_q), table = _mm512_load_si512(kNibbleLess8);
     const int64_t shift4 = 0x0004000400040004;
     const __m512i shifts = _mm512_set_epi64(shift4, shift4, 0, 0, shift4, shift4, 0, 0);  // 128-bit lanes 0, 4, 0, 4
+    const int probe = g_amx8_probe.load(std::memory_order_relaxed);
     alignas(64) int8_t abuf[4][kBatch / 2][16][64];
     const int depth = probe & 16 ? 4 : probe & 8 ? 3 : 2;  // staging buffers: batches expanded depth - 1 ahead
     alignas(64) int32_t cbuf[2][kSteps][16][16];  // (every column stored: no stale lanes)
-    const int probe = g_amx8_probe.load(std::memory_order_relaxed);
     __m512 acc[16];
 #pragma GCC unroll 16
     for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
