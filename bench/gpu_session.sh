@@ -25,7 +25,6 @@
 # serve time per job and the worker-pool variants $WORKER_VARIANTS).
 # Session 26 steps: decode-b1-granule (the unit split's step: the default 8 units vs $GRANULES, fresh backends round
 # robin, b1 / 37%); bench/unit_windows.py (the CPU call on unit windows [u, I), standalone) runs without a step.
-# Session 29 steps: cpu-amx8 (the amx8 path's tests on AMX-INT8; the int4 table with it against the defaults).
 # Session 28 steps: cpu-int4 (kernel tests; the int4 table, the q15 / VPDPBUSD loop against the bf16 one, AMX and
 # AVX-512 tiers, and per core).
 # Session 27 steps: unit-windows (kernel tests, then bench/unit_windows.py under the CPU kernel knobs $WINDOW_KNOBS,
@@ -258,13 +257,6 @@ for s in "${steps[@]}"; do
        # (the default and $DOWN_ROWS; ~1.5 min)
        run cpu_down_rows 200 python3 bench/host_runtime.py --no-gpu --knob-variants ${DOWN_ROWS:-down_rows=16} \
          --out "$OUT/cpu_down_rows.json" ;;
-    cpu-amx8)  # session 29: the amx8 kernel tests (the tile unit against numpy and against its model) and the CPU
-       # kernel tests, then the int4 table on the AMX tier under the defaults and $AMX8_KNOBS (default: the amx8 path
-       # up to 8 and 64 tokens per expert), round robin, per core too (AMX8_PER_CORE= to skip; ~4 min)
-       run cpu_tests_amx8 150 python3 -m pytest -q tests/host/test_amx8.py tests/host/test_kernels.py
-       run cpu_amx8 300 python3 bench/host_runtime.py --no-gpu --formats ${AMX8_FORMATS:-int4} --tiers amx \
-         --calls 20 ${AMX8_PER_CORE---per-core} --knob-variants ${AMX8_KNOBS:-int4_amx8_tokens=8 int4_amx8_tokens=64} \
-         --out "$OUT/cpu_amx8.json" ;;
     cpu-int4)  # session 28: the CPU kernel tests (every tier), then the int4 table on the AMX and AVX-512 tiers with
        # the q15 / VPDPBUSD loop up to 2 tokens per expert (default), never (0) and always (64), and per core
        # ($INT4_TIERS, $INT4_KNOBS, $INT4_FORMATS, INT4_PER_CORE= to skip the per-core table; ~4 min)

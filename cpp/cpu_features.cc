@@ -42,12 +42,10 @@ CpuFeatures detect_cpu_features() {
   f.avx512bw = f.avx512f && (b & (1u << 30));
   f.avx512vl = f.avx512f && (b & (1u << 31));
   f.avx512vnni = f.avx512f && (c & (1u << 11));
-  f.avx512vbmi = f.avx512f && (c & (1u << 1));
   // AMX also needs the OS to enable tile state (XCR0 bits 17, 18) and to grant it to this
   // process (arch_prctl ARCH_REQ_XCOMP_PERM, done by the AMX kernel before first use).
   f.amx_bf16 = (d & (1u << 22)) && os_saves_amx_state();
   f.amx_tile = (d & (1u << 24)) && os_saves_amx_state();
-  f.amx_int8 = (d & (1u << 25)) && os_saves_amx_state();
   __cpuid_count(7, 1, a, b, c, d);
   f.avx512bf16 = f.avx512f && (a & (1u << 5));
   return f;

@@ -12,10 +12,8 @@ struct CpuFeatures {
   bool avx512vl = false;
   bool avx512bf16 = false;
   bool avx512vnni = false;
-  bool avx512vbmi = false;
   bool amx_bf16 = false;
   bool amx_tile = false;
-  bool amx_int8 = false;
 };
 
 CpuFeatures detect_cpu_features();

@@ -51,44 +51,7 @@ std::atomic<int64_t> g_short_rows{kShortRowBytes};
 std::atomic<bool> g_window_prefetch{true};
 std::atomic<bool> g_tile_prefetch{false};
 std::atomic<int64_t> g_int4_vnni_tokens{-1};  // -1: the default for this CPU, on first read
-std::atomic<int64_t> g_int4_amx8_tokens{0};
-std::atomic<bool> g_amx8_emulate{false};
 }  // namespace
-
-int64_t int4_amx8_tokens() { return g_int4_amx8_tokens.load(std::memory_order_relaxed); }
-void set_int4_amx8_tokens(int64_t tokens) {
-  if (tokens < 0 || tokens > 64)
-    throw std::invalid_argument("int4 AMX-INT8 tokens must be in [0, 64], got " + std::to_string(tokens));
-  g_int4_amx8_tokens.store(tokens, std::memory_order_relaxed);
-}
-bool amx8_emulate() { return g_amx8_emulate.load(std::memory_order_relaxed); }
-void set_amx8_emulate(bool on) {
-#ifdef FTJAX_HAVE_AMX8
-  constexpr bool built = true;
-#else
-  constexpr bool built = false;
-#endif
-  if (on && !(built && supported(Tier::kAvx512Bf16) && detect_cpu_features().avx512vbmi))
-    throw std::invalid_argument("the amx8 tile model needs the amx8 path in this build and an AVX-512 VBMI CPU");
-  g_amx8_emulate.store(on, std::memory_order_relaxed);
-}
-bool amx8_runs() {
-#ifdef FTJAX_HAVE_AMX8
-  static const CpuFeatures f = detect_cpu_features();
-  if (amx8_emulate()) return true;  // (checked when switched on)
-  return f.avx512vbmi && f.amx_int8 && compiled(Tier::kAmx) && supported(Tier::kAmx);
-#else
-  return false;
-#endif
-}
-#ifndef FTJAX_HAVE_AMX8
-void pack_amx8(const uint16_t* const*, int, int64_t, int64_t, int8_t*) {
-  throw std::logic_error("pack_amx8: this build has no amx8 path (no AMX-INT8 / AVX-512 VBMI compiler support)");
-}
-void dot_rows_amx8(const MatrixRef&, int64_t, int64_t, const ActRef&, float*) {
-  throw std::logic_error("dot_rows_amx8: this build has no amx8 path (no AMX-INT8 / AVX-512 VBMI compiler support)");
-}
-#endif
 
 #ifndef FTJAX_HAVE_AMX
 bool amx_enable() { return false; }
@@ -196,7 +159,7 @@ AmxRoute amx_route(WeightFormat format, int n_tokens, bool bf16_act, bool vnni_g
 
 namespace {
 struct RouteCounts {  // one per thread that ever ran the AMX tier, never freed (a few bytes each)
-  std::atomic<int64_t> n[4] = {};
+  std::atomic<int64_t> n[3] = {};
 };
 std::mutex g_route_mu;
 std::vector<RouteCounts*>& route_registry() {
@@ -220,10 +183,10 @@ void count_amx_route(AmxRoute r) {  // the owning thread is the only writer: no 
 }
 
 std::vector<int64_t> amx_route_counts() {
-  std::vector<int64_t> out(4, 0);
+  std::vector<int64_t> out(3, 0);
   std::lock_guard<std::mutex> lock(g_route_mu);
   for (const RouteCounts* c : route_registry())
-    for (int i = 0; i < 4; ++i) out[i] += c->n[i].load(std::memory_order_relaxed);
+    for (int i = 0; i < 3; ++i) out[i] += c->n[i].load(std::memory_order_relaxed);
   return out;
 }
 

@@ -46,12 +46,6 @@ struct ActRef {
   // c0 / 2 bytes in. nullptr: not provided (the tiers use bf16_pair64 or bf16).
   const int8_t* q15 = nullptr;
   int64_t q15_stream = 0;
-  // Optional (int4 weights, bf16 activations, AMX-INT8 or its emulation): the vectors in the amx8 layout (below), in
-  // blocks of up to kAmx8BlockTokens, block b at amx8 + b * amx8_block bytes; a column window's ActRef points at its
-  // first group's entry and names that group's index in the layout (amx8_group0: the B tiles' slots count from the
-  // layout's group 0). nullptr: not provided.
-  const int8_t* amx8 = nullptr;
-  int64_t amx8_block = 0, amx8_group0 = 0;
 };
 
 // The q15 layout of a bf16 vector of length K (K % 8 == 0) for the int4 VNNI loop (VPDPBUSD: unsigned
@@ -79,38 +73,6 @@ constexpr int64_t kInt4VnniTokens = 2, kInt4VnniTokensAmx = 8;
 int64_t int4_vnni_tokens();
 void set_int4_vnni_tokens(int64_t tokens);  // 0 .. 64
 
-// The amx8 layout of nb <= 8 bf16 vectors of length K (K % 32 == 0) for the int4 x bf16 product on AMX-INT8
-// (TDPBSSD: the nibbles less 8 as signed bytes, 16 weight rows x 32 columns per A tile, times the activations as
-// 15-bit integers split into two signed bytes, q = 128 h + l, l in [0, 127]). Each vector's group of 32 columns has
-// one power-of-two scale 2^-s, s from the group's largest exponent as in the q15 layout (exact within 2^6 of the
-// group's largest, else within 2^-14 of it). Per group g, kAmx8GroupBytes: the B tile (8 rows x 16 columns x 4
-// bytes; row k4, byte b holds A-tile column a = 4 k4 + b, i.e. weight column amx8_column(a) of the group), column
-// c = slot * 2 nb + 2 t + p holding vector t's h (p = 0) or l (p = 1), slot = g % amx8_groups_per_step(nb), the
-// other slots' columns zero; then 16 f32 factors, lane c = 128 * 2^-s (p = 0) or 2^-s (p = 1) in its slot's lanes
-// (NaN where the group holds an inf or NaN), 0 in the others. So one C tile sums up to 16 / (2 nb) consecutive
-// groups in disjoint columns, each scaled once per row by its factors and its row's bf16 group scale.
-constexpr int64_t kAmx8GroupBytes = 512 + 64;
-constexpr int kAmx8BlockTokens = 8;
-inline int64_t amx8_bytes(int64_t K) { return K / 32 * kAmx8GroupBytes; }  // one block of vectors
-inline int amx8_groups_per_step(int nb) { return nb == 1 ? 8 : nb == 2 ? 4 : nb <= 4 ? 2 : 1; }
-inline int64_t amx8_column(int64_t a) { return a < 16 ? 2 * a : 2 * (a - 16) + 1; }  // A-tile column -> weight column
-// Groups [c0 / 32, c1 / 32) (c0, c1 multiples of 32) of the layout of the nb vectors xs[t] (each K long) at dst
-// (the layout's group 0). In AVX-512.
-void pack_amx8(const uint16_t* const* xs, int nb, int64_t c0, int64_t c1, int8_t* dst);
-// int4 rows times activations in the amx8 layout (a.amx8), 16 rows at a time on AMX-INT8 (or, with amx8_emulate, on a
-// scalar model of the tile unit: tests on machines without AMX), the rows past the last block of 16 on the AVX-512
-// loops (a.bf16 must be given).
-void dot_rows_amx8(const MatrixRef& w, int64_t r0, int64_t r1, const ActRef& a, float* out);
-// Whether dot_rows_amx8 can run here: AMX-INT8 granted (or amx8_emulate() on an AVX-512 VBMI CPU) and compiled in.
-bool amx8_runs();
-// Up to how many tokens per expert int4 x bf16 calls take the amx8 path where it runs (ahead of the q15 loop and the
-// AMX int4 tiles); 0: never. Default 0 until measured on AMX hardware.
-int64_t int4_amx8_tokens();
-void set_int4_amx8_tokens(int64_t tokens);  // 0 .. 64
-// Test switch: run the amx8 path on the scalar tile model (where no AMX-INT8 is; much slower), for the AVX-512 tiers.
-bool amx8_emulate();
-void set_amx8_emulate(bool on);
-
 // The AMX B-tile layout of n bf16 vectors of length K: dst[p * n + j] = the pair (x_j[c(2p)],
 // x_j[c(2p + 1)]) as one dword (low word first), for p < vnni_pairs(K), zero past K (so a last
 // partial 32-column step adds exact zeros). c(pos) = pos, or with int4_order, amx_int4_column(pos):
@@ -137,7 +99,7 @@ void pack_vnni(const uint16_t* xj, int64_t K, int64_t k0, int64_t k1, int n, int
 // go to the AVX-512 loops in every case): the tile path for bf16 weights (activations packed by the
 // tier unless given), the int4 tile path (only with the activations given in the B layout), or all
 // of it on AVX-512 (fewer than kAmxMinTokens tokens, f32 weights or activations, K < 32, < 16 rows).
-enum class AmxRoute : int { kAvx512 = 0, kBf16 = 1, kInt4 = 2, kAmx8 = 3 };  // (kAmx8: dot_rows_amx8 calls)
+enum class AmxRoute : int { kAvx512 = 0, kBf16 = 1, kInt4 = 2 };
 AmxRoute amx_route(WeightFormat format, int n_tokens, bool bf16_act, bool vnni_given, int64_t K, int64_t rows);
 // How many dot_rows calls the AMX tier routed each way, since the process started (per-thread
 // counters, summed when read): tests and benchmarks check which loops really ran.

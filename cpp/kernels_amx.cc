@@ -15,7 +15,6 @@
 #include <cstring>
 #include <vector>
 
-#include "amx_tiles.h"
 #include "kernels.h"
 
 namespace ftjax {
@@ -23,11 +22,21 @@ namespace {
 constexpr int kArchReqXcompPerm = 0x1023;  // arch_prctl: request permission for an XSAVE feature
 constexpr int kXfeatureXtiledata = 18;
 
-// Tiles are not renamed: a tile load waits until the
+// GCC's LDTILECFG / TILELOADD intrinsics do not tell the compiler that they read the memory they
+// point at (no "memory" clobber), so a buffer written just before one is published with this.
+inline void publish(const void* p) { asm volatile("" : : "r"(p) : "memory"); }
+
+// LDTILECFG's 64-byte operand, palette 1. Tiles are not renamed: a tile load waits until the
 // previous product has read that tile, so the k-steps alternate between two sets of A and B tiles
 // (even steps: A tmm2 (tmm3), B tmm4; odd steps: A tmm5 (tmm6), B tmm7) and the load of one step
 // overlaps the product of the other. C: tmm0 (and tmm1), 16 weight rows x nb fp32; A: 16 weight
 // rows x 32 bf16; B: 16 k-pairs x nb tokens x 2 bf16.
+struct alignas(64) TileConfig {
+  uint8_t palette_id = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+static_assert(sizeof(TileConfig) == 64);
 
 // Loaded on every call (cheap against the 16 x K weight rows a call reads): other code on the same
 // thread (oneDNN inside XLA or torch) may reconfigure or release the tiles between our calls.

@@ -6,8 +6,6 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
-#include <algorithm>
-#include <atomic>
 #include <chrono>
 #include <memory>
 #include <optional>
@@ -26,9 +24,6 @@ namespace nb = nanobind;
 using namespace nb::literals;
 
 namespace ftjax {
-#ifdef FTJAX_HAVE_AMX8
-extern std::atomic<int> g_amx8_probe;
-#endif
 namespace {
 
 // Python owner of a registered pool: dropping it unregisters the id (a jitted call still using
@@ -86,7 +81,7 @@ nb::ndarray<nb::numpy, float, nb::ndim<2>> run_experts_py(PoolHandle& h, nb::nda
 // takes its AVX-512 loops here): the kernel alone, for tests. Columns [col0, cols) only (a column window; x keeps all the columns).
 nb::ndarray<nb::numpy, float, nb::ndim<2>> dot_rows_py(PoolHandle& h, const std::string& bank, int64_t expert,
                                                       nb::ndarray<nb::ndim<2>, nb::c_contig, nb::device::cpu> x,
-                                                      bool x_bf16, int64_t col0, bool amx8) {
+                                                      bool x_bf16, int64_t col0) {
   ExpertPool& pool = h.get();
   if (bank != "gate_up" && bank != "down") throw std::invalid_argument("bank is gate_up or down, got '" + bank + "'");
   const Bank& b = bank == "gate_up" ? pool.gate_up() : pool.down();
@@ -108,29 +103,6 @@ nb::ndarray<nb::numpy, float, nb::ndim<2>> dot_rows_py(PoolHandle& h, const std:
   for (int64_t i = 0; i < n * K; ++i) xf[i] = xh ? bf16_to_f32(xh[i]) : static_cast<const float*>(x.data())[i];
   const Tier tier = active_tier();
   const bool simd = xh && int4 && tier >= Tier::kAvx512Bf16;
-  if (amx8) {
-    if (!xh || !int4 || !amx8_runs())
-      throw std::invalid_argument("amx8: int4 weights, bf16 x, and AMX-INT8 (or amx8_emulate on an AVX-512 VBMI CPU)");
-    const int64_t blocks = (n + kAmx8BlockTokens - 1) / kAmx8BlockTokens;
-    std::vector<int8_t> lay(blocks * amx8_bytes(K));
-    for (int64_t blk = 0; blk < blocks; ++blk) {
-      std::vector<const uint16_t*> xs;
-      for (int64_t j = blk * kAmx8BlockTokens; j < std::min(n, (blk + 1) * kAmx8BlockTokens); ++j) xs.push_back(xh + j * K);
-      pack_amx8(xs.data(), static_cast<int>(xs.size()), 0, K, &lay[blk * amx8_bytes(K)]);
-    }
-    const MatrixRef w = column_window(matrix_of(b, expert), col0, K - col0);
-    ActRef a{xf.data() + col0, xh + col0, K, static_cast<int>(n)};
-    a.amx8 = lay.data() + col0 / 32 * kAmx8GroupBytes;
-    a.amx8_block = amx8_bytes(K);
-    a.amx8_group0 = col0 / 32;
-    float* out = new float[b.rows * n];
-    nb::capsule owner(out, [](void* p) noexcept { delete[] static_cast<float*>(p); });
-    {
-      nb::gil_scoped_release release;
-      dot_rows_amx8(w, 0, b.rows, a, out);
-    }
-    return nb::ndarray<nb::numpy, float, nb::ndim<2>>(out, {static_cast<size_t>(b.rows), static_cast<size_t>(n)}, owner);
-  }
   if (simd && n <= int4_vnni_tokens()) {
     q15.resize(n * q15_bytes(K));
     for (int64_t j = 0; j < n; ++j) to_q15(xh + j * K, 0, K, &q15[j * q15_bytes(K)], K / 2);
@@ -148,20 +120,6 @@ nb::ndarray<nb::numpy, float, nb::ndim<2>> dot_rows_py(PoolHandle& h, const std:
     dot_rows_for(tier)(w, 0, b.rows, a, out);
   }
   return nb::ndarray<nb::numpy, float, nb::ndim<2>>(out, {static_cast<size_t>(b.rows), static_cast<size_t>(n)}, owner);
-}
-
-// The amx8 layout (kernels.h) of nb <= 8 bf16 vectors [nb, K], as its bytes: the layout alone, for tests.
-nb::ndarray<nb::numpy, int8_t, nb::ndim<1>> amx8_layout_py(nb::ndarray<const uint16_t, nb::ndim<2>, nb::c_contig, nb::device::cpu> x) {
-  const int64_t nbk = static_cast<int64_t>(x.shape(0)), K = static_cast<int64_t>(x.shape(1));
-  if (K % 32 || K == 0 || nbk < 1 || nbk > kAmx8BlockTokens)
-    throw std::invalid_argument("the amx8 layout takes 1-8 vectors of whole groups of 32 columns, got [" +
-                                std::to_string(nbk) + ", " + std::to_string(K) + "]");
-  std::vector<const uint16_t*> xs;
-  for (int64_t t = 0; t < nbk; ++t) xs.push_back(x.data() + t * K);
-  int8_t* out = new int8_t[amx8_bytes(K)];
-  nb::capsule owner(out, [](void* p) noexcept { delete[] static_cast<int8_t*>(p); });
-  pack_amx8(xs.data(), static_cast<int>(nbk), 0, K, out);
-  return nb::ndarray<nb::numpy, int8_t, nb::ndim<1>>(out, {static_cast<size_t>(amx8_bytes(K))}, owner);
 }
 
 // The q15 layout (kernels.h) of one bf16 vector, as its bytes: the layout alone, for tests.
@@ -233,10 +191,8 @@ NB_MODULE(_host, m) {
     d["avx512vl"] = f.avx512vl;
     d["avx512bf16"] = f.avx512bf16;
     d["avx512vnni"] = f.avx512vnni;
-    d["avx512vbmi"] = f.avx512vbmi;
     d["amx_bf16"] = f.amx_bf16;
     d["amx_tile"] = f.amx_tile;
-    d["amx_int8"] = f.amx_int8;
     return d;
   }, "SIMD features of this CPU, from CPUID (and XCR0 for OS support).");
   m.def("cpu_brand", &cpu_brand, "The CPU's brand string.");
@@ -273,21 +229,8 @@ NB_MODULE(_host, m) {
         "The CPU expert kernel outside JAX (tests, benchmarks). unit_start [tasks] (optional): each task "
         "computes only its expert's intermediate units [u, I).");
   m.def("dot_rows", &dot_rows_py, "pool"_a, "bank"_a, "expert"_a, "x"_a, "x_bf16"_a = false, "col0"_a = 0,
-        "amx8"_a = false,
         "One expert matrix's rows [rows, n] times x [n, cols] (columns [col0, cols)) on the calling thread, in the "
-        "active tier, or with amx8 on the amx8 path (int4 x bf16; AMX-INT8 or its tile model) (kernel tests).");
-  m.def("amx8_layout", &amx8_layout_py, "x"_a,
-        "The amx8 activation layout of 1-8 bf16 vectors [nb, K] (uint16 bits), as bytes (tests).");
-#ifdef FTJAX_HAVE_AMX8
-  m.def("_amx8_probe", [](int bits) { g_amx8_probe.store(bits); }, "bits"_a, "TEMPORARY: diagnosis of the amx8 path.");
-#endif
-  m.def("amx8_runs", &amx8_runs, "Whether the amx8 path (int4 x bf16 on AMX-INT8) runs here (or its tile model is on).");
-  m.def("int4_amx8_tokens", &int4_amx8_tokens,
-        "Up to how many tokens per expert int4 x bf16 calls take the amx8 path where it runs (0: never).");
-  m.def("set_int4_amx8_tokens", &set_int4_amx8_tokens, "tokens"_a, "Set int4_amx8_tokens (0 .. 64).");
-  m.def("amx8_emulate", &amx8_emulate, "Whether the amx8 path runs on the scalar tile model (tests).");
-  m.def("set_amx8_emulate", &set_amx8_emulate, "on"_a,
-        "True: the amx8 path runs on a scalar model of the tile unit (AVX-512 VBMI CPUs without AMX-INT8; tests).");
+        "active tier (kernel tests).");
   m.def("q15_layout", &q15_layout_py, "x"_a, "The q15 activation layout of a bf16 vector (uint16 bits), as bytes (tests).");
   m.def("available_tiers", [] {
     std::vector<std::string> out;
@@ -324,10 +267,9 @@ NB_MODULE(_host, m) {
     d["avx512"] = c[static_cast<int>(AmxRoute::kAvx512)];
     d["bf16"] = c[static_cast<int>(AmxRoute::kBf16)];
     d["int4"] = c[static_cast<int>(AmxRoute::kInt4)];
-    d["amx8"] = c[static_cast<int>(AmxRoute::kAmx8)];
     return d;
-  }, "dot_rows calls the AMX tier ran on its AVX-512 loops, its bf16 tile path and its int4 tile path, and the "
-     "amx8 path's calls (int4 x bf16 on AMX-INT8 or its tile model), since the process started.");
+  }, "dot_rows calls the AMX tier ran on its AVX-512 loops, its bf16 tile path and its int4 tile path, "
+     "since the process started.");
   m.def("set_tier", &set_tier, "name"_a);
   m.def("prefetch_bytes", [] { return prefetch_bytes(); },
         "How far ahead (bytes) the AVX-512 and AMX tiers prefetch weight rows longer than short_row_bytes.");

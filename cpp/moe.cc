@@ -48,9 +48,8 @@ struct CallBuffers {
   std::vector<uint16_t> xg_h, act_h, xg_p, act_p;    // bf16 bits; pair64 order
   std::vector<uint32_t> xg_v, act_v_;                // B-tile layouts: [n, PH], [n, PI] dwords
   std::vector<int8_t> xg_q, act_q;                   // q15 layouts: [n, q15_bytes(H)], [n, q15_bytes(I)]
-  std::vector<int8_t> xg_a, act_a;  // amx8 layouts: [n, amx8_bytes(H)], [n, amx8_bytes(I)] (a block at its first route)
   void size(int64_t n, int64_t H, int64_t I, bool bf16, bool pair_x, bool pair_act, bool vnni, bool q15_x,
-            bool q15_act, bool amx8) {
+            bool q15_act) {
     grow(xg, n * H);
     grow(act, n * I);
     if (bf16) {
@@ -65,10 +64,6 @@ struct CallBuffers {
     }
     if (q15_x) grow(xg_q, n * q15_bytes(H));
     if (q15_act) grow(act_q, n * q15_bytes(I));
-    if (amx8) {
-      grow(xg_a, n * amx8_bytes(H));
-      grow(act_a, n * amx8_bytes(I));
-    }
   }
   const uint32_t* act_v() const { return act_v_.data(); }
   // phase 1 writes the intermediate's B layout a word at a time (the kernels read it as dwords)
@@ -80,8 +75,7 @@ struct CallBuffers {
   size_t bytes() const {
     return (xg.capacity() + act.capacity()) * 4 +
            (xg_h.capacity() + act_h.capacity() + xg_p.capacity() + act_p.capacity()) * 2 +
-           (xg_v.capacity() + act_v_.capacity()) * 4 + xg_q.capacity() + act_q.capacity() + xg_a.capacity() +
-           act_a.capacity();
+           (xg_v.capacity() + act_v_.capacity()) * 4 + xg_q.capacity() + act_q.capacity();
   }
   void trim() {
     if (bytes() > kKeepBufferBytes) *this = CallBuffers();
@@ -178,23 +172,16 @@ void run_experts(WorkerPool& workers, const ExpertCall& c, Tier tier) {
   // tier takes (kAmxMinTokens+ tokens) the B-tile layout.
   const bool int4_x = pool.gate_up().format == WeightFormat::kInt4, int4_act = pool.down().format == WeightFormat::kInt4;
   const int64_t q15_tokens = int4_vnni_tokens();
-  // int4 groups of up to int4_amx8_tokens() tokens: the amx8 path where it runs (AMX tier; or its tile model, tests)
-  const int64_t a8_tokens = c.x_bf16 && int4_x && int4_act && (tier == Tier::kAmx || (amx8_emulate() && tier >= Tier::kAvx512Bf16)) && amx8_runs()
-                                ? int4_amx8_tokens() : 0;
-  const auto amx8_group = [&](int64_t g) { return start[g + 1] - start[g] <= a8_tokens; };
   const auto amx_group = [&](int64_t g) {  // (int4 groups of up to q15_tokens tokens: the VNNI loop)
     const int64_t nr = start[g + 1] - start[g];
-    return c.x_bf16 && tier == Tier::kAmx && nr >= kAmxMinTokens && !(int4_x && nr <= q15_tokens) && !amx8_group(g);
+    return c.x_bf16 && tier == Tier::kAmx && nr >= kAmxMinTokens && !(int4_x && nr <= q15_tokens);
   };
   const bool simd = c.x_bf16 && tier >= Tier::kAvx512Bf16;  // only those tiers read the pair64 and q15 layouts
-  const auto q15_group = [&](int64_t g) {
-    return simd && !amx_group(g) && !amx8_group(g) && start[g + 1] - start[g] <= q15_tokens;
-  };
-  bool any_q15 = false, any_pair = false, any_amx8 = false;
+  const auto q15_group = [&](int64_t g) { return simd && !amx_group(g) && start[g + 1] - start[g] <= q15_tokens; };
+  bool any_q15 = false, any_pair = false;
   for (int64_t g = 0; g < groups; ++g) {
     any_q15 |= q15_group(g);
-    any_amx8 |= amx8_group(g);
-    any_pair |= simd && !amx_group(g) && !q15_group(g) && !amx8_group(g);
+    any_pair |= simd && !amx_group(g) && !q15_group(g);
   }
   const bool q15_x = any_q15 && int4_x, q15_act = any_q15 && int4_act;  // int4 columns come in groups of 32
   const bool pair_x = any_pair && int4_x && H % 64 == 0, pair_act = any_pair && int4_act && I % 64 == 0;
@@ -202,7 +189,7 @@ void run_experts(WorkerPool& workers, const ExpertCall& c, Tier tier) {
   for (int64_t g = 0; g < groups && !any_amx; ++g) any_amx = amx_group(g);
   const int64_t PH = vnni_pairs(H), PI = vnni_pairs(I);
   CallBuffers& b = call_buffers();
-  b.size(n, H, I, c.x_bf16, pair_x, pair_act, any_amx, q15_x, q15_act, any_amx8);
+  b.size(n, H, I, c.x_bf16, pair_x, pair_act, any_amx, q15_x, q15_act);
   std::vector<int64_t> group_of(n);
   for (int64_t g = 0; g < groups; ++g) std::fill(&group_of[start[g]], &group_of[start[g + 1]], g);
 
@@ -271,13 +258,6 @@ void run_experts(WorkerPool& workers, const ExpertCall& c, Tier tier) {
       // the intermediate's pad positions [I, 2 PI) of this route stay zero (phase 1 writes [u, I))
       uint16_t* av = b.act_v_words() + 2 * r0 * PI;
       for (int64_t pos = I; pos < 2 * PI; ++pos) av[2 * ((pos / 2) * nr + (r - r0)) + (pos & 1)] = 0;
-    } else if (amx8_group(g)) {
-      if ((r - r0) % kAmx8BlockTokens == 0) {  // a block's first route packs the block, from x (the others'
-        const uint16_t* xs[kAmx8BlockTokens];  // copies are other items')
-        const int nbk = static_cast<int>(std::min<int64_t>(kAmx8BlockTokens, r0 + nr - r));
-        for (int j = 0; j < nbk; ++j) xs[j] = static_cast<const uint16_t*>(c.x) + c.token_idx[order[r + j]] * H;
-        pack_amx8(xs, nbk, 0, H, &b.xg_a[r * amx8_bytes(H)]);
-      }
     } else if (q15_g) {
       to_q15(xh, 0, H, &b.xg_q[r * q15_bytes(H)], H / 2);
     } else if (pair_x) {
@@ -288,8 +268,7 @@ void run_experts(WorkerPool& workers, const ExpertCall& c, Tier tier) {
 
   // Phase 1: act[r, i] = silu(gate_e[i] . x_r) * (up_e[i] . x_r), items = (group, block of i).
   // (the q15 layout of the intermediate is written a lane of 8 at a time: items of 8+ rows)
-  // (the amx8 layout of the intermediate, a group of 32 at a time: items of 32+ rows)
-  const int64_t min_rows = any_amx8 ? 32 : any_amx ? 16 : q15_act ? 8 : 4;
+  const int64_t min_rows = any_amx ? 16 : q15_act ? 8 : 4;
   const int64_t rows1 = rows_per_item(I, groups, std::max(gate_up_item_rows(), min_rows), workers.n_threads(), min_rows);
   const int64_t blocks1 = (I + rows1 - 1) / rows1;
   const int64_t item1_bytes = rows1 * static_cast<int64_t>(pool.gate_up().expert_bytes) / I;  // 2 rows1 of 2I rows
@@ -299,23 +278,18 @@ void run_experts(WorkerPool& workers, const ExpertCall& c, Tier tier) {
     const int64_t i0 = std::max((item % blocks1) * rows1, unit_of(order[r0]));  // the group's units only
     if (i0 >= i1) return;
     const MatrixRef w = matrix_of(pool.gate_up(), c.expert_ids[order[r0]]);
-    const bool vnni_act = amx_group(g), q15_g = q15_group(g), a8_g = amx8_group(g);
+    const bool vnni_act = amx_group(g), q15_g = q15_group(g);
     const int64_t s0 = src_of[r0];  // where the group's copies are (r0, or an earlier route of a lone token)
-    ActRef a{q15_x && q15_g ? nullptr : &b.xg[s0 * H], c.x_bf16 ? &b.xg_h[s0 * H] : nullptr, H,
-             static_cast<int>(nr),
-             pair_x && !vnni_act && !q15_g && !a8_g ? &b.xg_p[s0 * H] : nullptr, vnni_act ? &b.xg_v[r0 * PH] : nullptr,
-             q15_x && q15_g ? &b.xg_q[s0 * q15_bytes(H)] : nullptr, H / 2};
-    if (a8_g) {
-      a.amx8 = &b.xg_a[s0 * amx8_bytes(H)];
-      a.amx8_block = kAmx8BlockTokens * amx8_bytes(H);
-    }
-    const DotRowsFn dot_g = a8_g ? dot_rows_amx8 : dot;
+    const ActRef a{q15_x && q15_g ? nullptr : &b.xg[s0 * H], c.x_bf16 ? &b.xg_h[s0 * H] : nullptr, H,
+                   static_cast<int>(nr),
+                   pair_x && !vnni_act && !q15_g ? &b.xg_p[s0 * H] : nullptr, vnni_act ? &b.xg_v[r0 * PH] : nullptr,
+                   q15_x && q15_g ? &b.xg_q[s0 * q15_bytes(H)] : nullptr, H / 2};
     uint16_t* act_v = vnni_act ? b.act_v_words() + 2 * r0 * PI : nullptr;
     std::vector<float>& buf = scratch(2 * rows1 * nr);
     float* gate = buf.data();
     float* up = buf.data() + rows1 * nr;
-    dot_g(w, i0, i1, a, gate);
-    dot_g(w, I + i0, I + i1, a, up);
+    dot(w, i0, i1, a, gate);
+    dot(w, I + i0, I + i1, a, up);
     for (int64_t i = i0; i < i1; ++i) {
       for (int64_t j = 0; j < nr; ++j) {
         float v = silu(gate[(i - i0) * nr + j]) * up[(i - i0) * nr + j];
@@ -325,7 +299,7 @@ void run_experts(WorkerPool& workers, const ExpertCall& c, Tier tier) {
           if (vnni_act) {  // one word of the pair dword: items never write the same word
             const int64_t pos = int4_act ? amx_int4_position(i) : i;
             act_v[2 * ((pos / 2) * nr + j) + (pos & 1)] = h;
-          } else if (pair_act && !q15_g && !a8_g) {
+          } else if (pair_act && !q15_g) {
             b.act_p[(r0 + j) * I + pair64_index(i)] = h;
           }
           v = bf16_to_f32(h);
@@ -335,12 +309,6 @@ void run_experts(WorkerPool& workers, const ExpertCall& c, Tier tier) {
     }
     if (q15_act && q15_g)  // [i0, i1): whole lanes (multiples of 8: the unit start is one of 32)
       for (int64_t j = 0; j < nr; ++j) to_q15(&b.act_h[(r0 + j) * I], i0, i1, &b.act_q[(r0 + j) * q15_bytes(I)], I / 2);
-    for (int64_t j0 = 0; a8_g && j0 < nr; j0 += kAmx8BlockTokens) {  // [i0, i1): whole groups (items of 32+ rows)
-      const uint16_t* xs[kAmx8BlockTokens];
-      const int nbk = static_cast<int>(std::min<int64_t>(kAmx8BlockTokens, nr - j0));
-      for (int j = 0; j < nbk; ++j) xs[j] = &b.act_h[(r0 + j0 + j) * I];
-      pack_amx8(xs, nbk, i0, i1, &b.act_a[(r0 + j0) * amx8_bytes(I)]);
-    }
   }, min_chunk(item1_bytes));
   record_round(1, groups * blocks1, t_phase1);
   prof.rows1 = rows1;
@@ -355,24 +323,19 @@ void run_experts(WorkerPool& workers, const ExpertCall& c, Tier tier) {
     const int64_t r0 = start[g], nr = start[g + 1] - r0, u = unit_of(order[r0]);
     // pair64 spans stay aligned only from a multiple of 64; the B layout of the window [u, I) from pair u / 2 on:
     // whole 32-column steps only when u % 32 == 0
-    const bool vnni_act = amx_group(g), q15_g = q15_group(g), a8_g = amx8_group(g);
-    ActRef a{&b.act[r0 * I + u], c.x_bf16 ? &b.act_h[r0 * I + u] : nullptr, I, static_cast<int>(nr),
-             pair_act && !vnni_act && !q15_g && !a8_g && u % 64 == 0 ? &b.act_p[r0 * I + u] : nullptr,
-             vnni_act && u % 32 == 0 ? b.act_v() + r0 * PI + u / 2 * nr : nullptr,
-             q15_act && q15_g ? &b.act_q[r0 * q15_bytes(I) + u / 2] : nullptr, I / 2};
-    if (a8_g) {
-      a.amx8 = &b.act_a[r0 * amx8_bytes(I) + u / 32 * kAmx8GroupBytes];
-      a.amx8_block = kAmx8BlockTokens * amx8_bytes(I);
-      a.amx8_group0 = u / 32;
-    }
-    return {column_window(matrix_of(pool.down(), c.expert_ids[order[r0]]), u, I - u), a};
+    const bool vnni_act = amx_group(g), q15_g = q15_group(g);
+    return {column_window(matrix_of(pool.down(), c.expert_ids[order[r0]]), u, I - u),
+            ActRef{&b.act[r0 * I + u], c.x_bf16 ? &b.act_h[r0 * I + u] : nullptr, I, static_cast<int>(nr),
+                   pair_act && !vnni_act && !q15_g && u % 64 == 0 ? &b.act_p[r0 * I + u] : nullptr,
+                   vnni_act && u % 32 == 0 ? b.act_v() + r0 * PI + u / 2 * nr : nullptr,
+                   q15_act && q15_g ? &b.act_q[r0 * q15_bytes(I) + u / 2] : nullptr, I / 2}};
   };
   // down_sum: the groups of one route (outside the AMX tiles) sum their rows per token in one pass (dot_rows_sum);
   // sums[s0, s1) = such groups of one token, in group order (batch-1 decode: every expert of the call, one pass).
   std::vector<int64_t> sums, sum_start{0};
   if (down_sum() && tier >= Tier::kAvx512Bf16) {
     for (int64_t g = 0; g < groups; ++g)
-      if (start[g + 1] - start[g] == 1 && !amx_group(g) && !amx8_group(g) && unit_of(order[start[g]]) < I) sums.push_back(g);
+      if (start[g + 1] - start[g] == 1 && !amx_group(g) && unit_of(order[start[g]]) < I) sums.push_back(g);
     std::stable_sort(sums.begin(), sums.end(), [&](int64_t a, int64_t b2) {
       return c.token_idx[order[start[a]]] < c.token_idx[order[start[b2]]];
     });
@@ -407,7 +370,7 @@ void run_experts(WorkerPool& workers, const ExpertCall& c, Tier tier) {
       if (u == I || summed[g]) continue;  // no unit of this expert here, or summed above
       const auto [w, a] = down_of(g);
       float* out = scratch(rows2 * nr).data();
-      (amx8_group(g) ? dot_rows_amx8 : dot)(w, h0, h1, a, out);
+      dot(w, h0, h1, a, out);
       for (int64_t j = 0; j < nr; ++j) {
         const int64_t task = order[r0 + j];
         float* yt = c.y + c.token_idx[task] * H;
