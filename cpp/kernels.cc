@@ -47,7 +47,6 @@ Tier best_tier() { return available_tiers().back(); }
 
 std::atomic<int> g_tier{-1};
 std::atomic<int64_t> g_prefetch{kDefaultPrefetchBytes};
-std::atomic<int> g_prefetch_hint{kPrefetchT0};
 std::atomic<int64_t> g_short_rows{kShortRowBytes};
 std::atomic<bool> g_window_prefetch{true};
 std::atomic<bool> g_tile_prefetch{false};
@@ -107,13 +106,6 @@ void set_prefetch_bytes(int64_t bytes) {
   if (bytes < 0 || bytes > (int64_t{1} << 20))
     throw std::invalid_argument("prefetch distance must be in [0, 1 MiB] bytes, got " + std::to_string(bytes));
   g_prefetch.store(bytes, std::memory_order_relaxed);
-}
-
-int prefetch_hint() { return g_prefetch_hint.load(std::memory_order_relaxed); }
-void set_prefetch_hint(int hint) {
-  if (hint < kPrefetchT0 || hint > kPrefetchNta)
-    throw std::invalid_argument("prefetch hint must be 0 (T0), 1 (T1) or 2 (NTA), got " + std::to_string(hint));
-  g_prefetch_hint.store(hint, std::memory_order_relaxed);
 }
 
 bool window_prefetch() { return g_window_prefetch.load(std::memory_order_relaxed); }

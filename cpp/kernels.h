@@ -3,8 +3,6 @@
 // One implementation per ISA tier (kernels_<tier>.cc, each compiled with its own target flags),
 // chosen at run time from CPUID; the MoE driver (moe.cc) is ISA-independent.
 #pragma once
-#include <xmmintrin.h>
-
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -145,22 +143,6 @@ DotRowsFn dot_rows_for(Tier t);
 constexpr int64_t kDefaultPrefetchBytes = 512;
 int64_t prefetch_bytes();
 void set_prefetch_bytes(int64_t bytes);  // 0 .. 1 MiB
-// The cache level those weight-row prefetches ask for: kPrefetchT0 (PREFETCHT0: to L1, the default; it holds a
-// line-fill buffer until the line arrives, and the two hyperthreads of a core share those), kPrefetchT1 (PREFETCHT1:
-// to L2 only, where the loads a few iterations later find it), kPrefetchNta (PREFETCHNTA). A speed knob
-// (bench/host_runtime.py --knob-variants prefetch_hint=t1).
-enum PrefetchHint : int { kPrefetchT0 = 0, kPrefetchT1 = 1, kPrefetchNta = 2 };
-int prefetch_hint();
-void set_prefetch_hint(int hint);
-inline void prefetch_line(const void* p, int hint) {
-  const char* c = static_cast<const char*>(p);
-  if (hint == kPrefetchT1)
-    _mm_prefetch(c, _MM_HINT_T1);
-  else if (hint == kPrefetchNta)
-    _mm_prefetch(c, _MM_HINT_NTA);
-  else
-    _mm_prefetch(c, _MM_HINT_T0);
-}
 // Rows of at most short_row_bytes() prefetch a whole tile of rows ahead instead (the same column R rows
 // further, an AVX-512 micro-tile, inside the call's rows): a row's prefetch pf bytes ahead would land in
 // the next row, which the tile reads already (Qwen3.6 down rows are 1 KiB in bf16, int4 rows 256 B - 1 KiB;
@@ -200,7 +182,6 @@ void set_tile_prefetch(bool on);
 struct RowPrefetch {
   static constexpr int64_t kNone = INT64_MIN;
   int64_t pf, stop, jump, window;
-  int hint = kPrefetchT0;  // prefetch_hint() when the tile started
   // how far past the load at byte offset `at` of its row to prefetch; kNone: nothing
   int64_t ahead(int64_t at) const {
     if (at < stop) return pf;
@@ -209,10 +190,9 @@ struct RowPrefetch {
 };
 inline RowPrefetch row_prefetch(int64_t rows, int64_t window, int64_t row_bytes, bool next_in_call) {
   const int64_t pf = prefetch_distance(rows, row_bytes, next_in_call);
-  const int hint = prefetch_hint();
-  if (pf <= 0 || pf >= row_bytes) return {pf, INT64_MAX, 0, window, hint};  // off, or a tile ahead (short rows)
-  if (next_in_call && tile_prefetch()) return {pf, window - pf, rows * row_bytes - window, window, hint};
-  return {pf, prefetch_stop(pf, window, row_bytes), RowPrefetch::kNone, window, hint};
+  if (pf <= 0 || pf >= row_bytes) return {pf, INT64_MAX, 0, window};  // off, or a tile ahead (short rows)
+  if (next_in_call && tile_prefetch()) return {pf, window - pf, rows * row_bytes - window, window};
+  return {pf, prefetch_stop(pf, window, row_bytes), RowPrefetch::kNone, window};
 }
 
 // Per-tier entry points (defined only where compiled; see CMakeLists.txt).

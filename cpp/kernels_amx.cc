@@ -119,11 +119,10 @@ void row_blocks(const uint16_t* w, int64_t K, int64_t ld, const uint32_t* b, int
   _tile_zero(1);
   int64_t step = 0;
   const int64_t stop = prefetch_stop(pf, 2 * K, 2 * ld);
-  const int hint = prefetch_hint();
   for (int64_t k = 0; k < K; k += 32, ++step) {
     if (pf > 0 && 2 * k < stop) {
       const char* ahead = reinterpret_cast<const char*>(w + k) + pf;
-      for (int i = 0; i < 16 * NB; ++i) prefetch_line(ahead + i * ld * 2, hint);
+      for (int i = 0; i < 16 * NB; ++i) _mm_prefetch(ahead + i * ld * 2, _MM_HINT_T0);
     }
     const uint16_t* a0 = w + k;
     int64_t stride = ld;  // elements
@@ -171,9 +170,9 @@ void row_blocks(const uint16_t* w, int64_t K, int64_t ld, const uint32_t* b, int
 // Group g of 16 int4 rows (row stride rb bytes) into the staging A tile dst.
 inline __attribute__((always_inline)) void int4_expand(const uint8_t* rows, int64_t rb, int64_t g, __m512i shifts,
                                                       __m512i table, uint16_t (*dst)[32], int64_t pf,
-                                                      int64_t stop, int hint) {
+                                                      int64_t stop) {
   if (pf > 0 && (g & 3) == 0 && 16 * g < stop)
-    for (int i = 0; i < 16; ++i) prefetch_line(reinterpret_cast<const char*>(rows + i * rb + 16 * g) + pf, hint);
+    for (int i = 0; i < 16; ++i) _mm_prefetch(reinterpret_cast<const char*>(rows + i * rb + 16 * g) + pf, _MM_HINT_T0);
 #pragma GCC unroll 16
   for (int i = 0; i < 16; ++i) {
     const __m512i v = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rows + i * rb + 16 * g)));
@@ -193,7 +192,6 @@ void int4_block(const MatrixRef& w, int64_t r, const uint32_t* b, int n, int nb,
   const uint8_t* rows = w.data + r * rb;
   const uint16_t* sc = w.scales + r * sc_stride;
   const int64_t stop = prefetch_stop(pf, 16 * G, rb);
-  const int hint = prefetch_hint();
   alignas(64) uint16_t abuf[2][4][16][32];
   // A C tile of nb columns stores only those (at a row stride of L lanes); the other lanes of cbuf
   // keep what was there, which only ever feeds lanes of acc that are not read. Zeroed once per
@@ -234,7 +232,7 @@ void int4_block(const MatrixRef& w, int64_t r, const uint32_t* b, int n, int nb,
   const auto expand = [&](int64_t t) {
     const int64_t g0 = 4 * t;
     const int nq = static_cast<int>(std::min<int64_t>(4, G - g0));
-    for (int q = 0; q < nq; ++q) int4_expand(rows, rb, g0 + q, shifts, table, abuf[t & 1][q], pf, stop, hint);
+    for (int q = 0; q < nq; ++q) int4_expand(rows, rb, g0 + q, shifts, table, abuf[t & 1][q], pf, stop);
   };
   const auto scale = [&](int64_t t) {
     const int64_t g0 = 4 * t;

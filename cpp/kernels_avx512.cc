@@ -25,7 +25,7 @@ inline void prefetch_rows(const T* const (&row)[R], int64_t elem, const RowPrefe
   if (ahead == RowPrefetch::kNone) return;
 #pragma GCC unroll 16
   for (int i = 0; i < R; ++i)
-    prefetch_line(reinterpret_cast<const char*>(row[i] + elem) + ahead, p.hint);
+    _mm_prefetch(reinterpret_cast<const char*>(row[i] + elem) + ahead, _MM_HINT_T0);
 }
 inline int64_t bytes_of(const MatrixRef& w, int64_t elems) {
   return w.format == WeightFormat::kInt4 ? elems / 2 : elems * (w.format == WeightFormat::kF32 ? 4 : 2);
@@ -410,11 +410,10 @@ void pack_vnni_avx512(const uint16_t* xj, int64_t K, int64_t k0, int64_t k1, int
 // The lines of a call's first tile (rows r0 .. r0 + tile_rows - 1), `bytes` of each row from its window's start.
 inline void prefetch_first_tile(const MatrixRef& w, int64_t r0, int64_t r1, int64_t tile_rows, int64_t row_bytes,
                                 int64_t bytes) {
-  const int hint = prefetch_hint();
   for (int64_t r = r0; r < std::min(r1, r0 + tile_rows); ++r) {
     const uintptr_t begin = reinterpret_cast<uintptr_t>(w.data) + r * row_bytes;
     for (uintptr_t line = begin & ~uintptr_t{63}; line < begin + bytes; line += 64)
-      prefetch_line(reinterpret_cast<const char*>(line), hint);
+      _mm_prefetch(reinterpret_cast<const char*>(line), _MM_HINT_T0);
   }
 }
 

@@ -274,13 +274,6 @@ NB_MODULE(_host, m) {
   m.def("prefetch_bytes", [] { return prefetch_bytes(); },
         "How far ahead (bytes) the AVX-512 and AMX tiers prefetch weight rows longer than short_row_bytes.");
   m.def("set_prefetch_bytes", &set_prefetch_bytes, "bytes"_a, "Set the prefetch distance (0 = off).");
-  m.def("prefetch_hint", [] { return std::string(prefetch_hint() == kPrefetchT1 ? "t1" : prefetch_hint() == kPrefetchNta ? "nta" : "t0"); },
-        "The cache level the weight-row prefetches ask for: t0 (L1, default), t1 (L2) or nta.");
-  m.def("set_prefetch_hint", [](const std::string& h) {
-    if (h != "t0" && h != "t1" && h != "nta")
-      throw std::invalid_argument("prefetch hint is t0, t1 or nta, got '" + h + "'");
-    set_prefetch_hint(h == "t1" ? kPrefetchT1 : h == "nta" ? kPrefetchNta : kPrefetchT0);
-  }, "hint"_a, "Set the weight-row prefetches' cache level: t0, t1 or nta (only speed depends on it).");
   m.def("gate_up_item_rows", &gate_up_item_rows,
         "Gate rows (and as many up rows) per work item of a CPU expert call (before balance).");
   m.def("set_gate_up_item_rows", &set_gate_up_item_rows, "rows"_a,

@@ -55,7 +55,6 @@ _KNOBS = {
     "gate_up_rows": (_host.gate_up_item_rows, _host.set_gate_up_item_rows, int),  # rows per gate/up work item
     "down_rows": (_host.down_item_rows, _host.set_down_item_rows, int),  # output rows per down work item
     "prefetch_bytes": (_host.prefetch_bytes, _host.set_prefetch_bytes, int),  # in-row prefetch distance
-    "prefetch_hint": (_host.prefetch_hint, _host.set_prefetch_hint, str),  # its cache level: t0, t1 or nta
     "short_row_bytes": (_host.short_row_bytes, _host.set_short_row_bytes, int),  # rows prefetching a tile ahead
     "window_prefetch": (_host.window_prefetch, _host.set_window_prefetch, bool),  # stop at a column window's end
     "tile_prefetch": (_host.tile_prefetch, _host.set_tile_prefetch, bool),  # long rows warm the next tile
@@ -69,7 +68,7 @@ _KNOBS = {
 
 def kernel_knobs() -> dict:
     """The CPU expert kernels' speed knobs as set now: gate_up_rows / down_rows (rows per work item of the
-    two rounds), prefetch_bytes, prefetch_hint, short_row_bytes, window_prefetch, tile_prefetch, int4_vnni_tokens,
+    two rounds), prefetch_bytes, short_row_bytes, window_prefetch, tile_prefetch, int4_vnni_tokens,
     down_sum (cpp/kernels.h, cpp/moe.h). No result depends on them, except the last bits with int4_vnni_tokens (int4
     weights, bf16 activations) and down_sum (its summation order)."""
     return {name: read() for name, (read, _, _) in _KNOBS.items()}
@@ -84,12 +83,9 @@ def set_kernel_knobs(**values) -> None:
     before = kernel_knobs()
     for name, value in values.items():
         try:
-            kind = _KNOBS[name][2]
-            if kind is bool and value not in (True, False):
+            if _KNOBS[name][2] is bool and value not in (True, False):
                 raise TypeError("expected True or False")
-            if kind is str and not isinstance(value, str):
-                raise TypeError("expected a string")
-            _KNOBS[name][1](bool(value) if kind is bool else value if kind is str else operator.index(value))
+            _KNOBS[name][1](bool(value) if _KNOBS[name][2] is bool else operator.index(value))
         except (ValueError, TypeError) as e:
             for other, old in before.items():
                 _KNOBS[other][1](old)
@@ -98,7 +94,7 @@ def set_kernel_knobs(**values) -> None:
 
 def parse_knobs(spec: str) -> dict:
     """'down_rows=32,window_prefetch=off' -> {'down_rows': 32, 'window_prefetch': False} (booleans: on / off;
-    strings as given; the values are checked when set); ValueError naming the bad part."""
+    the values are checked when set); ValueError naming the bad part."""
     out = {}
     for part in spec.split(","):
         name, _, value = part.partition("=")
@@ -108,8 +104,6 @@ def parse_knobs(spec: str) -> dict:
             if value not in ("on", "off"):
                 raise ValueError(f"{name} is on or off, got '{value}'")
             out[name] = value == "on"
-        elif _KNOBS[name][2] is str:
-            out[name] = value
         elif value.lstrip("-").isdigit():
             out[name] = int(value)
         else:

@@ -149,9 +149,8 @@ def test_unit_start_computes_only_those_units(tier, fmt, act):
 @pytest.mark.parametrize("tier", TIERS)
 @pytest.mark.parametrize("fmt", ["bf16", "int4"])
 def test_window_and_tile_prefetch_change_speed_only(tier, fmt):
-    """A column window's prefetch stopping at the window's end (`window_prefetch`, on by default), long
-    rows warming the next tile (`tile_prefetch`) and the prefetches' cache level (`prefetch_hint`) change no result
-    bit, on every tier: short rows (a tile
+    """A column window's prefetch stopping at the window's end (`window_prefetch`, on by default) and long
+    rows warming the next tile (`tile_prefetch`) change no result bit, on every tier: short rows (a tile
     ahead, the first tile's window lines) and in-row prefetch (short_row_bytes 0; distances 64 B and 512 B,
     inside and past short windows), 1 and 4 tokens per expert (AMX groups from 3), and the results equal
     the reference."""
@@ -172,11 +171,10 @@ def test_window_and_tile_prefetch_change_speed_only(tier, fmt):
             # or not) bit for bit under the prefetch knobs
             outs = []
             for pf, short in ((default["prefetch_bytes"], default["short_row_bytes"]), (64, 0), (512, 0)):
-                for i, (window, tile) in enumerate(((True, False), (False, False), (True, True), (False, True))):
-                    hint = ("t0", "t1", "nta", "t1")[i]  # the prefetches' cache level too
+                for window, tile in ((True, False), (False, False), (True, True), (False, True)):
                     set_kernel_knobs(prefetch_bytes=pf, short_row_bytes=short, window_prefetch=window,
-                                     tile_prefetch=tile, int4_vnni_tokens=vnni, down_sum=dsum, prefetch_hint=hint)
-                    assert (_host.window_prefetch(), _host.tile_prefetch(), _host.prefetch_hint()) == (window, tile, hint)
+                                     tile_prefetch=tile, int4_vnni_tokens=vnni, down_sum=dsum)
+                    assert (_host.window_prefetch(), _host.tile_prefetch()) == (window, tile)
                     outs.append(_host.run_experts(pool._h, x.view(np.uint16), tok, eid, w, 6, x_bf16=True,
                                                   unit_start=unit))
             for o in outs[1:]:
@@ -190,22 +188,21 @@ def test_kernel_knobs_set_parse_and_refuse():
     """`kernel_knobs` / `set_kernel_knobs` / `parse_knobs` / `knob_variants`: a round trip; a bad name, value or type raises
     ValueError and leaves every knob as it was (also those set before it in the same call)."""
     default = kernel_knobs()
-    assert set(default) == {"gate_up_rows", "down_rows", "prefetch_bytes", "prefetch_hint", "short_row_bytes",
-                            "window_prefetch", "tile_prefetch", "int4_vnni_tokens", "down_sum"}
+    assert set(default) == {"gate_up_rows", "down_rows", "prefetch_bytes", "short_row_bytes", "window_prefetch",
+                            "tile_prefetch", "int4_vnni_tokens", "down_sum"}
     try:
         set_kernel_knobs(down_rows=64, tile_prefetch=True)
         assert kernel_knobs() == dict(default, down_rows=64, tile_prefetch=True)
         for bad in (dict(down_rows=128, gate_up_rows=12), dict(down_rows=128, window_prefetch="off"),
-                    dict(down_rows=128, prefetch_bytes=1.5), dict(down_rows=128, nonsense=1),
-                    dict(down_rows=128, prefetch_hint="t2"), dict(down_rows=128, prefetch_hint=1)):
+                    dict(down_rows=128, prefetch_bytes=1.5), dict(down_rows=128, nonsense=1)):
             with pytest.raises(ValueError):
                 set_kernel_knobs(**bad)
             assert kernel_knobs() == dict(default, down_rows=64, tile_prefetch=True)
     finally:
         set_kernel_knobs(**default)
     assert kernel_knobs() == default
-    assert parse_knobs("down_rows=32,window_prefetch=off,tile_prefetch=on,prefetch_hint=t1") == {
-        "down_rows": 32, "window_prefetch": False, "tile_prefetch": True, "prefetch_hint": "t1"}
+    assert parse_knobs("down_rows=32,window_prefetch=off,tile_prefetch=on") == {
+        "down_rows": 32, "window_prefetch": False, "tile_prefetch": True}
     for bad, msg in (("rows=4", "not KNOB=VALUE"), ("down_rows", "not KNOB=VALUE"), ("tile_prefetch=1", "on or off"),
                      ("down_rows=x", "integer")):
         with pytest.raises(ValueError, match=msg):
