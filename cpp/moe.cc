@@ -36,37 +36,6 @@ int64_t rows_per_item(int64_t rows, int64_t groups, int64_t k_rows, int threads,
   return k_rows;
 }
 
-// A round's work items: row ranges [r0, r1) of a group (gate/up: its units; down: the output rows, one "group"),
-// in claim order. Blocks of k_rows rows on the k_rows grid (a group's first block starts at its span's start); with
-// tail_split(), the blocks past the point where fewer than k_rows rows per thread are left are cut into pieces of
-// (rows left) / threads, a multiple of min_rows and at least min_rows (guided), so that the threads run out of work
-// together instead of the round waiting on its last full blocks.
-struct RowItem {
-  int64_t group, r0, r1;
-};
-std::vector<RowItem> row_items(const std::vector<std::pair<int64_t, int64_t>>& spans, int64_t k_rows, int64_t min_rows,
-                               int threads, bool tail) {
-  std::vector<RowItem> blocks;
-  int64_t left = 0;
-  for (int64_t g = 0; g < static_cast<int64_t>(spans.size()); ++g)
-    for (int64_t b = spans[g].first / k_rows * k_rows; b < spans[g].second; b += k_rows) {
-      const int64_t r0 = std::max(b, spans[g].first), r1 = std::min(b + k_rows, spans[g].second);
-      blocks.push_back({g, r0, r1});
-      left += r1 - r0;
-    }
-  if (!tail) return blocks;
-  std::vector<RowItem> out;
-  for (const RowItem& it : blocks)
-    for (int64_t a = it.r0; a < it.r1;) {
-      const int64_t guided = left / threads / min_rows * min_rows;
-      const int64_t n = std::min({k_rows, std::max(min_rows, guided), it.r1 - a});
-      out.push_back({it.group, a, a + n});
-      a += n;
-      left -= n;
-    }
-  return out;
-}
-
 inline float silu(float v) { return v / (1.f + std::exp(-v)); }
 
 // The call's activation layouts, kept across calls (fresh vectors of a few hundred KiB per call
@@ -125,7 +94,6 @@ std::vector<float>& scratch(size_t n) {
 std::atomic<int64_t> g_gate_up_rows{kRowsPhase1};
 std::atomic<int64_t> g_down_rows{kRowsPhase2};
 std::atomic<bool> g_down_sum{false};
-std::atomic<bool> g_tail_split{true};
 void check_item_rows(int64_t rows, const char* what) {
   if (rows < 4 || rows > 1024 || (rows & (rows - 1)))
     throw std::invalid_argument(std::string(what) + " item rows must be a power of two in [4, 1024], got " +
@@ -143,8 +111,6 @@ void set_gate_up_item_rows(int64_t rows) {
 }
 int64_t down_item_rows() { return g_down_rows.load(std::memory_order_relaxed); }
 bool down_sum() { return g_down_sum.load(std::memory_order_relaxed); }
-bool tail_split() { return g_tail_split.load(std::memory_order_relaxed); }
-void set_tail_split(bool on) { g_tail_split.store(on, std::memory_order_relaxed); }
 void set_down_sum(bool on) { g_down_sum.store(on, std::memory_order_relaxed); }
 void set_down_item_rows(int64_t rows) {
   check_item_rows(rows, "down");
@@ -304,14 +270,13 @@ void run_experts(WorkerPool& workers, const ExpertCall& c, Tier tier) {
   // (the q15 layout of the intermediate is written a lane of 8 at a time: items of 8+ rows)
   const int64_t min_rows = any_amx ? 16 : q15_act ? 8 : 4;
   const int64_t rows1 = rows_per_item(I, groups, std::max(gate_up_item_rows(), min_rows), workers.n_threads(), min_rows);
-  const bool tail = tail_split();
-  std::vector<std::pair<int64_t, int64_t>> spans1(groups);  // the groups' units only
-  for (int64_t g = 0; g < groups; ++g) spans1[g] = {unit_of(order[start[g]]), I};
-  const std::vector<RowItem> items1 = row_items(spans1, rows1, min_rows, workers.n_threads(), tail);
+  const int64_t blocks1 = (I + rows1 - 1) / rows1;
   const int64_t item1_bytes = rows1 * static_cast<int64_t>(pool.gate_up().expert_bytes) / I;  // 2 rows1 of 2I rows
-  const RoundTiming t_phase1 = workers.parallel_for(static_cast<int64_t>(items1.size()), [&](int64_t item, int) {
-    const int64_t g = items1[item].group, r0 = start[g], nr = start[g + 1] - r0;
-    const int64_t i0 = items1[item].r0, i1 = items1[item].r1;
+  const RoundTiming t_phase1 = workers.parallel_for(groups * blocks1, [&](int64_t item, int) {
+    const int64_t g = item / blocks1, r0 = start[g], nr = start[g + 1] - r0;
+    const int64_t i1 = std::min(I, (item % blocks1 + 1) * rows1);
+    const int64_t i0 = std::max((item % blocks1) * rows1, unit_of(order[r0]));  // the group's units only
+    if (i0 >= i1) return;
     const MatrixRef w = matrix_of(pool.gate_up(), c.expert_ids[order[r0]]);
     const bool vnni_act = amx_group(g), q15_g = q15_group(g);
     const int64_t s0 = src_of[r0];  // where the group's copies are (r0, or an earlier route of a lone token)
@@ -345,13 +310,13 @@ void run_experts(WorkerPool& workers, const ExpertCall& c, Tier tier) {
     if (q15_act && q15_g)  // [i0, i1): whole lanes (multiples of 8: the unit start is one of 32)
       for (int64_t j = 0; j < nr; ++j) to_q15(&b.act_h[(r0 + j) * I], i0, i1, &b.act_q[(r0 + j) * q15_bytes(I)], I / 2);
   }, min_chunk(item1_bytes));
-  record_round(1, static_cast<int64_t>(items1.size()), t_phase1);
+  record_round(1, groups * blocks1, t_phase1);
   prof.rows1 = rows1;
 
   // Phase 2: y[t, h] += w_r * (down_e[h] . act_r); an item owns output rows [h0, h1) of every
   // token, so no two threads write the same element.
   const int64_t rows2 = rows_per_item(H, 1, std::max(down_item_rows(), min_rows), workers.n_threads(), min_rows);
-  const std::vector<RowItem> items2 = row_items({{0, H}}, rows2, min_rows, workers.n_threads(), tail);
+  const int64_t blocks2 = (H + rows2 - 1) / rows2;
   const int64_t item2_bytes = groups * rows2 * static_cast<int64_t>(pool.down().expert_bytes) / H;  // of each down
   // The down columns of group g's units and their activations' layouts.
   const auto down_of = [&](int64_t g) -> std::pair<MatrixRef, ActRef> {
@@ -380,8 +345,8 @@ void run_experts(WorkerPool& workers, const ExpertCall& c, Tier tier) {
   }
   std::vector<char> summed(groups, 0);
   for (int64_t g : sums) summed[g] = 1;
-  const RoundTiming t_phase2 = workers.parallel_for(static_cast<int64_t>(items2.size()), [&](int64_t item, int) {
-    const int64_t h0 = items2[item].r0, h1 = items2[item].r1;
+  const RoundTiming t_phase2 = workers.parallel_for(blocks2, [&](int64_t item, int) {
+    const int64_t h0 = item * rows2, h1 = std::min(H, h0 + rows2);
     for (size_t p = 0; p + 1 < sum_start.size(); ++p) {
       thread_local std::vector<MatrixRef> ws;
       thread_local std::vector<ActRef> as;
@@ -414,7 +379,7 @@ void run_experts(WorkerPool& workers, const ExpertCall& c, Tier tier) {
       }
     }
   }, min_chunk(item2_bytes));
-  record_round(2, static_cast<int64_t>(items2.size()), t_phase2);
+  record_round(2, blocks2, t_phase2);
   b.trim();
   prof.rows2 = rows2;
   prof.total_us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t_start).count();

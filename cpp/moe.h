@@ -45,10 +45,6 @@ void set_down_item_rows(int64_t rows);
 // (Qwen3.6 bf16, large int4): 8 experts' rows interleaved per tile instead of one expert's 32 rows after another.
 bool down_sum();
 void set_down_sum(bool on);
-// Whether a round's last work items shrink with the rows left (guided, down to the tile's rows) so that the threads
-// finish together (default), or every item has the round's rows per item. Only speed depends on it.
-bool tail_split();
-void set_tail_split(bool on);
 
 // Where the last run_experts call (any thread) spent its time, in microseconds: the whole call, the
 // work before the first round (checks, sort), and per round (activation layouts, phase 1 = gate/up,

@@ -189,7 +189,7 @@ def test_kernel_knobs_set_parse_and_refuse():
     ValueError and leaves every knob as it was (also those set before it in the same call)."""
     default = kernel_knobs()
     assert set(default) == {"gate_up_rows", "down_rows", "prefetch_bytes", "short_row_bytes", "window_prefetch",
-                            "tile_prefetch", "int4_vnni_tokens", "tail_split", "down_sum"}
+                            "tile_prefetch", "int4_vnni_tokens", "down_sum"}
     try:
         set_kernel_knobs(down_rows=64, tile_prefetch=True)
         assert kernel_knobs() == dict(default, down_rows=64, tile_prefetch=True)
@@ -445,34 +445,24 @@ def test_amx_tier_takes_its_calls(fmt, workers):
         _host.configure_workers(info["n_workers"], info["spin_us"], info["pin"])
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "int4"])
-def test_item_rows_change_speed_only(fmt):
-    """`set_gate_up_item_rows` / `set_down_item_rows`: a round's rows per work item (a power of two in [4, 1024]),
-    and `set_tail_split` (its last items shrinking), leave every result bit as they are (each output row is one item's dot products, whatever its size); bad
+def test_item_rows_change_speed_only():
+    """`set_gate_up_item_rows` / `set_down_item_rows`: a round's rows per work item (a power of two in [4, 1024])
+    leave every result bit as they are (each output row is one item's dot products, whatever its size); bad
     values are refused."""
     info, default = _host.worker_info(), (_host.gate_up_item_rows(), _host.down_item_rows())
     _host.configure_workers(3, 20, False)
     rng = np.random.default_rng(11)
-    pool, _ = make_pool(rng, fmt, 5, 192, 128)
+    pool, _ = make_pool(rng, "bf16", 5, 192, 128)
     x = rng.standard_normal((3, 192)).astype(BF16)
     tok, eid = np.array([0, 1, 2, 2], np.int32), np.array([4, 4, 1, 0], np.int32)
     w, unit = rng.random(4).astype(np.float32), np.array([0, 0, 32, 96], np.int32)
     try:
-        outs, split_any = [], False
+        outs = []
         for rows1, rows2 in ((16, 4), (16, 16), (4, 64), (64, 1024), (1024, 32)):
             _host.set_gate_up_item_rows(rows1)
             _host.set_down_item_rows(rows2)
             assert (_host.gate_up_item_rows(), _host.down_item_rows()) == (rows1, rows2)
-            items = []
-            for tail in (True, False):  # the last items shrinking with the rows left (more items), or not
-                _host.set_tail_split(tail)
-                outs.append(_host.run_experts(pool._h, x.view(np.uint16), tok, eid, w, 4, x_bf16=True,
-                                              unit_start=unit))
-                call = _host.last_expert_call()
-                items.append((call["phase1_items"], call["phase2_items"]))
-            assert items[0][0] >= items[1][0] and items[0][1] >= items[1][1], (rows1, rows2, items)
-            split_any = split_any or items[0] != items[1]
-        assert split_any  # (the tail split cut some round's last items)
+            outs.append(_host.run_experts(pool._h, x.view(np.uint16), tok, eid, w, 4, x_bf16=True, unit_start=unit))
         for o in outs[1:]:
             np.testing.assert_array_equal(o, outs[0])
         for bad in (0, 2, 12, 2048):
@@ -481,7 +471,6 @@ def test_item_rows_change_speed_only(fmt):
             with pytest.raises(ValueError, match="gate/up item rows must be a power of two"):
                 _host.set_gate_up_item_rows(bad)
     finally:
-        _host.set_tail_split(True)
         _host.set_gate_up_item_rows(default[0])
         _host.set_down_item_rows(default[1])
         _host.configure_workers(info["n_workers"], info["spin_us"], info["pin"])
