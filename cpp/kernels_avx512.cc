@@ -31,10 +31,6 @@ inline int64_t bytes_of(const MatrixRef& w, int64_t elems) {
   return w.format == WeightFormat::kInt4 ? elems / 2 : elems * (w.format == WeightFormat::kF32 ? 4 : 2);
 }
 inline int64_t row_bytes_of(const MatrixRef& w) { return bytes_of(w, w.ld); }  // the row stride in bytes
-// seq_rows: how many rows ahead a short row prefetches (about kSeqAheadBytes of rows: one 1 KiB row ahead left the
-// dev box's short down windows 18% slower than 4-row tiles).
-constexpr int64_t kSeqAheadBytes = 4096;
-inline int64_t seq_ahead_rows(const MatrixRef& w) { return std::max<int64_t>(1, kSeqAheadBytes / row_bytes_of(w)); }
 inline __m512 load_bf16x16(const uint16_t* p) {
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
@@ -64,21 +60,17 @@ inline __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
   return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
 
-// The prefetch plan of a tile of R rows at r (short rows prefetch the next tile only inside the call's rows, r_end).
-template <int R>
-inline RowPrefetch tile_prefetch_plan(const MatrixRef& w, int64_t r, int64_t r_end) {
-  return row_prefetch(R, bytes_of(w, w.cols), row_bytes_of(w), r + 2 * R <= r_end);
-}
-
 // acc[i][j] += the lanes of W[r + i, :k] . a_j (j < N, vectors j0 ..), returns k: the first column left for a scalar
-// tail (K for int4 and whole steps). prefetch: the rows' prefetch plan (tile_prefetch_plan).
+// tail (K for int4 and whole steps). r_end: the end of the call's rows (its work item): short rows prefetch the next
+// tile only inside it.
 template <int R, int N>
-inline __attribute__((always_inline)) int64_t accumulate(const MatrixRef& w, int64_t r, const RowPrefetch& prefetch,
-                                                         const ActRef& a, int j0, __m512 (&acc)[R][N]) {
+inline __attribute__((always_inline)) int64_t accumulate(const MatrixRef& w, int64_t r, int64_t r_end, const ActRef& a,
+                                                         int j0, __m512 (&acc)[R][N]) {
   const int64_t K = w.cols;
   const float* x[N];  // (f32 / bf16 weights only: int4 in the q15 layout comes without an f32 copy)
   for (int j = 0; j < N; ++j) x[j] = a.f32 != nullptr ? a.f32 + (j0 + j) * a.stride : nullptr;
   int64_t k = 0;  // first column left for the scalar tail
+  const RowPrefetch prefetch = row_prefetch(R, bytes_of(w, K), row_bytes_of(w), r + 2 * R <= r_end);
   const int64_t pf = prefetch.pf;
   if (w.format == WeightFormat::kInt4 && a.q15 != nullptr) {
     // The q15 layout (kernels.h), 128 columns (64 packed bytes, 4 groups) at a time: the low and the high
@@ -291,7 +283,7 @@ void tile(const MatrixRef& w, int64_t r, int64_t r_end, const ActRef& a, int j0,
   for (int i = 0; i < R; ++i)
 #pragma GCC unroll 16
     for (int j = 0; j < N; ++j) acc[i][j] = _mm512_setzero_ps();
-  const int64_t k = accumulate<R, N>(w, r, tile_prefetch_plan<R>(w, r, r_end), a, j0, acc);
+  const int64_t k = accumulate<R, N>(w, r, r_end, a, j0, acc);
   if constexpr (R % 4 == 0) {
     if (k == K) {  // no tail: rows four at a time, one shuffle tree for the four sums
 #pragma GCC unroll 16
@@ -322,7 +314,7 @@ void tile_sum(const MatrixRef* ws, const ActRef* as, const float* wts, int n, in
     __m512 acc[R][1];
 #pragma GCC unroll 16
     for (int i = 0; i < R; ++i) acc[i][0] = _mm512_setzero_ps();
-    const int64_t k = accumulate<R, 1>(ws[m], r, tile_prefetch_plan<R>(ws[m], r, r_end), as[m], 0, acc);
+    const int64_t k = accumulate<R, 1>(ws[m], r, r_end, as[m], 0, acc);
     const __m512 wv = _mm512_set1_ps(wts[m]);
 #pragma GCC unroll 16
     for (int i = 0; i < R; ++i) tot[i] = _mm512_fmadd_ps(acc[i][0], wv, tot[i]);
@@ -442,20 +434,6 @@ inline bool rows8(const MatrixRef& w, const ActRef& a) {
   return w.format == WeightFormat::kInt4 && a.q15 != nullptr && a.n == 1;
 }
 
-// seq_rows (kernels.h): one token, rows one at a time, short rows prefetching seq_ahead_rows rows ahead; the prefetch
-// plan once per call (per row, its setup cost the dev box's short down windows 25%).
-void seq_dot_rows(const MatrixRef& w, int64_t r0, int64_t r1, const ActRef& a, float* out) {
-  const int64_t ahead = seq_ahead_rows(w);
-  prefetch_call_start(w, r0, r1, ahead);
-  const RowPrefetch mid = row_prefetch(ahead, bytes_of(w, w.cols), row_bytes_of(w), true),
-                    last = row_prefetch(ahead, bytes_of(w, w.cols), row_bytes_of(w), false);
-  for (int64_t r = r0; r < r1; ++r) {
-    __m512 acc[1][1] = {{_mm512_setzero_ps()}};
-    const int64_t k = accumulate<1, 1>(w, r, r + 2 * ahead <= r1 ? mid : last, a, 0, acc);
-    out[r - r0] = _mm512_reduce_add_ps(acc[0][0]) + (k < w.cols ? tail_dot(w, r, k, a, 0) : 0.f);
-  }
-}
-
 void dot_rows_sum_avx512bf16(const MatrixRef* ws, const ActRef* as, const float* wts, int n, int64_t r0, int64_t r1,
                              float* out) {
   bool all8 = true;
@@ -471,7 +449,10 @@ void dot_rows_sum_avx512bf16(const MatrixRef* ws, const ActRef* as, const float*
 }
 
 void dot_rows_avx512bf16(const MatrixRef& w, int64_t r0, int64_t r1, const ActRef& a, float* out) {
-  if (a.n == 1 && seq_rows()) return seq_dot_rows(w, r0, r1, a, out);
+  if (a.n == 1 && seq_rows()) {  // one row after another (kernels.h)
+    prefetch_call_start(w, r0, r1, 1);
+    return dot_rows_tiled<Avx512Tile, 1, 1>(w, r0, r1, a, out);
+  }
   const bool r8 = rows8(w, a);
   prefetch_call_start(w, r0, r1, r8 ? 8 : 4);
   if (r8) return dot_rows_tiled<Avx512Tile, 8, 1>(w, r0, r1, a, out);
