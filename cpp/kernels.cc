@@ -50,7 +50,6 @@ std::atomic<int64_t> g_prefetch{kDefaultPrefetchBytes};
 std::atomic<int64_t> g_short_rows{kShortRowBytes};
 std::atomic<bool> g_window_prefetch{true};
 std::atomic<bool> g_tile_prefetch{false};
-std::atomic<bool> g_seq_rows{false};
 std::atomic<int64_t> g_int4_vnni_tokens{-1};  // -1: the default for this CPU, on first read
 }  // namespace
 
@@ -111,8 +110,6 @@ void set_prefetch_bytes(int64_t bytes) {
 
 bool window_prefetch() { return g_window_prefetch.load(std::memory_order_relaxed); }
 void set_window_prefetch(bool on) { g_window_prefetch.store(on, std::memory_order_relaxed); }
-bool seq_rows() { return g_seq_rows.load(std::memory_order_relaxed); }
-void set_seq_rows(bool on) { g_seq_rows.store(on, std::memory_order_relaxed); }
 bool tile_prefetch() { return g_tile_prefetch.load(std::memory_order_relaxed); }
 void set_tile_prefetch(bool on) { g_tile_prefetch.store(on, std::memory_order_relaxed); }
 int64_t int4_vnni_tokens() {

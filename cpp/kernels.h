@@ -167,11 +167,6 @@ inline int64_t prefetch_distance(int64_t rows, int64_t row_bytes, bool next_in_c
 // window_prefetch(false) turns the limit off (the earlier kernels, for benchmarks: bench/unit_windows.py).
 bool window_prefetch();
 void set_window_prefetch(bool on);
-// One-token calls on the AVX-512 loops (batch-1 decode's CPU experts) walk their rows one at a time, each read to its
-// end before the next (one sequential stream per thread, as a STREAM read is), instead of micro-tiles of 4 (bf16) or
-// 8 (int4 in q15) rows read side by side. The rows' sums then add in another order (last bits). Default off.
-bool seq_rows();
-void set_seq_rows(bool on);
 inline int64_t prefetch_stop(int64_t pf, int64_t window, int64_t row_bytes) {
   return window < row_bytes && pf < row_bytes && window_prefetch() ? window - pf : INT64_MAX;
 }

@@ -449,10 +449,6 @@ void dot_rows_sum_avx512bf16(const MatrixRef* ws, const ActRef* as, const float*
 }
 
 void dot_rows_avx512bf16(const MatrixRef& w, int64_t r0, int64_t r1, const ActRef& a, float* out) {
-  if (a.n == 1 && seq_rows()) {  // one row after another (kernels.h)
-    prefetch_call_start(w, r0, r1, 1);
-    return dot_rows_tiled<Avx512Tile, 1, 1>(w, r0, r1, a, out);
-  }
   const bool r8 = rows8(w, a);
   prefetch_call_start(w, r0, r1, r8 ? 8 : 4);
   if (r8) return dot_rows_tiled<Avx512Tile, 8, 1>(w, r0, r1, a, out);

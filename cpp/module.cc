@@ -291,9 +291,6 @@ NB_MODULE(_host, m) {
         "Whether long rows prefetch the next tile's rows in the last prefetch distance of their window (default False).");
   m.def("set_tile_prefetch", &set_tile_prefetch, "on"_a,
         "True: a tile of long rows warms the next tile's rows as it ends (bench/unit_windows.py, decode --knob-variants).");
-  m.def("seq_rows", &seq_rows, "Whether one-token calls walk their rows one at a time (default False).");
-  m.def("set_seq_rows", &set_seq_rows, "on"_a,
-        "True: one-token calls on the AVX-512 loops read their rows one after another (one stream per thread).");
   m.def("down_sum", &down_sum, "Whether down's round sums a token's lone experts in one pass (default False).");
   m.def("set_down_sum", &set_down_sum, "on"_a,
         "True: a token's lone experts' down rows summed in one pass per work item (False: one call each).");

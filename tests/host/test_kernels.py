@@ -167,14 +167,13 @@ def test_window_and_tile_prefetch_change_speed_only(tier, fmt):
                              unit_start=unit)
     default = kernel_knobs()
     try:
-        for vnni, dsum, seq in ((64, False, False), (0, False, False), (64, True, False), (64, False, True)):
-            # each loop (int4: q15 / bf16; down summed per token or not; one-token rows one at a time or not) bit for
-            # bit under the prefetch knobs
+        for vnni, dsum in ((64, False), (0, False), (64, True)):  # each loop (int4: q15 / bf16; down summed per token
+            # or not) bit for bit under the prefetch knobs
             outs = []
             for pf, short in ((default["prefetch_bytes"], default["short_row_bytes"]), (64, 0), (512, 0)):
                 for window, tile in ((True, False), (False, False), (True, True), (False, True)):
                     set_kernel_knobs(prefetch_bytes=pf, short_row_bytes=short, window_prefetch=window,
-                                     tile_prefetch=tile, int4_vnni_tokens=vnni, down_sum=dsum, seq_rows=seq)
+                                     tile_prefetch=tile, int4_vnni_tokens=vnni, down_sum=dsum)
                     assert (_host.window_prefetch(), _host.tile_prefetch()) == (window, tile)
                     outs.append(_host.run_experts(pool._h, x.view(np.uint16), tok, eid, w, 6, x_bf16=True,
                                                   unit_start=unit))
@@ -190,7 +189,7 @@ def test_kernel_knobs_set_parse_and_refuse():
     ValueError and leaves every knob as it was (also those set before it in the same call)."""
     default = kernel_knobs()
     assert set(default) == {"gate_up_rows", "down_rows", "prefetch_bytes", "short_row_bytes", "window_prefetch",
-                            "tile_prefetch", "int4_vnni_tokens", "seq_rows", "down_sum"}
+                            "tile_prefetch", "int4_vnni_tokens", "down_sum"}
     try:
         set_kernel_knobs(down_rows=64, tile_prefetch=True)
         assert kernel_knobs() == dict(default, down_rows=64, tile_prefetch=True)
