@@ -28,14 +28,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ftjax import _host  # noqa: E402
 from ftjax.host import kernel_knobs, knob_variants, measure, set_kernel_knobs  # noqa: E402
 
+def _k(row: dict) -> str:  # routes per token, 's' when every token shares the same experts
+    return f"{row['top_k']}{'s' if row.get('shared') else ''}"
+
+
 SHAPES = {"qwen3.6 (H2048 I512)": measure.ExpertShape(2048, 512), "large (H4096 I2048)": measure.ExpertShape(4096, 2048)}
 
 
 def cpu_part(window_gib: float, calls: int, tiers: list[str], prefetch: list[int],
              formats: tuple[str, ...] = ("bf16", "int4"), short_rows: list[int] | None = None,
-             variants: dict[str, dict] | None = None) -> list[dict]:
+             variants: dict[str, dict] | None = None, shared_tokens: tuple[int, ...] = ()) -> list[dict]:
     """`variants`: {name: whole kernel_knobs dict} to time each case under, their calls round robin (default: the
-    knobs as they are); prefetch / short_rows override theirs."""
+    knobs as they are); prefetch / short_rows override theirs. `shared_tokens`: also calls of that many tokens all
+    routed to the same top-k experts (exactly that many tokens per expert)."""
     window = int(window_gib * 2**30)
     default = kernel_knobs()
     short_rows = short_rows or [default["short_row_bytes"]]
@@ -50,13 +55,15 @@ def cpu_part(window_gib: float, calls: int, tiers: list[str], prefetch: list[int
                 knobs = {v: dict(variants[v], prefetch_bytes=pf, short_row_bytes=short) for v in variants}
                 # (tokens, routes per token): decode calls of 1 and 8 tokens x top-8, and the 1-2 expert
                 # calls a CPU branch gets per layer when most misses are filled
-                for tokens, k in ((1, shape.top_k), (8, shape.top_k), (1, 1), (1, 2)):
+                cases = [(1, shape.top_k, False), (8, shape.top_k, False), (1, 1, False), (1, 2, False)]
+                for tokens, k, shared in cases + [(t, shape.top_k, True) for t in shared_tokens]:
                     res = measure.cpu_kernel_variants(pool, dataclasses.replace(shape, top_k=k), tokens, knobs,
-                                                      calls=calls)
+                                                      calls=calls, shared=shared)
                     for v, r in res.items():
                         rows.append({"shape": name, "format": fmt, "tier": tier, "prefetch": pf, "short_rows": short,
                                      "down_rows": knobs[v]["down_rows"], "knobs": v, "tokens": tokens,
-                                     "top_k": k, **r, "stream_gbps": stream, "ratio": r["gbps"] / stream})
+                                     "top_k": k, "shared": shared, **r, "stream_gbps": stream,
+                                     "ratio": r["gbps"] / stream})
             pool.close()
             del pool
     _host.set_tier("auto")
@@ -187,6 +194,9 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, nargs="+", default=None,
                     help="time the CPU table at these thread counts (caller + workers; STREAM with the same "
                          "threads), e.g. 1 2 4 8 15: does the per-thread rate hold as threads are added?")
+    ap.add_argument("--shared-tokens", type=int, nargs="+", default=[],
+                    help="also time calls of this many tokens all routed to the same top-k experts (k shown as "
+                         "'8s': exactly that many tokens per expert), e.g. 4 8 16")
     ap.add_argument("--per-core", action="store_true",
                     help="also time one thread on one cache-resident expert (compute rate per core)")
     ap.add_argument("--no-gpu", action="store_true")
@@ -216,7 +226,7 @@ def main(argv=None) -> int:
             _host.configure_workers(n - 1, info["spin_us"], info["pin"])
         try:
             rows = cpu_part(args.window_gib, args.calls, tiers, prefetch, tuple(args.formats), args.short_rows,
-                            variants)
+                            variants, tuple(args.shared_tokens))
         finally:
             if args.threads:
                 _host.configure_workers(info["n_workers"], info["spin_us"], info["pin"])
@@ -227,23 +237,23 @@ def main(argv=None) -> int:
               f"({args.window_gib} GiB); per thread = GB/s / threads; GB/s and /STREAM over the timed Python call, "
               f"'kernel' = /STREAM over the kernel's own clock (no binding or y allocation: the call as the jitted "
               f"step's FFI handler makes it)")
-        print(f"{'shape':22} {'fmt':5} {'tier':11} {'pf B':>5} {'short':>5} {'knobs':{kw}} {'thr':>3} {'tok':>3} {'k':>2} "
+        print(f"{'shape':22} {'fmt':5} {'tier':11} {'pf B':>5} {'short':>5} {'knobs':{kw}} {'thr':>3} {'tok':>3} {'k':>3} "
               f"{'ms':>7} "
               f"{'GB/s':>7} {'/thread':>7} {'STREAM':>7} {'/STREAM':>8} {'kernel':>7}")
     for r in res["kernel"]:
         print(f"{r['shape']:22} {r['format']:5} {r['tier']:11} {r['prefetch']:5d} {r['short_rows']:5d} {r['knobs']:{kw}} "
               f"{r['threads']:3d} "
-              f"{r['tokens']:>3} {r['top_k']:>2} {r['ms']:7.3f} {r['gbps']:7.1f} {r['gbps'] / r['threads']:7.2f} "
+              f"{r['tokens']:>3} {_k(r):>3} {r['ms']:7.3f} {r['gbps']:7.1f} {r['gbps'] / r['threads']:7.2f} "
               f"{r['stream_gbps']:7.1f} {r['ratio']:8.2f} {r['kernel_gbps'] / r['stream_gbps']:7.2f}")
     if res["kernel"]:
         print("\nWhere the calls go (us, the kernel's clock, medians): setup, then per round its wall time / the caller's"
               "\nwait for other threads; 'outside' = the timed call minus the kernel's total (binding, y allocation)")
-        print(f"{'shape':22} {'fmt':5} {'tier':11} {'knobs':{kw}} {'tok':>3} {'k':>2} {'total':>7} {'setup':>6} {'layouts':>13} "
+        print(f"{'shape':22} {'fmt':5} {'tier':11} {'knobs':{kw}} {'tok':>3} {'k':>3} {'total':>7} {'setup':>6} {'layouts':>13} "
               f"{'phase1':>13} {'phase2':>13} {'outside':>7}")
         for r in res["kernel"]:
             p = r["profile"]
             rounds = " ".join(f"{p[k + '_us']:7.1f}/{p[k + '_wait_us']:5.1f}" for k in ("layouts", "phase1", "phase2"))
-            print(f"{r['shape']:22} {r['format']:5} {r['tier']:11} {r['knobs']:{kw}} {r['tokens']:>3} {r['top_k']:>2} "
+            print(f"{r['shape']:22} {r['format']:5} {r['tier']:11} {r['knobs']:{kw}} {r['tokens']:>3} {_k(r):>3} "
                   f"{p['total_us']:7.1f} "
                   f"{p['setup_us']:6.1f} {rounds} {r['ms'] * 1e3 - p['total_us']:7.1f}")
     if args.per_core:

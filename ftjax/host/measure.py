@@ -82,10 +82,12 @@ def cpu_kernel_gbps(pool: HostPool, shape: ExpertShape, tokens: int, calls: int 
 
 
 def cpu_kernel_variants(pool: HostPool, shape: ExpertShape, tokens: int, variants: dict, calls: int = 20,
-                        seed: int = 0, act: str = "bf16") -> dict:
+                        seed: int = 0, act: str = "bf16", shared: bool = False) -> dict:
     """`cpu_kernel_gbps` under each of `variants` ({name: kernel_knobs dict to set, or None: as they are}), the
     variants' calls round robin (call i of every variant, then call i + 1: a host's drift over the run falls on all
-    of them alike), each call on its own fresh window. {name: result}; the knobs are left as the last variant set."""
+    of them alike), each call on its own fresh window. {name: result}; the knobs are left as the last variant set.
+    `shared`: every token routes to the same top_k experts (exactly `tokens` per expert; otherwise each token picks
+    top_k of a window of 2 top_k)."""
     from ftjax.host import set_kernel_knobs
 
     rng = np.random.default_rng(seed)
@@ -99,10 +101,13 @@ def cpu_kernel_variants(pool: HostPool, shape: ExpertShape, tokens: int, variant
         for v, knobs in variants.items():
             if knobs is not None:
                 set_kernel_knobs(**knobs)
-            # each token picks top_k distinct experts out of a fresh window of 2*top_k experts
-            window = (cursor + np.arange(2 * shape.top_k)) % n
-            cursor = (cursor + 2 * shape.top_k) % n
-            eid = np.concatenate([rng.choice(window, shape.top_k, replace=False) for _ in range(tokens)]).astype(np.int32)
+            # each token picks top_k distinct experts out of a fresh window of 2*top_k experts (shared: all top_k
+            # experts of a fresh window of top_k)
+            width = shape.top_k if shared else 2 * shape.top_k
+            window = (cursor + np.arange(width)) % n
+            cursor = (cursor + width) % n
+            eid = np.concatenate([window if shared else rng.choice(window, shape.top_k, replace=False)
+                                  for _ in range(tokens)]).astype(np.int32)
             tok = np.repeat(np.arange(tokens, dtype=np.int32), shape.top_k)
             w = np.full(eid.size, 0.125, np.float32)
             t0 = time.perf_counter()
