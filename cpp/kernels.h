@@ -46,7 +46,6 @@ struct ActRef {
   // c0 / 2 bytes in. nullptr: not provided (the tiers use bf16_pair64 or bf16).
   const int8_t* q15 = nullptr;
   int64_t q15_stream = 0;
-  bool q15_words = false;  // the q15 layout's word form (streams 0-3 as int16 pairs: to_q15 below)
 };
 
 // The q15 layout of a bf16 vector of length K (K % 8 == 0) for the int4 VNNI loop (VPDPBUSD: unsigned
@@ -60,20 +59,10 @@ struct ActRef {
 //   0: hi of the even columns, 1: hi of the odd columns, 2: lo of the even, 3: lo of the odd (int8 each);
 //   4: -8 * (sum of the lane's q) as int32 (the nibbles' offset of 8, taken out once per lane);
 //   5: 2^-s as f32 (NaN when the lane holds an inf or NaN).
-// The word form (for VPDPWSSD: the nibbles widened to words, no hi / lo split) keeps streams 4 and 5 and the sizes;
-// streams 0-3 hold q itself: stream m's dword d = the int16 pair (q[8d + m], q[8d + m + 4]), low word first (the
-// columns a dword lane of the nibbles widened to words holds: word m' of a 64-byte span is column 4m' + m of
-// v & 0xF, (v >> 4) & 0xF, (v >> 8) & 0xF, v >> 12 for m = 0..3).
 constexpr int kQ15Streams = 6;
 inline int64_t q15_bytes(int64_t K) { return kQ15Streams * (K / 2); }
-// Writes columns [k0, k1) (multiples of 8) of x's layout at base (stream bytes S = K / 2), in the word form if
-// `words`. In AVX-512.
-void to_q15(const uint16_t* x, int64_t k0, int64_t k1, int8_t* base, int64_t S, bool words = false);
-// From how many tokens per expert the q15 groups take the word form and its VPDPWSSD loop (per token and 128
-// weights 7 vector instructions against 9; per span 3 more); 0: never. Default kInt4Q16Tokens.
-constexpr int64_t kInt4Q16Tokens = 0;
-int64_t int4_q16_tokens();
-void set_int4_q16_tokens(int64_t tokens);  // 0 .. 64
+// Writes columns [k0, k1) (multiples of 8) of x's layout at base (stream bytes S = K / 2). In AVX-512.
+void to_q15(const uint16_t* x, int64_t k0, int64_t k1, int8_t* base, int64_t S);
 // Up to how many tokens per expert int4 x bf16 calls use the q15 layout and VPDPBUSD (AVX-512 loops; on the AMX
 // tier such groups skip its int4 tiles too); more: the pair64 order and VDPBF16PS (the loop before) or the AMX int4
 // tiles; 0: never. Default: kInt4VnniTokensAmx where the AMX tier runs (H200 host, Xeon, 15 threads, round robin,
@@ -218,7 +207,7 @@ void dot_rows_sum_avx512bf16(const MatrixRef* ws, const ActRef* as, const float*
 void pack_vnni_avx512(const uint16_t* xj, int64_t K, int64_t k0, int64_t k1, int n, int j, uint32_t* dst,
                       bool int4_order);
 void to_pair64_avx512(const uint16_t* x, int64_t K, uint16_t* dst);
-void to_q15_avx512(const uint16_t* x, int64_t k0, int64_t k1, int8_t* base, int64_t S, bool words);
+void to_q15_avx512(const uint16_t* x, int64_t k0, int64_t k1, int8_t* base, int64_t S);
 bool amx_enable();  // asks the kernel for AMX tile state; false if refused
 
 inline float bf16_to_f32(uint16_t b) {

@@ -86,8 +86,6 @@ inline __attribute__((always_inline)) int64_t accumulate(const MatrixRef& w, int
     int4_rows<R>(w, r, row, sc);
     const int64_t S = a.q15_stream;
     for (int j = 0; j < N; ++j) xq[j] = a.q15 + (j0 + j) * kQ15Streams * S;
-    const bool words = a.q15_words;
-    const __m512i low4w = _mm512_set1_epi16(0x000F);
     const auto span = [&](auto tail, int64_t c, __mmask64 mb, __mmask16 ml, __mmask8 mw) __attribute__((always_inline)) {
       constexpr bool kTail = decltype(tail)::value;
       const auto ld = [&](const void* p) __attribute__((always_inline)) {
@@ -97,25 +95,11 @@ inline __attribute__((always_inline)) int64_t accumulate(const MatrixRef& w, int
 #pragma GCC unroll 16
       for (int i = 0; i < R; ++i) {
         const __m512i v = ld(row[i] + c / 2);
+        const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
         const __m128i sw = kTail ? _mm_maskz_loadu_epi16(mw, sc[i] + c / 32)
                                  : _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc[i] + c / 32));
         const __m512 scale =
             _mm512_castsi512_ps(_mm512_maskz_permutexvar_epi16(0xAAAAAAAAu, scale_idx, _mm512_castsi128_si512(sw)));
-        if (words) {  // word form: the nibbles as words (column 4m' + m of word m' in w[m]), VPDPWSSD, exact sums
-          const __m512i w[4] = {_mm512_and_si512(v, low4w), _mm512_and_si512(_mm512_srli_epi16(v, 4), low4w),
-                                _mm512_and_si512(_mm512_srli_epi16(v, 8), low4w), _mm512_srli_epi16(v, 12)};
-#pragma GCC unroll 16
-          for (int j = 0; j < N; ++j) {
-            const int8_t* q = xq[j] + c / 2;
-            __m512i sum = kTail ? _mm512_maskz_loadu_epi32(ml, q + 4 * S) : _mm512_loadu_si512(q + 4 * S);
-#pragma GCC unroll 4
-            for (int m = 0; m < 4; ++m) sum = _mm512_dpwssd_epi32(sum, w[m], ld(q + m * S));
-            const __m512 lane_scale = kTail ? _mm512_maskz_loadu_ps(ml, q + 5 * S) : _mm512_loadu_ps(q + 5 * S);
-            acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(scale, lane_scale), acc[i][j]);
-          }
-          continue;
-        }
-        const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
 #pragma GCC unroll 16
         for (int j = 0; j < N; ++j) {
           const int8_t* q = xq[j] + c / 2;
@@ -369,7 +353,7 @@ void to_pair64_avx512(const uint16_t* x, int64_t K, uint16_t* dst) {
   }
 }
 
-void to_q15_avx512(const uint16_t* x, int64_t k0, int64_t k1, int8_t* base, int64_t S, bool words) {
+void to_q15_avx512(const uint16_t* x, int64_t k0, int64_t k1, int8_t* base, int64_t S) {
   // 16 columns (two lanes) at a time: the lane's largest exponent field e (bf16 bits 7-14) reaches every
   // dword of its half by three XOR-permute maxima; x * 2^(140 - e) < 2^14 rounds to q (nearest even); the
   // qwords' low dwords are the even columns (VPMOVQB stores their low bytes), >> 32 the odd ones.
@@ -379,8 +363,6 @@ void to_q15_avx512(const uint16_t* x, int64_t k0, int64_t k1, int8_t* base, int6
   const __m512i x4 = _mm512_xor_si512(iota, _mm512_set1_epi32(4)), x2 = _mm512_xor_si512(iota, _mm512_set1_epi32(2)),
                 x1 = _mm512_xor_si512(iota, _mm512_set1_epi32(1));
   const __m512i lanes = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 8, 0);  // dwords 0 and 8 first
-  // word form: words (m, lane L, pair p) <- column 8L + m + 4p: m0 L0 (0, 4), m0 L1 (8, 12), m1 L0 (1, 5), ...
-  const __m256i word_order = _mm256_setr_epi16(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
   for (int64_t k = k0; k < k1; k += 16) {
     const bool two = k + 16 <= k1;
     const __m512i d = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(two ? 0xFFFF : 0x00FF, x + k));
@@ -391,19 +373,12 @@ void to_q15_avx512(const uint16_t* x, int64_t k0, int64_t k1, int8_t* base, int6
     e = _mm512_max_epu32(e, _mm512_set1_epi32(14));  // zero lanes (and subnormals, which round to 0)
     const __m512 up = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_sub_epi32(_mm512_set1_epi32(267), e), 23));
     const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(d, 16)), up));
-    if (words) {  // the 16 columns' words ordered (m, lane): stream m gets (q[8L + m], q[8L + m + 4]) of lanes 0, 1
-      const __m256i qw = _mm256_permutexvar_epi16(word_order, _mm512_cvtepi32_epi16(q));
-      alignas(32) int64_t pair[4];
-      _mm256_store_si256(reinterpret_cast<__m256i*>(pair), qw);
-      for (int m = 0; m < 4; ++m) std::memcpy(base + m * S + k / 2, &pair[m], two ? 8 : 4);
-    } else {
-      const __m512i hi = _mm512_srai_epi32(q, 7), lo = _mm512_and_si512(q, _mm512_set1_epi32(127));
-      const __mmask8 mq = two ? 0xFF : 0x0F;
-      _mm512_mask_cvtepi64_storeu_epi8(base + k / 2, mq, hi);
-      _mm512_mask_cvtepi64_storeu_epi8(base + S + k / 2, mq, _mm512_srli_epi64(hi, 32));
-      _mm512_mask_cvtepi64_storeu_epi8(base + 2 * S + k / 2, mq, lo);
-      _mm512_mask_cvtepi64_storeu_epi8(base + 3 * S + k / 2, mq, _mm512_srli_epi64(lo, 32));
-    }
+    const __m512i hi = _mm512_srai_epi32(q, 7), lo = _mm512_and_si512(q, _mm512_set1_epi32(127));
+    const __mmask8 mq = two ? 0xFF : 0x0F;
+    _mm512_mask_cvtepi64_storeu_epi8(base + k / 2, mq, hi);
+    _mm512_mask_cvtepi64_storeu_epi8(base + S + k / 2, mq, _mm512_srli_epi64(hi, 32));
+    _mm512_mask_cvtepi64_storeu_epi8(base + 2 * S + k / 2, mq, lo);
+    _mm512_mask_cvtepi64_storeu_epi8(base + 3 * S + k / 2, mq, _mm512_srli_epi64(lo, 32));
     __m512i sum = _mm512_add_epi32(q, _mm512_permutexvar_epi32(x4, q));
     sum = _mm512_add_epi32(sum, _mm512_permutexvar_epi32(x2, sum));
     sum = _mm512_add_epi32(sum, _mm512_permutexvar_epi32(x1, sum));

@@ -103,18 +103,16 @@ nb::ndarray<nb::numpy, float, nb::ndim<2>> dot_rows_py(PoolHandle& h, const std:
   for (int64_t i = 0; i < n * K; ++i) xf[i] = xh ? bf16_to_f32(xh[i]) : static_cast<const float*>(x.data())[i];
   const Tier tier = active_tier();
   const bool simd = xh && int4 && tier >= Tier::kAvx512Bf16;
-  const bool words = int4_q16_tokens() > 0 && n >= int4_q16_tokens();
   if (simd && n <= int4_vnni_tokens()) {
     q15.resize(n * q15_bytes(K));
-    for (int64_t j = 0; j < n; ++j) to_q15(xh + j * K, 0, K, &q15[j * q15_bytes(K)], K / 2, words);
+    for (int64_t j = 0; j < n; ++j) to_q15(xh + j * K, 0, K, &q15[j * q15_bytes(K)], K / 2);
   } else if (simd && K % 64 == 0 && col0 % 64 == 0) {
     pair.resize(n * K);
     for (int64_t j = 0; j < n; ++j) to_pair64(xh + j * K, K, &pair[j * K]);
   }
   const MatrixRef w = column_window(matrix_of(b, expert), col0, K - col0);
   const ActRef a{xf.data() + col0, xh ? xh + col0 : nullptr, K, static_cast<int>(n),
-                 pair.empty() ? nullptr : pair.data() + col0, nullptr, q15.empty() ? nullptr : q15.data() + col0 / 2, K / 2,
-                 words && !q15.empty()};
+                 pair.empty() ? nullptr : pair.data() + col0, nullptr, q15.empty() ? nullptr : q15.data() + col0 / 2, K / 2};
   float* out = new float[b.rows * n];
   nb::capsule owner(out, [](void* p) noexcept { delete[] static_cast<float*>(p); });
   {
@@ -124,14 +122,13 @@ nb::ndarray<nb::numpy, float, nb::ndim<2>> dot_rows_py(PoolHandle& h, const std:
   return nb::ndarray<nb::numpy, float, nb::ndim<2>>(out, {static_cast<size_t>(b.rows), static_cast<size_t>(n)}, owner);
 }
 
-// The q15 layout (kernels.h) of one bf16 vector, or its word form, as its bytes: the layout alone, for tests.
-nb::ndarray<nb::numpy, int8_t, nb::ndim<1>> q15_layout_py(nb::ndarray<const uint16_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> x,
-                                                         bool words) {
+// The q15 layout (kernels.h) of one bf16 vector, as its bytes: the layout alone, for tests.
+nb::ndarray<nb::numpy, int8_t, nb::ndim<1>> q15_layout_py(nb::ndarray<const uint16_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> x) {
   const int64_t K = static_cast<int64_t>(x.shape(0));
   if (K % 8 || K == 0) throw std::invalid_argument("the q15 layout takes whole lanes of 8 columns, got " + std::to_string(K));
   int8_t* out = new int8_t[q15_bytes(K)];
   nb::capsule owner(out, [](void* p) noexcept { delete[] static_cast<int8_t*>(p); });
-  to_q15(x.data(), 0, K, out, K / 2, words);
+  to_q15(x.data(), 0, K, out, K / 2);
   return nb::ndarray<nb::numpy, int8_t, nb::ndim<1>>(out, {static_cast<size_t>(q15_bytes(K))}, owner);
 }
 
@@ -234,11 +231,7 @@ NB_MODULE(_host, m) {
   m.def("dot_rows", &dot_rows_py, "pool"_a, "bank"_a, "expert"_a, "x"_a, "x_bf16"_a = false, "col0"_a = 0,
         "One expert matrix's rows [rows, n] times x [n, cols] (columns [col0, cols)) on the calling thread, in the "
         "active tier (kernel tests).");
-  m.def("q15_layout", &q15_layout_py, "x"_a, "words"_a = false,
-        "The q15 activation layout of a bf16 vector (uint16 bits), as bytes, or its word form (tests).");
-  m.def("int4_q16_tokens", &int4_q16_tokens,
-        "From how many tokens per expert int4 x bf16 q15 groups take the word form (VPDPWSSD); 0: never.");
-  m.def("set_int4_q16_tokens", &set_int4_q16_tokens, "tokens"_a, "Set int4_q16_tokens (0 .. 64).");
+  m.def("q15_layout", &q15_layout_py, "x"_a, "The q15 activation layout of a bf16 vector (uint16 bits), as bytes (tests).");
   m.def("available_tiers", [] {
     std::vector<std::string> out;
     for (Tier t : available_tiers()) out.push_back(tier_name(t));

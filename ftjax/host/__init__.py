@@ -61,8 +61,6 @@ _KNOBS = {
     # int4 x bf16 on the AVX-512 loops, up to this many tokens per expert: q15 activations and VPDPBUSD (more:
     # bf16 products); the two agree within 2^-14 of each activation lane's largest element, not bit for bit
     "int4_vnni_tokens": (_host.int4_vnni_tokens, _host.set_int4_vnni_tokens, int),
-    # from this many tokens per expert those q15 groups take its word form (VPDPWSSD; 0: never); the same sums
-    "int4_q16_tokens": (_host.int4_q16_tokens, _host.set_int4_q16_tokens, int),
     # down's round: a token's lone experts summed in one pass (on) or one call and store each (off); f32 rounding
     "down_sum": (_host.down_sum, _host.set_down_sum, bool),
 }
@@ -71,7 +69,7 @@ _KNOBS = {
 def kernel_knobs() -> dict:
     """The CPU expert kernels' speed knobs as set now: gate_up_rows / down_rows (rows per work item of the
     two rounds), prefetch_bytes, short_row_bytes, window_prefetch, tile_prefetch, int4_vnni_tokens,
-    int4_q16_tokens, down_sum (cpp/kernels.h, cpp/moe.h). No result depends on them, except the last bits with int4_vnni_tokens (int4
+    down_sum (cpp/kernels.h, cpp/moe.h). No result depends on them, except the last bits with int4_vnni_tokens (int4
     weights, bf16 activations) and down_sum (its summation order)."""
     return {name: read() for name, (read, _, _) in _KNOBS.items()}
 

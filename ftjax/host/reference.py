@@ -33,13 +33,12 @@ def experts_reference(x, token_idx, expert_ids, weights, n_valid, gate_up, down,
     return y
 
 
-def q15_reference(bits, words: bool = False):
+def q15_reference(bits):
     """The q15 activation layout (cpp/kernels.h) of one bf16 vector (uint16 bits, length % 8 == 0), as the
     bytes ``_host.q15_layout`` writes: per lane of 8 columns a power-of-two scale 2^-s from the lane's largest
     exponent field e (at least 14), s = 140 - e, q = round-half-even(x * 2^s) = 128 hi + lo; streams hi of the
     even columns, hi of the odd, lo of the even, lo of the odd (int8), -8 * sum(q) per lane (int32), 2^-s per
-    lane (float32). Lanes holding an inf or NaN: only their scale is defined (NaN). `words`: the word form, streams
-    0-3 replaced by stream m = the int16 pairs (q[8d + m], q[8d + m + 4]) of each lane d."""
+    lane (float32). Lanes holding an inf or NaN: only their scale is defined (NaN)."""
     bits = np.asarray(bits, np.uint16)
     x = (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
     e = np.maximum(((bits >> 7) & 0xFF).astype(np.int64).reshape(-1, 8).max(1), 14)
@@ -50,12 +49,6 @@ def q15_reference(bits, words: bool = False):
     hi = q >> 7
     lo = q - 128 * hi
     lane_scale = np.where(e == 255, np.nan, np.exp2(-s.astype(np.float64))).astype(np.float32)
-    if words:
-        lanes = q.reshape(-1, 8)
-        first = [np.stack([lanes[:, m], lanes[:, m + 4]], 1).astype(np.int16).reshape(-1).view(np.int8)
-                 for m in range(4)]
-    else:
-        first = [hi[0::2].astype(np.int8), hi[1::2].astype(np.int8), lo[0::2].astype(np.int8),
-                 lo[1::2].astype(np.int8)]
-    return np.concatenate(first + [(-8 * q.reshape(-1, 8).sum(1)).astype(np.int32).view(np.int8),
-                                   lane_scale.view(np.int8)])
+    return np.concatenate([hi[0::2].astype(np.int8), hi[1::2].astype(np.int8), lo[0::2].astype(np.int8),
+                           lo[1::2].astype(np.int8), (-8 * q.reshape(-1, 8).sum(1)).astype(np.int32).view(np.int8),
+                           lane_scale.view(np.int8)])
