@@ -258,7 +258,7 @@ for s in "${steps[@]}"; do
        run cpu_down_rows 200 python3 bench/host_runtime.py --no-gpu --knob-variants ${DOWN_ROWS:-down_rows=16} \
          --out "$OUT/cpu_down_rows.json" ;;
     cpu-int4)  # session 28: the CPU kernel tests (every tier), then the int4 table on the AMX and AVX-512 tiers with
-       # the q15 / VPDPBUSD loop up to 2 tokens per expert (default), never (0) and always (64), and per core
+       # the q15 / VPDPBUSD loop as by default, never (0) and always (64), and per core
        # ($INT4_TIERS, $INT4_KNOBS, $INT4_FORMATS, INT4_PER_CORE= to skip the per-core table, $INT4_SHARED: token counts
        # all routed to the same experts, session 29; ~4 min)
        run cpu_tests_int4 150 python3 -m pytest -q tests/host/test_kernels.py
