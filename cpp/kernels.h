@@ -69,7 +69,7 @@ void to_q15(const uint16_t* x, int64_t k0, int64_t k1, int8_t* base, int64_t S);
 // bench/RESULTS.md session 28: 1.09-1.24x the bf16 loop at 1-8 tokens; session 29, exactly N tokens per expert: the
 // q15 loop ahead of the AMX int4 tiles at 4 (0.41 / 0.59 of STREAM against 0.33 / 0.49, Qwen3.6 / large) and 5
 // (0.29 / 0.32 against 0.27 / 0.33), level at 6 (0.24 / 0.29-0.30 against 0.25 / 0.33), behind from 7 (8: 0.17 / 0.23
-// against 0.20-0.21 / 0.32); from 16 the tiles at 2x); kInt4VnniTokens elsewhere (dev box, Zen 4, one core: 1 token
+// against 0.20-0.21 / 0.32); from 16 the tiles 1.5-1.9x ahead); kInt4VnniTokens elsewhere (dev box, Zen 4, one core: 1 token
 // 1.11-1.34x faster, 4-8 tokens 0.75-0.87x).
 constexpr int64_t kInt4VnniTokens = 2, kInt4VnniTokensAmx = 5;
 int64_t int4_vnni_tokens();
