@@ -261,7 +261,7 @@ for s in "${steps[@]}"; do
        # the q15 / VPDPBUSD loop as by default, never (0) and always (64), and per core
        # ($INT4_TIERS, $INT4_KNOBS, $INT4_FORMATS, INT4_PER_CORE= to skip the per-core table, $INT4_SHARED: token counts
        # all routed to the same experts, session 29; ~4 min)
-       run cpu_tests_int4 150 python3 -m pytest -q tests/host/test_kernels.py
+       run cpu_tests_int4 150 python3 -m pytest -q tests/host/test_kernels.py tests/host/test_q15.py
        run cpu_int4 300 python3 bench/host_runtime.py --no-gpu --formats ${INT4_FORMATS:-int4} --tiers ${INT4_TIERS:-amx avx512bf16} \
          --calls 20 ${INT4_PER_CORE---per-core} --knob-variants ${INT4_KNOBS:-int4_vnni_tokens=0 int4_vnni_tokens=64} \
          ${INT4_SHARED:+--shared-tokens $INT4_SHARED} --out "$OUT/cpu_int4.json" ;;

@@ -51,6 +51,7 @@ std::atomic<int64_t> g_short_rows{kShortRowBytes};
 std::atomic<bool> g_window_prefetch{true};
 std::atomic<bool> g_tile_prefetch{false};
 std::atomic<int64_t> g_int4_vnni_tokens{-1};  // -1: the default for this CPU, on first read
+std::atomic<int> g_int4_act_bits{15};
 }  // namespace
 
 #ifndef FTJAX_HAVE_AMX
@@ -123,6 +124,13 @@ void set_int4_vnni_tokens(int64_t tokens) {
   if (tokens < 0 || tokens > 64)
     throw std::invalid_argument("int4 VNNI tokens must be in [0, 64], got " + std::to_string(tokens));
   g_int4_vnni_tokens.store(tokens, std::memory_order_relaxed);
+}
+
+int int4_act_bits() { return g_int4_act_bits.load(std::memory_order_relaxed); }
+void set_int4_act_bits(int bits) {
+  if (bits != 15 && bits != 8)
+    throw std::invalid_argument("int4 activation bits must be 15 (exact) or 8, got " + std::to_string(bits));
+  g_int4_act_bits.store(bits, std::memory_order_relaxed);
 }
 
 int64_t short_row_bytes() { return g_short_rows.load(std::memory_order_relaxed); }
@@ -224,6 +232,17 @@ void to_q15(const uint16_t* x, int64_t k0, int64_t k1, int8_t* base, int64_t S) 
   to_q15_avx512(x, k0, k1, base, S);
 #else
   throw std::logic_error("to_q15: only the AVX-512 tiers read this layout, and this build has none");
+#endif
+}
+
+void to_q8(const uint16_t* x, int64_t k0, int64_t k1, int8_t* base, int64_t S) {
+#ifdef FTJAX_HAVE_AVX512BF16
+  if (k0 % 8 || k1 % 8 || k0 < 0 || k1 > 2 * S)
+    throw std::logic_error("to_q8: columns [" + std::to_string(k0) + ", " + std::to_string(k1) +
+                           ") are not whole lanes of 8 inside the vector");
+  to_q8_avx512(x, k0, k1, base, S);
+#else
+  throw std::logic_error("to_q8: only the AVX-512 tiers read this layout, and this build has none");
 #endif
 }
 

@@ -46,6 +46,8 @@ struct ActRef {
   // c0 / 2 bytes in. nullptr: not provided (the tiers use bf16_pair64 or bf16).
   const int8_t* q15 = nullptr;
   int64_t q15_stream = 0;
+  // The q15 pointer holds the q8 form of the layout (below): int8 activations, not exact.
+  bool q8 = false;
 };
 
 // The q15 layout of a bf16 vector of length K (K % 8 == 0) for the int4 VNNI loop (VPDPBUSD: unsigned
@@ -63,6 +65,15 @@ constexpr int kQ15Streams = 6;
 inline int64_t q15_bytes(int64_t K) { return kQ15Streams * (K / 2); }
 // Writes columns [k0, k1) (multiples of 8) of x's layout at base (stream bytes S = K / 2). In AVX-512.
 void to_q15(const uint16_t* x, int64_t k0, int64_t k1, int8_t* base, int64_t S);
+// The q8 form of the layout (int4_act_bits() == 8, opt-in, lossy): per lane of 8 columns a scale m / 127 (m the lane's
+// largest magnitude; lanes with m < 2^-100 are zeros) and q = round(x * (127 / m)) in [-127, 127] (f32 products,
+// nearest even), one VPDPBUSD per token and nibble half instead of two. Streams 0 and 1 hold q of the even and the
+// odd columns, 4 and 5 as above (-8 * sum q, the scale; NaN for a lane with an inf or NaN); 2 and 3 are not written.
+// Each element off by at most m / 254 (bf16 keeps |x| 2^-9).
+void to_q8(const uint16_t* x, int64_t k0, int64_t k1, int8_t* base, int64_t S);
+// 15 (default: the exact q15 layout) or 8 (the q8 form) for the int4 x bf16 calls that take the VNNI loop.
+int int4_act_bits();
+void set_int4_act_bits(int bits);
 // Up to how many tokens per expert int4 x bf16 calls use the q15 layout and VPDPBUSD (AVX-512 loops; on the AMX
 // tier such groups skip its int4 tiles too); more: the pair64 order and VDPBF16PS (the loop before) or the AMX int4
 // tiles; 0: never. Default: kInt4VnniTokensAmx where the AMX tier runs (H200 host, Xeon, 15 threads, round robin,
@@ -208,6 +219,7 @@ void pack_vnni_avx512(const uint16_t* xj, int64_t K, int64_t k0, int64_t k1, int
                       bool int4_order);
 void to_pair64_avx512(const uint16_t* x, int64_t K, uint16_t* dst);
 void to_q15_avx512(const uint16_t* x, int64_t k0, int64_t k1, int8_t* base, int64_t S);
+void to_q8_avx512(const uint16_t* x, int64_t k0, int64_t k1, int8_t* base, int64_t S);
 bool amx_enable();  // asks the kernel for AMX tile state; false if refused
 
 inline float bf16_to_f32(uint16_t b) {

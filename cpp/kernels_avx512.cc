@@ -86,8 +86,10 @@ inline __attribute__((always_inline)) int64_t accumulate(const MatrixRef& w, int
     int4_rows<R>(w, r, row, sc);
     const int64_t S = a.q15_stream;
     for (int j = 0; j < N; ++j) xq[j] = a.q15 + (j0 + j) * kQ15Streams * S;
-    const auto span = [&](auto tail, int64_t c, __mmask64 mb, __mmask16 ml, __mmask8 mw) __attribute__((always_inline)) {
-      constexpr bool kTail = decltype(tail)::value;
+    // The q8 form (a.q8): q itself in the hi streams, one VPDPBUSD per nibble half from -8 * sum q.
+    const auto span = [&](auto tail, auto q8, int64_t c, __mmask64 mb, __mmask16 ml,
+                          __mmask8 mw) __attribute__((always_inline)) {
+      constexpr bool kTail = decltype(tail)::value, kQ8 = decltype(q8)::value;
       const auto ld = [&](const void* p) __attribute__((always_inline)) {
         return kTail ? _mm512_maskz_loadu_epi8(mb, p) : _mm512_loadu_si512(p);
       };
@@ -103,24 +105,37 @@ inline __attribute__((always_inline)) int64_t accumulate(const MatrixRef& w, int
 #pragma GCC unroll 16
         for (int j = 0; j < N; ++j) {
           const int8_t* q = xq[j] + c / 2;
+          const __m512 lane_scale = kTail ? _mm512_maskz_loadu_ps(ml, q + 5 * S) : _mm512_loadu_ps(q + 5 * S);
+          if constexpr (kQ8) {
+            __m512i s8 = _mm512_dpbusd_epi32(kTail ? _mm512_maskz_loadu_epi32(ml, q + 4 * S) : _mm512_loadu_si512(q + 4 * S),
+                                             lo, ld(q));
+            s8 = _mm512_dpbusd_epi32(s8, hi, ld(q + S));
+            acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s8), _mm512_mul_ps(scale, lane_scale), acc[i][j]);
+            continue;
+          }
           __m512i sh = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, ld(q));
           sh = _mm512_dpbusd_epi32(sh, hi, ld(q + S));
           __m512i sl = _mm512_dpbusd_epi32(kTail ? _mm512_maskz_loadu_epi32(ml, q + 4 * S) : _mm512_loadu_si512(q + 4 * S),
                                            lo, ld(q + 2 * S));
           sl = _mm512_dpbusd_epi32(sl, hi, ld(q + 3 * S));
-          const __m512 lane_scale = kTail ? _mm512_maskz_loadu_ps(ml, q + 5 * S) : _mm512_loadu_ps(q + 5 * S);
           acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(sh, 7), sl)),
                                       _mm512_mul_ps(scale, lane_scale), acc[i][j]);
         }
       }
     };
-    int64_t c = 0;
-    for (; c + 128 <= K; c += 128) span(std::false_type{}, c, ~__mmask64{0}, 0xFFFF, 0xF);
-    if (c < K) {
-      const int g = static_cast<int>((K - c) / 32);  // 1-3 groups left (int4 columns come in groups)
-      span(std::true_type{}, c, (__mmask64{1} << (16 * g)) - 1, static_cast<__mmask16>((1u << (4 * g)) - 1),
-           static_cast<__mmask8>((1u << g) - 1));
-    }
+    const auto spans = [&](auto q8) __attribute__((always_inline)) {
+      int64_t c = 0;
+      for (; c + 128 <= K; c += 128) span(std::false_type{}, q8, c, ~__mmask64{0}, 0xFFFF, 0xF);
+      if (c < K) {
+        const int g = static_cast<int>((K - c) / 32);  // 1-3 groups left (int4 columns come in groups)
+        span(std::true_type{}, q8, c, (__mmask64{1} << (16 * g)) - 1, static_cast<__mmask16>((1u << (4 * g)) - 1),
+             static_cast<__mmask8>((1u << g) - 1));
+      }
+    };
+    if (a.q8)
+      spans(std::true_type{});
+    else
+      spans(std::false_type{});
     k = K;
   } else if (w.format == WeightFormat::kInt4 && a.bf16_pair64 != nullptr && K % 64 == 0) {
     // Two groups (64 weights, 32 bytes) at a time: the bytes widen to 32 words; VPERMW of the words
@@ -385,6 +400,44 @@ void to_q15_avx512(const uint16_t* x, int64_t k0, int64_t k1, int8_t* base, int6
     const __m512i neg8 = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(sum, 3));
     __m512 ls = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_sub_epi32(e, _mm512_set1_epi32(13)), 23));  // 2^(e - 140)
     ls = _mm512_mask_blend_ps(_mm512_cmpeq_epi32_mask(e, _mm512_set1_epi32(255)), ls, _mm512_set1_ps(__builtin_nanf("")));
+    const __mmask16 ml = two ? 0x3 : 0x1;
+    _mm512_mask_storeu_epi32(ncorr + k / 8, ml, _mm512_permutexvar_epi32(lanes, neg8));
+    _mm512_mask_storeu_ps(lane_scale + k / 8, ml, _mm512_permutexvar_ps(lanes, ls));
+  }
+}
+
+void to_q8_avx512(const uint16_t* x, int64_t k0, int64_t k1, int8_t* base, int64_t S) {
+  // 16 columns (two lanes) at a time: the lane's largest magnitude m (as bits: the same order) reaches every dword of
+  // its half by three XOR-permute maxima; q = round(x * (127 / m)) (|q| <= 127: x * RN(127 / m) <= 127 (1 + 2^-24));
+  // the qwords' low dwords are the even columns (VPMOVQB stores their low bytes), >> 32 the odd ones.
+  int32_t* const ncorr = reinterpret_cast<int32_t*>(base + 4 * S);
+  float* const lane_scale = reinterpret_cast<float*>(base + 5 * S);
+  const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const __m512i x4 = _mm512_xor_si512(iota, _mm512_set1_epi32(4)), x2 = _mm512_xor_si512(iota, _mm512_set1_epi32(2)),
+                x1 = _mm512_xor_si512(iota, _mm512_set1_epi32(1));
+  const __m512i lanes = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 8, 0);  // dwords 0 and 8 first
+  const __m512i tiny = _mm512_set1_epi32(27 << 7), inf = _mm512_set1_epi32(0x7F80);  // 2^-100, the exponent's top
+  const __m512 k127 = _mm512_set1_ps(127.0f);
+  for (int64_t k = k0; k < k1; k += 16) {
+    const bool two = k + 16 <= k1;
+    const __m512i d = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(two ? 0xFFFF : 0x00FF, x + k));
+    __m512i m = _mm512_and_si512(d, _mm512_set1_epi32(0x7FFF));
+    m = _mm512_max_epu32(m, _mm512_permutexvar_epi32(x4, m));
+    m = _mm512_max_epu32(m, _mm512_permutexvar_epi32(x2, m));
+    m = _mm512_max_epu32(m, _mm512_permutexvar_epi32(x1, m));
+    const __mmask16 live = _mm512_cmpge_epu32_mask(m, tiny);
+    const __m512 mf = _mm512_castsi512_ps(_mm512_slli_epi32(m, 16));
+    const __m512 inv = _mm512_maskz_div_ps(live, k127, mf);
+    const __m512i q = _mm512_maskz_cvtps_epi32(live, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(d, 16)), inv));
+    const __mmask8 mq = two ? 0xFF : 0x0F;
+    _mm512_mask_cvtepi64_storeu_epi8(base + k / 2, mq, q);
+    _mm512_mask_cvtepi64_storeu_epi8(base + S + k / 2, mq, _mm512_srli_epi64(q, 32));
+    __m512i sum = _mm512_add_epi32(q, _mm512_permutexvar_epi32(x4, q));
+    sum = _mm512_add_epi32(sum, _mm512_permutexvar_epi32(x2, sum));
+    sum = _mm512_add_epi32(sum, _mm512_permutexvar_epi32(x1, sum));
+    const __m512i neg8 = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(sum, 3));
+    __m512 ls = _mm512_maskz_div_ps(live, mf, k127);
+    ls = _mm512_mask_blend_ps(_mm512_cmpge_epu32_mask(m, inf), ls, _mm512_set1_ps(__builtin_nanf("")));
     const __mmask16 ml = two ? 0x3 : 0x1;
     _mm512_mask_storeu_epi32(ncorr + k / 8, ml, _mm512_permutexvar_epi32(lanes, neg8));
     _mm512_mask_storeu_ps(lane_scale + k / 8, ml, _mm512_permutexvar_ps(lanes, ls));

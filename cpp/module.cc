@@ -102,17 +102,17 @@ nb::ndarray<nb::numpy, float, nb::ndim<2>> dot_rows_py(PoolHandle& h, const std:
   const uint16_t* xh = x_bf16 ? static_cast<const uint16_t*>(x.data()) : nullptr;
   for (int64_t i = 0; i < n * K; ++i) xf[i] = xh ? bf16_to_f32(xh[i]) : static_cast<const float*>(x.data())[i];
   const Tier tier = active_tier();
-  const bool simd = xh && int4 && tier >= Tier::kAvx512Bf16;
+  const bool simd = xh && int4 && tier >= Tier::kAvx512Bf16, q8 = int4_act_bits() == 8;
   if (simd && n <= int4_vnni_tokens()) {
     q15.resize(n * q15_bytes(K));
-    for (int64_t j = 0; j < n; ++j) to_q15(xh + j * K, 0, K, &q15[j * q15_bytes(K)], K / 2);
+    for (int64_t j = 0; j < n; ++j) (q8 ? to_q8 : to_q15)(xh + j * K, 0, K, &q15[j * q15_bytes(K)], K / 2);
   } else if (simd && K % 64 == 0 && col0 % 64 == 0) {
     pair.resize(n * K);
     for (int64_t j = 0; j < n; ++j) to_pair64(xh + j * K, K, &pair[j * K]);
   }
   const MatrixRef w = column_window(matrix_of(b, expert), col0, K - col0);
   const ActRef a{xf.data() + col0, xh ? xh + col0 : nullptr, K, static_cast<int>(n),
-                 pair.empty() ? nullptr : pair.data() + col0, nullptr, q15.empty() ? nullptr : q15.data() + col0 / 2, K / 2};
+                 pair.empty() ? nullptr : pair.data() + col0, nullptr, q15.empty() ? nullptr : q15.data() + col0 / 2, K / 2, q8};
   float* out = new float[b.rows * n];
   nb::capsule owner(out, [](void* p) noexcept { delete[] static_cast<float*>(p); });
   {
@@ -123,12 +123,14 @@ nb::ndarray<nb::numpy, float, nb::ndim<2>> dot_rows_py(PoolHandle& h, const std:
 }
 
 // The q15 layout (kernels.h) of one bf16 vector, as its bytes: the layout alone, for tests.
-nb::ndarray<nb::numpy, int8_t, nb::ndim<1>> q15_layout_py(nb::ndarray<const uint16_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> x) {
+nb::ndarray<nb::numpy, int8_t, nb::ndim<1>> q15_layout_py(nb::ndarray<const uint16_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> x,
+                                                          int bits) {
+  if (bits != 15 && bits != 8) throw std::invalid_argument("bits is 15 or 8, got " + std::to_string(bits));
   const int64_t K = static_cast<int64_t>(x.shape(0));
   if (K % 8 || K == 0) throw std::invalid_argument("the q15 layout takes whole lanes of 8 columns, got " + std::to_string(K));
   int8_t* out = new int8_t[q15_bytes(K)];
   nb::capsule owner(out, [](void* p) noexcept { delete[] static_cast<int8_t*>(p); });
-  to_q15(x.data(), 0, K, out, K / 2);
+  (bits == 8 ? to_q8 : to_q15)(x.data(), 0, K, out, K / 2);
   return nb::ndarray<nb::numpy, int8_t, nb::ndim<1>>(out, {static_cast<size_t>(q15_bytes(K))}, owner);
 }
 
@@ -231,7 +233,8 @@ NB_MODULE(_host, m) {
   m.def("dot_rows", &dot_rows_py, "pool"_a, "bank"_a, "expert"_a, "x"_a, "x_bf16"_a = false, "col0"_a = 0,
         "One expert matrix's rows [rows, n] times x [n, cols] (columns [col0, cols)) on the calling thread, in the "
         "active tier (kernel tests).");
-  m.def("q15_layout", &q15_layout_py, "x"_a, "The q15 activation layout of a bf16 vector (uint16 bits), as bytes (tests).");
+  m.def("q15_layout", &q15_layout_py, "x"_a, "bits"_a = 15,
+        "The q15 activation layout of a bf16 vector (uint16 bits), or its q8 form (bits=8), as bytes (tests).");
   m.def("available_tiers", [] {
     std::vector<std::string> out;
     for (Tier t : available_tiers()) out.push_back(tier_name(t));
@@ -294,6 +297,9 @@ NB_MODULE(_host, m) {
   m.def("down_sum", &down_sum, "Whether down's round sums a token's lone experts in one pass (default False).");
   m.def("set_down_sum", &set_down_sum, "on"_a,
         "True: a token's lone experts' down rows summed in one pass per work item (False: one call each).");
+  m.def("int4_act_bits", &int4_act_bits,
+        "15: int4 x bf16 on the VNNI loop with exact 15-bit activations (default); 8: int8 activations (lossy, faster).");
+  m.def("set_int4_act_bits", &set_int4_act_bits, "bits"_a, "Set it (15 or 8).");
   m.def("int4_vnni_tokens", &int4_vnni_tokens,
         "Up to how many tokens per expert int4 x bf16 calls on the AVX-512 loops use q15 activations and VPDPBUSD.");
   m.def("set_int4_vnni_tokens", &set_int4_vnni_tokens, "tokens"_a,

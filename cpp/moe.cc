@@ -172,6 +172,8 @@ void run_experts(WorkerPool& workers, const ExpertCall& c, Tier tier) {
   // tier takes (kAmxMinTokens+ tokens) the B-tile layout.
   const bool int4_x = pool.gate_up().format == WeightFormat::kInt4, int4_act = pool.down().format == WeightFormat::kInt4;
   const int64_t q15_tokens = int4_vnni_tokens();
+  const bool q8 = int4_act_bits() == 8;  // the q8 form of the layout (opt-in, lossy)
+  const auto to_q = q8 ? to_q8 : to_q15;
   const auto amx_group = [&](int64_t g) {  // (int4 groups of up to q15_tokens tokens: the VNNI loop)
     const int64_t nr = start[g + 1] - start[g];
     return c.x_bf16 && tier == Tier::kAmx && nr >= kAmxMinTokens && !(int4_x && nr <= q15_tokens);
@@ -259,7 +261,7 @@ void run_experts(WorkerPool& workers, const ExpertCall& c, Tier tier) {
       uint16_t* av = b.act_v_words() + 2 * r0 * PI;
       for (int64_t pos = I; pos < 2 * PI; ++pos) av[2 * ((pos / 2) * nr + (r - r0)) + (pos & 1)] = 0;
     } else if (q15_g) {
-      to_q15(xh, 0, H, &b.xg_q[r * q15_bytes(H)], H / 2);
+      to_q(xh, 0, H, &b.xg_q[r * q15_bytes(H)], H / 2);
     } else if (pair_x) {
       to_pair64(xh, H, &b.xg_p[r * H]);
     }
@@ -283,7 +285,7 @@ void run_experts(WorkerPool& workers, const ExpertCall& c, Tier tier) {
     const ActRef a{q15_x && q15_g ? nullptr : &b.xg[s0 * H], c.x_bf16 ? &b.xg_h[s0 * H] : nullptr, H,
                    static_cast<int>(nr),
                    pair_x && !vnni_act && !q15_g ? &b.xg_p[s0 * H] : nullptr, vnni_act ? &b.xg_v[r0 * PH] : nullptr,
-                   q15_x && q15_g ? &b.xg_q[s0 * q15_bytes(H)] : nullptr, H / 2};
+                   q15_x && q15_g ? &b.xg_q[s0 * q15_bytes(H)] : nullptr, H / 2, q8};
     uint16_t* act_v = vnni_act ? b.act_v_words() + 2 * r0 * PI : nullptr;
     std::vector<float>& buf = scratch(2 * rows1 * nr);
     float* gate = buf.data();
@@ -308,7 +310,7 @@ void run_experts(WorkerPool& workers, const ExpertCall& c, Tier tier) {
       }
     }
     if (q15_act && q15_g)  // [i0, i1): whole lanes (multiples of 8: the unit start is one of 32)
-      for (int64_t j = 0; j < nr; ++j) to_q15(&b.act_h[(r0 + j) * I], i0, i1, &b.act_q[(r0 + j) * q15_bytes(I)], I / 2);
+      for (int64_t j = 0; j < nr; ++j) to_q(&b.act_h[(r0 + j) * I], i0, i1, &b.act_q[(r0 + j) * q15_bytes(I)], I / 2);
   }, min_chunk(item1_bytes));
   record_round(1, groups * blocks1, t_phase1);
   prof.rows1 = rows1;
@@ -328,7 +330,7 @@ void run_experts(WorkerPool& workers, const ExpertCall& c, Tier tier) {
             ActRef{&b.act[r0 * I + u], c.x_bf16 ? &b.act_h[r0 * I + u] : nullptr, I, static_cast<int>(nr),
                    pair_act && !vnni_act && !q15_g && u % 64 == 0 ? &b.act_p[r0 * I + u] : nullptr,
                    vnni_act && u % 32 == 0 ? b.act_v() + r0 * PI + u / 2 * nr : nullptr,
-                   q15_act && q15_g ? &b.act_q[r0 * q15_bytes(I) + u / 2] : nullptr, I / 2}};
+                   q15_act && q15_g ? &b.act_q[r0 * q15_bytes(I) + u / 2] : nullptr, I / 2, q8}};
   };
   // down_sum: the groups of one route (outside the AMX tiles) sum their rows per token in one pass (dot_rows_sum);
   // sums[s0, s1) = such groups of one token, in group order (batch-1 decode: every expert of the call, one pass).

@@ -61,6 +61,9 @@ _KNOBS = {
     # int4 x bf16 on the AVX-512 loops, up to this many tokens per expert: q15 activations and VPDPBUSD (more:
     # bf16 products); the two agree within 2^-14 of each activation lane's largest element, not bit for bit
     "int4_vnni_tokens": (_host.int4_vnni_tokens, _host.set_int4_vnni_tokens, int),
+    # 8: those calls quantise each activation lane of 8 columns to int8 (opt-in, off by at most m / 254 per element);
+    # 15: the exact q15 layout (default)
+    "int4_act_bits": (_host.int4_act_bits, _host.set_int4_act_bits, int),
     # down's round: a token's lone experts summed in one pass (on) or one call and store each (off); f32 rounding
     "down_sum": (_host.down_sum, _host.set_down_sum, bool),
 }

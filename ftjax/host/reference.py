@@ -52,3 +52,25 @@ def q15_reference(bits):
     return np.concatenate([hi[0::2].astype(np.int8), hi[1::2].astype(np.int8), lo[0::2].astype(np.int8),
                            lo[1::2].astype(np.int8), (-8 * q.reshape(-1, 8).sum(1)).astype(np.int32).view(np.int8),
                            lane_scale.view(np.int8)])
+
+
+def q8_reference(bits):
+    """The q8 form of the layout (cpp/kernels.h, ``int4_act_bits`` 8) of one bf16 vector, as the bytes
+    ``_host.q15_layout(bits, 8)`` writes: per lane of 8 columns m = the largest magnitude, q = round-half-even(x *
+    f32(127 / m)) (float32 arithmetic), scale f32(m / 127); lanes with m < 2^-100 are zeros (scale 0). Streams q of the
+    even columns, q of the odd (int8), two left unwritten (returned as zeros: compare streams 0, 1, 4, 5), -8 * sum(q)
+    per lane (int32), the scale (float32; NaN for a lane holding an inf or NaN, whose q are undefined)."""
+    bits = np.asarray(bits, np.uint16)
+    x = (bits.astype(np.uint32) << 16).view(np.float32)
+    m = (bits & 0x7FFF).reshape(-1, 8).max(1)
+    live = m >= (27 << 7)
+    mf = (m.astype(np.uint32) << 16).view(np.float32)
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        inv = np.where(live, np.float32(127) / mf, np.float32(0)).astype(np.float32)
+        q = np.rint(x * np.repeat(inv, 8))
+        q = np.where(np.isfinite(q), q, 0).astype(np.int64)
+        scale = np.where(m >= 0x7F80, np.float32(np.nan), np.where(live, mf / np.float32(127), np.float32(0)))
+    zero = np.zeros(len(bits) // 2, np.int8)
+    return np.concatenate([q[0::2].astype(np.int8), q[1::2].astype(np.int8), zero, zero,
+                           (-8 * q.reshape(-1, 8).sum(1)).astype(np.int32).view(np.int8),
+                           scale.astype(np.float32).view(np.int8)])
