@@ -128,7 +128,7 @@ void set_int4_vnni_tokens(int64_t tokens) {
 
 int int4_act_bits() { return g_int4_act_bits.load(std::memory_order_relaxed); }
 void set_int4_act_bits(int bits) {
-  if (bits != 15 && bits != 8 && bits != 0)
+  if (bits != 15 && bits != 8)
     throw std::invalid_argument("int4 activation bits must be 15 (exact) or 8, got " + std::to_string(bits));
   g_int4_act_bits.store(bits, std::memory_order_relaxed);
 }

@@ -89,8 +89,7 @@ inline __attribute__((always_inline)) int64_t accumulate(const MatrixRef& w, int
     // The q8 form (a.q8): q itself in the hi streams, one VPDPBUSD per nibble half from -8 * sum q.
     const auto span = [&](auto tail, auto q8, int64_t c, __mmask64 mb, __mmask16 ml,
                           __mmask8 mw) __attribute__((always_inline)) {
-      constexpr bool kTail = decltype(tail)::value;
-      constexpr int kQ8 = decltype(q8)::value;
+      constexpr bool kTail = decltype(tail)::value, kQ8 = decltype(q8)::value;
       const auto ld = [&](const void* p) __attribute__((always_inline)) {
         return kTail ? _mm512_maskz_loadu_epi8(mb, p) : _mm512_loadu_si512(p);
       };
@@ -107,11 +106,7 @@ inline __attribute__((always_inline)) int64_t accumulate(const MatrixRef& w, int
         for (int j = 0; j < N; ++j) {
           const int8_t* q = xq[j] + c / 2;
           const __m512 lane_scale = kTail ? _mm512_maskz_loadu_ps(ml, q + 5 * S) : _mm512_loadu_ps(q + 5 * S);
-          if constexpr (kQ8 == 2) {  // PROBE: the loads only
-            acc[i][j] = _mm512_add_ps(acc[i][j], _mm512_castsi512_ps(_mm512_xor_si512(lo, hi)));
-            continue;
-          }
-          if constexpr (kQ8 == 1) {
+          if constexpr (kQ8) {
             __m512i s8 = _mm512_dpbusd_epi32(kTail ? _mm512_maskz_loadu_epi32(ml, q + 4 * S) : _mm512_loadu_si512(q + 4 * S),
                                              lo, ld(q));
             s8 = _mm512_dpbusd_epi32(s8, hi, ld(q + S));
@@ -137,12 +132,10 @@ inline __attribute__((always_inline)) int64_t accumulate(const MatrixRef& w, int
              static_cast<__mmask8>((1u << g) - 1));
       }
     };
-    if (int4_act_bits() == 0)
-      spans(std::integral_constant<int, 2>{});
-    else if (a.q8)
-      spans(std::integral_constant<int, 1>{});
+    if (a.q8)
+      spans(std::true_type{});
     else
-      spans(std::integral_constant<int, 0>{});
+      spans(std::false_type{});
     k = K;
   } else if (w.format == WeightFormat::kInt4 && a.bf16_pair64 != nullptr && K % 64 == 0) {
     // Two groups (64 weights, 32 bytes) at a time: the bytes widen to 32 words; VPERMW of the words

@@ -294,8 +294,6 @@ NB_MODULE(_host, m) {
         "Whether long rows prefetch the next tile's rows in the last prefetch distance of their window (default False).");
   m.def("set_tile_prefetch", &set_tile_prefetch, "on"_a,
         "True: a tile of long rows warms the next tile's rows as it ends (bench/unit_windows.py, decode --knob-variants).");
-  m.def("group_prefetch", &group_prefetch);
-  m.def("set_group_prefetch", &set_group_prefetch, "on"_a);
   m.def("down_sum", &down_sum, "Whether down's round sums a token's lone experts in one pass (default False).");
   m.def("set_down_sum", &set_down_sum, "on"_a,
         "True: a token's lone experts' down rows summed in one pass per work item (False: one call each).");

@@ -111,9 +111,6 @@ void set_gate_up_item_rows(int64_t rows) {
 }
 int64_t down_item_rows() { return g_down_rows.load(std::memory_order_relaxed); }
 bool down_sum() { return g_down_sum.load(std::memory_order_relaxed); }
-std::atomic<bool> g_group_prefetch{false};
-bool group_prefetch() { return g_group_prefetch.load(std::memory_order_relaxed); }
-void set_group_prefetch(bool on) { g_group_prefetch.store(on, std::memory_order_relaxed); }
 void set_down_sum(bool on) { g_down_sum.store(on, std::memory_order_relaxed); }
 void set_down_item_rows(int64_t rows) {
   check_item_rows(rows, "down");
@@ -370,32 +367,9 @@ void run_experts(WorkerPool& workers, const ExpertCall& c, Tier tier) {
       float* yt = c.y + c.token_idx[order[start[sums[sum_start[p]]]]] * H;
       for (int64_t h = h0; h < h1; ++h) yt[h] += out[h - h0];
     }
-    const bool ahead = group_prefetch();
-    const auto next_group = [&](int64_t g) {  // the first group from g on with rows to read here
-      while (g < groups && (unit_of(order[start[g]]) == I || summed[g])) ++g;
-      return g;
-    };
-    for (int64_t g = next_group(0); g < groups; g = next_group(g + 1)) {
-      const int64_t r0 = start[g], nr = start[g + 1] - r0;
-      if (ahead) {  // the next group's rows [h0, h1) (and their scales) while this one computes
-        const int64_t gn = next_group(g + 1);
-        if (gn < groups) {
-          const MatrixRef wn = down_of(gn).first;
-          const int64_t rb = wn.format == WeightFormat::kInt4 ? wn.ld / 2 : wn.ld * (wn.format == WeightFormat::kF32 ? 4 : 2);
-          const int64_t wb = wn.format == WeightFormat::kInt4 ? wn.cols / 2 : wn.cols * (wn.format == WeightFormat::kF32 ? 4 : 2);
-          for (int64_t h = h0; h < h1; ++h) {
-            const uintptr_t p0 = reinterpret_cast<uintptr_t>(wn.data) + h * rb;
-            for (uintptr_t line = p0 & ~uintptr_t{63}; line < p0 + wb; line += 64)
-              __builtin_prefetch(reinterpret_cast<const void*>(line), 0, 3);
-          }
-          if (wn.scales != nullptr) {
-            const uintptr_t p0 = reinterpret_cast<uintptr_t>(wn.scales + h0 * (wn.ld / 32));
-            const uintptr_t p1 = reinterpret_cast<uintptr_t>(wn.scales + (h1 - 1) * (wn.ld / 32) + wn.cols / 32);
-            for (uintptr_t line = p0 & ~uintptr_t{63}; line < p1; line += 64)
-              __builtin_prefetch(reinterpret_cast<const void*>(line), 0, 3);
-          }
-        }
-      }
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t r0 = start[g], nr = start[g + 1] - r0, u = unit_of(order[r0]);
+      if (u == I || summed[g]) continue;  // no unit of this expert here, or summed above
       const auto [w, a] = down_of(g);
       float* out = scratch(rows2 * nr).data();
       dot(w, h0, h1, a, out);

@@ -45,9 +45,6 @@ void set_down_item_rows(int64_t rows);
 // (Qwen3.6 bf16, large int4): 8 experts' rows interleaved per tile instead of one expert's 32 rows after another.
 bool down_sum();
 void set_down_sum(bool on);
-// PROBE: down's round prefetches the next group's rows of the item while one group computes.
-bool group_prefetch();
-void set_group_prefetch(bool on);
 
 // Where the last run_experts call (any thread) spent its time, in microseconds: the whole call, the
 // work before the first round (checks, sort), and per round (activation layouts, phase 1 = gate/up,

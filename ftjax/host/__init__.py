@@ -66,7 +66,6 @@ _KNOBS = {
     "int4_act_bits": (_host.int4_act_bits, _host.set_int4_act_bits, int),
     # down's round: a token's lone experts summed in one pass (on) or one call and store each (off); f32 rounding
     "down_sum": (_host.down_sum, _host.set_down_sum, bool),
-    "group_prefetch": (_host.group_prefetch, _host.set_group_prefetch, bool),
 }
 
 
