@@ -103,7 +103,7 @@ nb::ndarray<nb::numpy, float, nb::ndim<2>> dot_rows_py(PoolHandle& h, const std:
   for (int64_t i = 0; i < n * K; ++i) xf[i] = xh ? bf16_to_f32(xh[i]) : static_cast<const float*>(x.data())[i];
   const Tier tier = active_tier();
   const bool simd = xh && int4 && tier >= Tier::kAvx512Bf16, q8 = int4_act_bits() == 8;
-  if (simd && n <= int4_vnni_tokens()) {
+  if (simd && n <= int4_vnni_limit()) {
     q15.resize(n * q15_bytes(K));
     for (int64_t j = 0; j < n; ++j) (q8 ? to_q8 : to_q15)(xh + j * K, 0, K, &q15[j * q15_bytes(K)], K / 2);
   } else if (simd && K % 64 == 0 && col0 % 64 == 0) {
@@ -300,6 +300,9 @@ NB_MODULE(_host, m) {
   m.def("int4_act_bits", &int4_act_bits,
         "15: int4 x bf16 on the VNNI loop with exact 15-bit activations (default); 8: int8 activations (lossy, faster).");
   m.def("set_int4_act_bits", &set_int4_act_bits, "bits"_a, "Set it (15 or 8).");
+  m.def("int4_q8_tokens", &int4_q8_tokens,
+        "With int4_act_bits 8: up to how many tokens per expert int4 x bf16 calls take the VNNI loop.");
+  m.def("set_int4_q8_tokens", &set_int4_q8_tokens, "tokens"_a, "Set it (0 .. 64).");
   m.def("int4_vnni_tokens", &int4_vnni_tokens,
         "Up to how many tokens per expert int4 x bf16 calls on the AVX-512 loops use q15 activations and VPDPBUSD.");
   m.def("set_int4_vnni_tokens", &set_int4_vnni_tokens, "tokens"_a,

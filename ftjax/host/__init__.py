@@ -64,6 +64,8 @@ _KNOBS = {
     # 8: those calls quantise each activation lane of 8 columns to int8 (opt-in, off by at most m / 254 per element);
     # 15: the exact q15 layout (default)
     "int4_act_bits": (_host.int4_act_bits, _host.set_int4_act_bits, int),
+    # with int4_act_bits 8, up to this many tokens per expert on the VNNI loop (instead of int4_vnni_tokens)
+    "int4_q8_tokens": (_host.int4_q8_tokens, _host.set_int4_q8_tokens, int),
     # down's round: a token's lone experts summed in one pass (on) or one call and store each (off); f32 rounding
     "down_sum": (_host.down_sum, _host.set_down_sum, bool),
 }

@@ -189,7 +189,8 @@ def test_kernel_knobs_set_parse_and_refuse():
     ValueError and leaves every knob as it was (also those set before it in the same call)."""
     default = kernel_knobs()
     assert set(default) == {"gate_up_rows", "down_rows", "prefetch_bytes", "short_row_bytes", "window_prefetch",
-                            "tile_prefetch", "int4_vnni_tokens", "int4_act_bits", "down_sum"}
+                            "tile_prefetch", "int4_vnni_tokens", "int4_act_bits", "int4_q8_tokens",
+                            "down_sum"}
     try:
         set_kernel_knobs(down_rows=64, tile_prefetch=True)
         assert kernel_knobs() == dict(default, down_rows=64, tile_prefetch=True)

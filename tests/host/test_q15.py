@@ -111,7 +111,7 @@ def test_int4_dot_rows_q8(tier):
     to f32 summation, and to the exact product within the form's bound (m / 254 per element, m its lane's largest)."""
     set_tier(tier)
     default = kernel_knobs()
-    set_kernel_knobs(int4_vnni_tokens=64, int4_act_bits=8)
+    set_kernel_knobs(int4_q8_tokens=64, int4_act_bits=8)
     try:
         rng = np.random.default_rng(zlib.crc32(f"q8{tier}".encode()))
         rows, K = 64, 352
@@ -163,7 +163,7 @@ def test_run_experts_q8(tier):
     try:
         outs = {}
         for bits in (15, 8):
-            set_kernel_knobs(int4_vnni_tokens=64, int4_act_bits=bits)
+            set_kernel_knobs(int4_vnni_tokens=64, int4_q8_tokens=64, int4_act_bits=bits)
             outs[bits] = _host.run_experts(pool._h, x.view(np.uint16), tok, eid, w, 6, x_bf16=True, unit_start=unit)
     finally:
         set_kernel_knobs(**default)
