@@ -260,11 +260,12 @@ for s in "${steps[@]}"; do
     cpu-int4)  # session 28: the CPU kernel tests (every tier), then the int4 table on the AMX and AVX-512 tiers with
        # the q15 / VPDPBUSD loop as by default, never (0) and always (64), and per core
        # ($INT4_TIERS, $INT4_KNOBS, $INT4_FORMATS, INT4_PER_CORE= to skip the per-core table, $INT4_SHARED: token counts
-       # all routed to the same experts, session 29; ~4 min)
+       # all routed to the same experts, session 29; $INT4_TRACE: token counts routed by the synthetic trace, session 30;
+       # ~4 min)
        run cpu_tests_int4 150 python3 -m pytest -q tests/host/test_kernels.py tests/host/test_q15.py
        run cpu_int4 300 python3 bench/host_runtime.py --no-gpu --formats ${INT4_FORMATS:-int4} --tiers ${INT4_TIERS:-amx avx512bf16} \
          --calls 20 ${INT4_PER_CORE---per-core} --knob-variants ${INT4_KNOBS:-int4_vnni_tokens=0 int4_vnni_tokens=64} \
-         ${INT4_SHARED:+--shared-tokens $INT4_SHARED} --out "$OUT/cpu_int4.json" ;;
+         ${INT4_SHARED:+--shared-tokens $INT4_SHARED} ${INT4_TRACE:+--trace-tokens $INT4_TRACE} --out "$OUT/cpu_int4.json" ;;
     unit-windows)  # session 27: the CPU kernel tests (every tier, incl. AMX), then the CPU call on unit windows
        # under the defaults and each of $WINDOW_KNOBS, round robin (~1 min)
        run cpu_tests_windows 150 python3 -m pytest -q tests/host/test_kernels.py

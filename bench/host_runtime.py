@@ -29,7 +29,7 @@ from ftjax import _host  # noqa: E402
 from ftjax.host import kernel_knobs, knob_variants, measure, set_kernel_knobs  # noqa: E402
 
 def _k(row: dict) -> str:  # routes per token, 's' when every token shares the same experts
-    return f"{row['top_k']}{'s' if row.get('shared') else ''}"
+    return f"{row['top_k']}{ {'shared': 's', 'trace': 't'}.get(row.get('routing'), '')}"
 
 
 SHAPES = {"qwen3.6 (H2048 I512)": measure.ExpertShape(2048, 512), "large (H4096 I2048)": measure.ExpertShape(4096, 2048)}
@@ -37,10 +37,12 @@ SHAPES = {"qwen3.6 (H2048 I512)": measure.ExpertShape(2048, 512), "large (H4096 
 
 def cpu_part(window_gib: float, calls: int, tiers: list[str], prefetch: list[int],
              formats: tuple[str, ...] = ("bf16", "int4"), short_rows: list[int] | None = None,
-             variants: dict[str, dict] | None = None, shared_tokens: tuple[int, ...] = ()) -> list[dict]:
+             variants: dict[str, dict] | None = None, shared_tokens: tuple[int, ...] = (),
+             trace_tokens: tuple[int, ...] = ()) -> list[dict]:
     """`variants`: {name: whole kernel_knobs dict} to time each case under, their calls round robin (default: the
     knobs as they are); prefetch / short_rows override theirs. `shared_tokens`: also calls of that many tokens all
-    routed to the same top-k experts (exactly that many tokens per expert)."""
+    routed to the same top-k experts (exactly that many tokens per expert); `trace_tokens`: also calls of that many
+    tokens routed by the synthetic routing trace (measure.cpu_kernel_variants)."""
     window = int(window_gib * 2**30)
     default = kernel_knobs()
     short_rows = short_rows or [default["short_row_bytes"]]
@@ -55,14 +57,15 @@ def cpu_part(window_gib: float, calls: int, tiers: list[str], prefetch: list[int
                 knobs = {v: dict(variants[v], prefetch_bytes=pf, short_row_bytes=short) for v in variants}
                 # (tokens, routes per token): decode calls of 1 and 8 tokens x top-8, and the 1-2 expert
                 # calls a CPU branch gets per layer when most misses are filled
-                cases = [(1, shape.top_k, False), (8, shape.top_k, False), (1, 1, False), (1, 2, False)]
-                for tokens, k, shared in cases + [(t, shape.top_k, True) for t in shared_tokens]:
+                cases = [(1, shape.top_k, "window"), (8, shape.top_k, "window"), (1, 1, "window"), (1, 2, "window")]
+                cases += [(t, shape.top_k, "trace") for t in trace_tokens]
+                for tokens, k, routing in cases + [(t, shape.top_k, "shared") for t in shared_tokens]:
                     res = measure.cpu_kernel_variants(pool, dataclasses.replace(shape, top_k=k), tokens, knobs,
-                                                      calls=calls, shared=shared)
+                                                      calls=calls, routing=routing)
                     for v, r in res.items():
                         rows.append({"shape": name, "format": fmt, "tier": tier, "prefetch": pf, "short_rows": short,
                                      "down_rows": knobs[v]["down_rows"], "knobs": v, "tokens": tokens,
-                                     "top_k": k, "shared": shared, **r, "stream_gbps": stream,
+                                     "top_k": k, "routing": routing, **r, "stream_gbps": stream,
                                      "ratio": r["gbps"] / stream})
             pool.close()
             del pool
@@ -197,6 +200,9 @@ def main(argv=None) -> int:
     ap.add_argument("--shared-tokens", type=int, nargs="+", default=[],
                     help="also time calls of this many tokens all routed to the same top-k experts (k shown as "
                          "'8s': exactly that many tokens per expert), e.g. 4 8 16")
+    ap.add_argument("--trace-tokens", type=int, nargs="+", default=[],
+                    help="also time calls of this many tokens routed as steps of the synthetic routing trace (one "
+                         "layer of 256 experts, calibrated skew and reuse; k shown as '8t'), e.g. 8")
     ap.add_argument("--per-core", action="store_true",
                     help="also time one thread on one cache-resident expert (compute rate per core)")
     ap.add_argument("--no-gpu", action="store_true")
@@ -215,7 +221,9 @@ def main(argv=None) -> int:
             ap.error(f"tiers {missing} not available here; available: {_host.available_tiers()}")
         tiers = args.tiers
     res = {"cpu": _host.cpu_brand(), "workers": _host.worker_info(), "window_gib": args.window_gib,
-           "routing": "synthetic: fresh expert window per call (no reuse), DRAM-bound"}
+           "routing": "synthetic: fresh expert window per call (no reuse), DRAM-bound; k '8': each token top-8 of "
+                      "a window of 16 experts, '8s': all tokens on the same 8, '8t': steps of the synthetic routing "
+                      "trace (ftjax.experts.traces, 256 experts)"}
     prefetch = args.prefetch if args.prefetch else [_host.prefetch_bytes()]
     info = res["workers"]
     res["kernel"] = []
@@ -226,7 +234,7 @@ def main(argv=None) -> int:
             _host.configure_workers(n - 1, info["spin_us"], info["pin"])
         try:
             rows = cpu_part(args.window_gib, args.calls, tiers, prefetch, tuple(args.formats), args.short_rows,
-                            variants, tuple(args.shared_tokens))
+                            variants, tuple(args.shared_tokens), tuple(args.trace_tokens))
         finally:
             if args.threads:
                 _host.configure_workers(info["n_workers"], info["spin_us"], info["pin"])

@@ -52,7 +52,7 @@ std::atomic<bool> g_window_prefetch{true};
 std::atomic<bool> g_tile_prefetch{false};
 std::atomic<int64_t> g_int4_vnni_tokens{-1};  // -1: the default for this CPU, on first read
 std::atomic<int> g_int4_act_bits{15};
-std::atomic<int64_t> g_int4_q8_tokens{-1};  // -1: the default for this CPU, on first read
+std::atomic<int64_t> g_int4_q8_tokens{kInt4Q8Tokens};
 }  // namespace
 
 #ifndef FTJAX_HAVE_AMX
@@ -128,11 +128,7 @@ void set_int4_vnni_tokens(int64_t tokens) {
 }
 
 int64_t int4_q8_tokens() {
-  const int64_t t = g_int4_q8_tokens.load(std::memory_order_relaxed);
-  if (t >= 0) return t;
-  const int64_t d = supported(Tier::kAmx) && compiled(Tier::kAmx) ? kInt4Q8TokensAmx : kInt4Q8Tokens;
-  g_int4_q8_tokens.store(d, std::memory_order_relaxed);
-  return d;
+  return g_int4_q8_tokens.load(std::memory_order_relaxed);
 }
 void set_int4_q8_tokens(int64_t tokens) {
   if (tokens < 0 || tokens > 64)

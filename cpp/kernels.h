@@ -75,9 +75,11 @@ void to_q8(const uint16_t* x, int64_t k0, int64_t k1, int8_t* base, int64_t S);
 int int4_act_bits();
 void set_int4_act_bits(int bits);
 // With the q8 form, up to how many tokens per expert int4 x bf16 calls take the VNNI loop (instead of
-// int4_vnni_tokens); more: as above (the AMX int4 tiles or the bf16 products). Defaults: kInt4Q8TokensAmx where the
-// AMX tier runs, kInt4Q8Tokens elsewhere (dev box, Zen 4, one core: 8 tokens 1.0-1.3x the bf16 loop).
-constexpr int64_t kInt4Q8Tokens = 8, kInt4Q8TokensAmx = 16;
+// int4_vnni_tokens); more: as above (the AMX int4 tiles or the bf16 products). Default kInt4Q8Tokens (H200 host, Xeon,
+// 15 threads, exactly N tokens per expert, bench/RESULTS.md session 30: at 8 the q8 loop 0.23 / 0.34 of STREAM against
+// the AMX int4 tiles' 0.20 / 0.31 (Qwen3.6 / large), at 16 0.12 / 0.18 against 0.13 / 0.24; dev box, Zen 4, one core:
+// 8 tokens 1.0-1.3x the bf16 loop).
+constexpr int64_t kInt4Q8Tokens = 8;
 int64_t int4_q8_tokens();
 void set_int4_q8_tokens(int64_t tokens);  // 0 .. 64
 // The VNNI loop's limit in the current mode: int4_q8_tokens() with the q8 form, else int4_vnni_tokens().

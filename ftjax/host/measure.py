@@ -82,13 +82,23 @@ def cpu_kernel_gbps(pool: HostPool, shape: ExpertShape, tokens: int, calls: int 
 
 
 def cpu_kernel_variants(pool: HostPool, shape: ExpertShape, tokens: int, variants: dict, calls: int = 20,
-                        seed: int = 0, act: str = "bf16", shared: bool = False) -> dict:
+                        seed: int = 0, act: str = "bf16", routing: str = "window") -> dict:
     """`cpu_kernel_gbps` under each of `variants` ({name: kernel_knobs dict to set, or None: as they are}), the
     variants' calls round robin (call i of every variant, then call i + 1: a host's drift over the run falls on all
     of them alike), each call on its own fresh window. {name: result}; the knobs are left as the last variant set.
-    `shared`: every token routes to the same top_k experts (exactly `tokens` per expert; otherwise each token picks
-    top_k of a window of 2 top_k)."""
+    `routing`: "window" (each token picks top_k of a fresh window of 2 top_k experts: ~tokens / 2 per expert), "shared"
+    (every token routes to the same top_k experts: exactly `tokens` per expert) or "trace" (call i routes as step i of
+    a synthetic routing trace of one layer of 256 experts, batch `tokens`, the calibrated defaults of
+    ftjax.experts.traces: 8 tokens x top-8 reach ~32 experts, ~2 tokens per expert; the same steps for every
+    variant), always onto experts of a fresh window of the pool."""
     from ftjax.host import set_kernel_knobs
+
+    if routing not in ("window", "shared", "trace"):
+        raise ValueError(f"routing is window, shared or trace, got {routing!r}")
+    trace = None
+    if routing == "trace":
+        from ftjax.experts.traces import synthetic_trace
+        trace = synthetic_trace(calls + 2, 1, 256, shape.top_k, batch=tokens, seed=seed).ids[:, 0]  # [steps, B, k]
 
     rng = np.random.default_rng(seed)
     n = pool.n_experts
@@ -97,17 +107,24 @@ def cpu_kernel_variants(pool: HostPool, shape: ExpertShape, tokens: int, variant
         x = (x.view(np.uint32) >> 16).astype(np.uint16)  # bf16 bits (truncated), passed as uint16
     runs = {v: ([], [], []) for v in variants}  # times, unique bytes, profiles
     cursor = 0
-    for _ in range(calls + 2):
+    for step in range(calls + 2):
         for v, knobs in variants.items():
             if knobs is not None:
                 set_kernel_knobs(**knobs)
-            # each token picks top_k distinct experts out of a fresh window of 2*top_k experts (shared: all top_k
-            # experts of a fresh window of top_k)
-            width = shape.top_k if shared else 2 * shape.top_k
-            window = (cursor + np.arange(width)) % n
-            cursor = (cursor + width) % n
-            eid = np.concatenate([window if shared else rng.choice(window, shape.top_k, replace=False)
-                                  for _ in range(tokens)]).astype(np.int32)
+            if trace is not None:  # the step's distinct experts onto a fresh window, in the trace's pattern
+                uniq, inverse = np.unique(trace[step], return_inverse=True)
+                window = (cursor + np.arange(uniq.size)) % n
+                cursor = (cursor + uniq.size) % n
+                eid = window[inverse.reshape(-1)].astype(np.int32)
+            else:
+                # each token picks top_k distinct experts out of a fresh window of 2*top_k experts (shared: all top_k
+                # experts of a fresh window of top_k)
+                shared = routing == "shared"
+                width = shape.top_k if shared else 2 * shape.top_k
+                window = (cursor + np.arange(width)) % n
+                cursor = (cursor + width) % n
+                eid = np.concatenate([window if shared else rng.choice(window, shape.top_k, replace=False)
+                                      for _ in range(tokens)]).astype(np.int32)
             tok = np.repeat(np.arange(tokens, dtype=np.int32), shape.top_k)
             w = np.full(eid.size, 0.125, np.float32)
             t0 = time.perf_counter()

@@ -102,3 +102,27 @@ def test_calibration_table_reports_the_page_backing():
     assert "free 2 MiB pages were short" in short and "echo madvise" not in short  # THP on, pages short
     full = calibrate.table({**prof, "pool_huge_page_fraction": 1.0, "transparent_hugepage": "madvise"})
     assert "expert window on huge pages: 100%" in full and "echo madvise" not in full
+
+
+def test_cpu_kernel_variants_routings():
+    """bench/host_runtime.py's CPU cases: each routing reads the experts it says (bytes per call = distinct experts x
+    expert bytes): the window (top-8 of 16), shared (the same 8), trace (one synthetic-trace step: 8 tokens x top-8 of
+    256 experts over ~20-45 distinct ones); a bad routing name raises."""
+    from ftjax.experts.traces import synthetic_trace
+    from ftjax.host import measure
+
+    shape = measure.ExpertShape(64, 32)
+    pool = measure.make_pool(shape, "bf16", 400 * shape.expert_bytes("bf16"))
+    per_expert = pool.expert_bytes("gate_up") + pool.expert_bytes("down")
+    try:
+        for routing, lo, hi in (("window", 9, 16), ("shared", 8, 8), ("trace", 20, 45)):
+            r = measure.cpu_kernel_variants(pool, shape, 8, {"": None}, calls=3, routing=routing)[""]
+            assert lo * per_expert <= r["bytes_per_call"] <= hi * per_expert, routing
+        steps = synthetic_trace(5, 1, 256, 8, batch=8, seed=0).ids[2:, 0]
+        want = np.median([len(np.unique(s)) for s in steps]) * per_expert
+        r = measure.cpu_kernel_variants(pool, shape, 8, {"": None}, calls=3, routing="trace")[""]
+        assert r["bytes_per_call"] == want
+        with pytest.raises(ValueError, match="window, shared or trace"):
+            measure.cpu_kernel_variants(pool, shape, 8, {"": None}, calls=1, routing="uniform")
+    finally:
+        pool.close()
