@@ -74,8 +74,10 @@ _KNOBS = {
 def kernel_knobs() -> dict:
     """The CPU expert kernels' speed knobs as set now: gate_up_rows / down_rows (rows per work item of the
     two rounds), prefetch_bytes, short_row_bytes, window_prefetch, tile_prefetch, int4_vnni_tokens,
-    down_sum (cpp/kernels.h, cpp/moe.h). No result depends on them, except the last bits with int4_vnni_tokens (int4
-    weights, bf16 activations) and down_sum (its summation order)."""
+    int4_act_bits, int4_q8_tokens, down_sum (cpp/kernels.h, cpp/moe.h). No result depends on them, except the last
+    bits with int4_vnni_tokens (int4 weights, bf16 activations) and down_sum (its summation order), and int4_act_bits=8
+    (opt-in, lossy: int4 x bf16 activations as int8 per lane of 8 columns, each off by up to 1/254 of its lane's
+    largest; int4_q8_tokens is then the VNNI loop's limit)."""
     return {name: read() for name, (read, _, _) in _KNOBS.items()}
 
 
