@@ -234,26 +234,29 @@ void dot_rows_sum(const MatrixRef* ws, const ActRef* as, const float* wts, int n
 #endif
 }
 
-void to_q15(const uint16_t* x, int64_t k0, int64_t k1, int8_t* base, int64_t S) {
+namespace {
+using ToQFn = void (*)(const uint16_t*, int64_t, int64_t, int8_t*, int64_t);
 #ifdef FTJAX_HAVE_AVX512BF16
-  if (k0 % 8 || k1 % 8 || k0 < 0 || k1 > 2 * S)
-    throw std::logic_error("to_q15: columns [" + std::to_string(k0) + ", " + std::to_string(k1) +
-                           ") are not whole lanes of 8 inside the vector");
-  to_q15_avx512(x, k0, k1, base, S);
+constexpr ToQFn kToQ15 = to_q15_avx512, kToQ8 = to_q8_avx512;
 #else
-  throw std::logic_error("to_q15: only the AVX-512 tiers read this layout, and this build has none");
+constexpr ToQFn kToQ15 = nullptr, kToQ8 = nullptr;
 #endif
+// to_q15 / to_q8: whole lanes inside the vector, on a build with the AVX-512 tiers (fn)
+void to_q_checked(const char* name, ToQFn fn, const uint16_t* x, int64_t k0, int64_t k1, int8_t* base, int64_t S) {
+  if (fn == nullptr)
+    throw std::logic_error(std::string(name) + ": only the AVX-512 tiers read this layout, and this build has none");
+  if (k0 % 8 || k1 % 8 || k0 < 0 || k1 > 2 * S)
+    throw std::logic_error(std::string(name) + ": columns [" + std::to_string(k0) + ", " + std::to_string(k1) +
+                           ") are not whole lanes of 8 inside the vector");
+  fn(x, k0, k1, base, S);
 }
+}  // namespace
 
+void to_q15(const uint16_t* x, int64_t k0, int64_t k1, int8_t* base, int64_t S) {
+  to_q_checked("to_q15", kToQ15, x, k0, k1, base, S);
+}
 void to_q8(const uint16_t* x, int64_t k0, int64_t k1, int8_t* base, int64_t S) {
-#ifdef FTJAX_HAVE_AVX512BF16
-  if (k0 % 8 || k1 % 8 || k0 < 0 || k1 > 2 * S)
-    throw std::logic_error("to_q8: columns [" + std::to_string(k0) + ", " + std::to_string(k1) +
-                           ") are not whole lanes of 8 inside the vector");
-  to_q8_avx512(x, k0, k1, base, S);
-#else
-  throw std::logic_error("to_q8: only the AVX-512 tiers read this layout, and this build has none");
-#endif
+  to_q_checked("to_q8", kToQ8, x, k0, k1, base, S);
 }
 
 void to_pair64(const uint16_t* x, int64_t K, uint16_t* dst) {

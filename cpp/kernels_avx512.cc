@@ -368,79 +368,73 @@ void to_pair64_avx512(const uint16_t* x, int64_t K, uint16_t* dst) {
   }
 }
 
-void to_q15_avx512(const uint16_t* x, int64_t k0, int64_t k1, int8_t* base, int64_t S) {
-  // 16 columns (two lanes) at a time: the lane's largest exponent field e (bf16 bits 7-14) reaches every
-  // dword of its half by three XOR-permute maxima; x * 2^(140 - e) < 2^14 rounds to q (nearest even); the
-  // qwords' low dwords are the even columns (VPMOVQB stores their low bytes), >> 32 the odd ones.
-  int32_t* const ncorr = reinterpret_cast<int32_t*>(base + 4 * S);
-  float* const lane_scale = reinterpret_cast<float*>(base + 5 * S);
+// The q15 layout and its q8 form, 16 columns (two lanes of 8) at a time: a lane's maximum or sum reaches every dword of
+// its half by three XOR permutes; per lane, -8 * (sum of q) and the lane's scale go to streams 4 and 5.
+struct QLanes {
   const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   const __m512i x4 = _mm512_xor_si512(iota, _mm512_set1_epi32(4)), x2 = _mm512_xor_si512(iota, _mm512_set1_epi32(2)),
                 x1 = _mm512_xor_si512(iota, _mm512_set1_epi32(1));
   const __m512i lanes = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 8, 0);  // dwords 0 and 8 first
-  for (int64_t k = k0; k < k1; k += 16) {
-    const bool two = k + 16 <= k1;
-    const __m512i d = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(two ? 0xFFFF : 0x00FF, x + k));
-    __m512i e = _mm512_and_si512(_mm512_srli_epi32(d, 7), _mm512_set1_epi32(0xFF));
-    e = _mm512_max_epu32(e, _mm512_permutexvar_epi32(x4, e));
-    e = _mm512_max_epu32(e, _mm512_permutexvar_epi32(x2, e));
-    e = _mm512_max_epu32(e, _mm512_permutexvar_epi32(x1, e));
-    e = _mm512_max_epu32(e, _mm512_set1_epi32(14));  // zero lanes (and subnormals, which round to 0)
-    const __m512 up = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_sub_epi32(_mm512_set1_epi32(267), e), 23));
-    const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(d, 16)), up));
-    const __m512i hi = _mm512_srai_epi32(q, 7), lo = _mm512_and_si512(q, _mm512_set1_epi32(127));
+  __m512i max(__m512i v) const {
+    v = _mm512_max_epu32(v, _mm512_permutexvar_epi32(x4, v));
+    v = _mm512_max_epu32(v, _mm512_permutexvar_epi32(x2, v));
+    return _mm512_max_epu32(v, _mm512_permutexvar_epi32(x1, v));
+  }
+  // q's even and odd columns as bytes at `even` / `odd` (the qwords' low dwords are the even columns, VPMOVQB stores
+  // their low bytes; >> 32 the odd ones)
+  static void store_bytes(int8_t* even, int8_t* odd, __m512i q, bool two) {
     const __mmask8 mq = two ? 0xFF : 0x0F;
-    _mm512_mask_cvtepi64_storeu_epi8(base + k / 2, mq, hi);
-    _mm512_mask_cvtepi64_storeu_epi8(base + S + k / 2, mq, _mm512_srli_epi64(hi, 32));
-    _mm512_mask_cvtepi64_storeu_epi8(base + 2 * S + k / 2, mq, lo);
-    _mm512_mask_cvtepi64_storeu_epi8(base + 3 * S + k / 2, mq, _mm512_srli_epi64(lo, 32));
+    _mm512_mask_cvtepi64_storeu_epi8(even, mq, q);
+    _mm512_mask_cvtepi64_storeu_epi8(odd, mq, _mm512_srli_epi64(q, 32));
+  }
+  void store_lane_terms(int8_t* base, int64_t S, int64_t k, bool two, __m512i q, __m512 scale) const {
     __m512i sum = _mm512_add_epi32(q, _mm512_permutexvar_epi32(x4, q));
     sum = _mm512_add_epi32(sum, _mm512_permutexvar_epi32(x2, sum));
     sum = _mm512_add_epi32(sum, _mm512_permutexvar_epi32(x1, sum));
     const __m512i neg8 = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(sum, 3));
+    const __mmask16 ml = two ? 0x3 : 0x1;
+    _mm512_mask_storeu_epi32(reinterpret_cast<int32_t*>(base + 4 * S) + k / 8, ml, _mm512_permutexvar_epi32(lanes, neg8));
+    _mm512_mask_storeu_ps(reinterpret_cast<float*>(base + 5 * S) + k / 8, ml, _mm512_permutexvar_ps(lanes, scale));
+  }
+};
+
+void to_q15_avx512(const uint16_t* x, int64_t k0, int64_t k1, int8_t* base, int64_t S) {
+  // the lane's largest exponent field e (bf16 bits 7-14); x * 2^(140 - e) < 2^14 rounds to q (nearest even)
+  const QLanes L;
+  for (int64_t k = k0; k < k1; k += 16) {
+    const bool two = k + 16 <= k1;
+    const __m512i d = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(two ? 0xFFFF : 0x00FF, x + k));
+    __m512i e = L.max(_mm512_and_si512(_mm512_srli_epi32(d, 7), _mm512_set1_epi32(0xFF)));
+    e = _mm512_max_epu32(e, _mm512_set1_epi32(14));  // zero lanes (and subnormals, which round to 0)
+    const __m512 up = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_sub_epi32(_mm512_set1_epi32(267), e), 23));
+    const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(d, 16)), up));
+    const __m512i hi = _mm512_srai_epi32(q, 7), lo = _mm512_and_si512(q, _mm512_set1_epi32(127));
+    QLanes::store_bytes(base + k / 2, base + S + k / 2, hi, two);
+    QLanes::store_bytes(base + 2 * S + k / 2, base + 3 * S + k / 2, lo, two);
     __m512 ls = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_sub_epi32(e, _mm512_set1_epi32(13)), 23));  // 2^(e - 140)
     ls = _mm512_mask_blend_ps(_mm512_cmpeq_epi32_mask(e, _mm512_set1_epi32(255)), ls, _mm512_set1_ps(__builtin_nanf("")));
-    const __mmask16 ml = two ? 0x3 : 0x1;
-    _mm512_mask_storeu_epi32(ncorr + k / 8, ml, _mm512_permutexvar_epi32(lanes, neg8));
-    _mm512_mask_storeu_ps(lane_scale + k / 8, ml, _mm512_permutexvar_ps(lanes, ls));
+    L.store_lane_terms(base, S, k, two, q, ls);
   }
 }
 
 void to_q8_avx512(const uint16_t* x, int64_t k0, int64_t k1, int8_t* base, int64_t S) {
-  // 16 columns (two lanes) at a time: the lane's largest magnitude m (as bits: the same order) reaches every dword of
-  // its half by three XOR-permute maxima; q = round(x * (127 / m)) (|q| <= 127: x * RN(127 / m) <= 127 (1 + 2^-24));
-  // the qwords' low dwords are the even columns (VPMOVQB stores their low bytes), >> 32 the odd ones.
-  int32_t* const ncorr = reinterpret_cast<int32_t*>(base + 4 * S);
-  float* const lane_scale = reinterpret_cast<float*>(base + 5 * S);
-  const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-  const __m512i x4 = _mm512_xor_si512(iota, _mm512_set1_epi32(4)), x2 = _mm512_xor_si512(iota, _mm512_set1_epi32(2)),
-                x1 = _mm512_xor_si512(iota, _mm512_set1_epi32(1));
-  const __m512i lanes = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 8, 0);  // dwords 0 and 8 first
+  // the lane's largest magnitude m (as bits: the same order); q = round(x * (127 / m)) (|q| <= 127:
+  // x * RN(127 / m) <= 127 (1 + 2^-24)); lanes with m < 2^-100 are zeros, a lane holding an inf or NaN scales by NaN
+  const QLanes L;
   const __m512i tiny = _mm512_set1_epi32(27 << 7), inf = _mm512_set1_epi32(0x7F80);  // 2^-100, the exponent's top
   const __m512 k127 = _mm512_set1_ps(127.0f);
   for (int64_t k = k0; k < k1; k += 16) {
     const bool two = k + 16 <= k1;
     const __m512i d = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(two ? 0xFFFF : 0x00FF, x + k));
-    __m512i m = _mm512_and_si512(d, _mm512_set1_epi32(0x7FFF));
-    m = _mm512_max_epu32(m, _mm512_permutexvar_epi32(x4, m));
-    m = _mm512_max_epu32(m, _mm512_permutexvar_epi32(x2, m));
-    m = _mm512_max_epu32(m, _mm512_permutexvar_epi32(x1, m));
+    const __m512i m = L.max(_mm512_and_si512(d, _mm512_set1_epi32(0x7FFF)));
     const __mmask16 live = _mm512_cmpge_epu32_mask(m, tiny);
     const __m512 mf = _mm512_castsi512_ps(_mm512_slli_epi32(m, 16));
     const __m512 inv = _mm512_maskz_div_ps(live, k127, mf);
     const __m512i q = _mm512_maskz_cvtps_epi32(live, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(d, 16)), inv));
-    const __mmask8 mq = two ? 0xFF : 0x0F;
-    _mm512_mask_cvtepi64_storeu_epi8(base + k / 2, mq, q);
-    _mm512_mask_cvtepi64_storeu_epi8(base + S + k / 2, mq, _mm512_srli_epi64(q, 32));
-    __m512i sum = _mm512_add_epi32(q, _mm512_permutexvar_epi32(x4, q));
-    sum = _mm512_add_epi32(sum, _mm512_permutexvar_epi32(x2, sum));
-    sum = _mm512_add_epi32(sum, _mm512_permutexvar_epi32(x1, sum));
-    const __m512i neg8 = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(sum, 3));
+    QLanes::store_bytes(base + k / 2, base + S + k / 2, q, two);
     __m512 ls = _mm512_maskz_div_ps(live, mf, k127);
     ls = _mm512_mask_blend_ps(_mm512_cmpge_epu32_mask(m, inf), ls, _mm512_set1_ps(__builtin_nanf("")));
-    const __mmask16 ml = two ? 0x3 : 0x1;
-    _mm512_mask_storeu_epi32(ncorr + k / 8, ml, _mm512_permutexvar_epi32(lanes, neg8));
-    _mm512_mask_storeu_ps(lane_scale + k / 8, ml, _mm512_permutexvar_ps(lanes, ls));
+    L.store_lane_terms(base, S, k, two, q, ls);
   }
 }
 
