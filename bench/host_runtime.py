@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ftjax import _host  # noqa: E402
 from ftjax.host import kernel_knobs, knob_variants, measure, set_kernel_knobs  # noqa: E402
 
-def _k(row: dict) -> str:  # routes per token, 's' when every token shares the same experts
+def _k(row: dict) -> str:  # routes per token; 's': every token on the same experts, 't': routed by the trace
     return f"{row['top_k']}{ {'shared': 's', 'trace': 't'}.get(row.get('routing'), '')}"
 
 

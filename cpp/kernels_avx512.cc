@@ -107,8 +107,8 @@ inline __attribute__((always_inline)) int64_t accumulate(const MatrixRef& w, int
           const int8_t* q = xq[j] + c / 2;
           const __m512 lane_scale = kTail ? _mm512_maskz_loadu_ps(ml, q + 5 * S) : _mm512_loadu_ps(q + 5 * S);
           if constexpr (kQ8) {
-            __m512i s8 = _mm512_dpbusd_epi32(kTail ? _mm512_maskz_loadu_epi32(ml, q + 4 * S) : _mm512_loadu_si512(q + 4 * S),
-                                             lo, ld(q));
+            const __m512i ncorr = kTail ? _mm512_maskz_loadu_epi32(ml, q + 4 * S) : _mm512_loadu_si512(q + 4 * S);
+            __m512i s8 = _mm512_dpbusd_epi32(ncorr, lo, ld(q));
             s8 = _mm512_dpbusd_epi32(s8, hi, ld(q + S));
             acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s8), _mm512_mul_ps(scale, lane_scale), acc[i][j]);
             continue;
@@ -393,7 +393,8 @@ struct QLanes {
     sum = _mm512_add_epi32(sum, _mm512_permutexvar_epi32(x1, sum));
     const __m512i neg8 = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(sum, 3));
     const __mmask16 ml = two ? 0x3 : 0x1;
-    _mm512_mask_storeu_epi32(reinterpret_cast<int32_t*>(base + 4 * S) + k / 8, ml, _mm512_permutexvar_epi32(lanes, neg8));
+    int32_t* const ncorr = reinterpret_cast<int32_t*>(base + 4 * S);
+    _mm512_mask_storeu_epi32(ncorr + k / 8, ml, _mm512_permutexvar_epi32(lanes, neg8));
     _mm512_mask_storeu_ps(reinterpret_cast<float*>(base + 5 * S) + k / 8, ml, _mm512_permutexvar_ps(lanes, scale));
   }
 };

@@ -298,7 +298,8 @@ NB_MODULE(_host, m) {
   m.def("set_down_sum", &set_down_sum, "on"_a,
         "True: a token's lone experts' down rows summed in one pass per work item (False: one call each).");
   m.def("int4_act_bits", &int4_act_bits,
-        "15: int4 x bf16 on the VNNI loop with exact 15-bit activations (default); 8: int8 activations (lossy, faster).");
+        "15: int4 x bf16 on the VNNI loop with exact 15-bit activations (default); 8: int8 activations (lossy, "
+        "faster).");
   m.def("set_int4_act_bits", &set_int4_act_bits, "bits"_a, "Set it (15 or 8).");
   m.def("int4_q8_tokens", &int4_q8_tokens,
         "With int4_act_bits 8: up to how many tokens per expert int4 x bf16 calls take the VNNI loop.");

@@ -168,8 +168,8 @@ void run_experts(WorkerPool& workers, const ExpertCall& c, Tier tier) {
   const DotRowsFn dot = dot_rows_for(tier);
   // Layouts of the activations a group's kernels read (kernels.h): bf16 bits in bf16 mode (f32, for the tiers and
   // tails that multiply in f32, except for q15 groups, which read none); for int4 weights on the AVX-512 loops the
-  // q15 layout (or its q8 form) for groups of up to int4_vnni_limit() tokens, the pair64 order for the others; for groups the AMX
-  // tier takes (kAmxMinTokens+ tokens) the B-tile layout.
+  // q15 layout (or its q8 form) for groups of up to int4_vnni_limit() tokens, the pair64 order for the others; for
+  // groups the AMX tier takes (kAmxMinTokens+ tokens) the B-tile layout.
   const bool int4_x = pool.gate_up().format == WeightFormat::kInt4, int4_act = pool.down().format == WeightFormat::kInt4;
   const int64_t q15_tokens = int4_vnni_limit();
   const bool q8 = int4_act_bits() == 8;  // the q8 form of the layout (opt-in, lossy)
