@@ -46,6 +46,7 @@ from ftjax.host import (GPU_SPIN_US, calibrate, configure_workers, expert_call_t
 from ftjax.models import get_family, make_step_fns
 from ftjax.models.params import param_shapes, unflatten
 
+import thread_cpu  # bench/ sibling
 from decode_rounds import CALL_TIMES, ROUNDS, interleaved, knob_settings, round_robin  # bench/ sibling
 
 TOKENIZER = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "qwen3-tokenizer"  # --tokenizer
@@ -201,11 +202,13 @@ class Run:
         served = getattr(self.backend, "cpu_served", lambda: (0, 0.0))  # the resident engine has no CPU branch
         j0, c0 = served()
         p0 = expert_call_time_totals()  # the CPU expert calls' bytes and times (only this run's calls run)
+        th0 = thread_cpu.snapshot()
         t0, d0 = time.perf_counter(), self.dispatch_s
         for _ in range(steps):
             self.step()
         jax.block_until_ready(self.expert_state)
         dt = time.perf_counter() - t0
+        threads = thread_cpu.cpu_by_group(th0, thread_cpu.snapshot())
         j1, c1 = served()
         p1 = expert_call_time_totals()
         b0, b1 = p0["weight_bytes"], p1["weight_bytes"]
@@ -221,6 +224,8 @@ class Run:
                 "cpu_us_per_job": (c1 - c0) / max(1, j1 - j0) * 1e6,
                 "cpu_mb_per_job": (b1 - b0) / max(1, j1 - j0) / 1e6,
                 "cpu_gbps": (b1 - b0) / (c1 - c0) / 1e9 if c1 > c0 else 0.0,
+                "busy_cpus": sum(g["ms"] for g in threads.values()) / 1e3 / dt,
+                "thread_ms_per_step": {k: dict(g, ms=g["ms"] / steps) for k, g in threads.items()},
                 **{f"call_{k}": (p1[k] - p0[k]) / max(1, p1["calls"] - p0["calls"]) for k in CALL_TIMES}}
 
 
@@ -525,6 +530,8 @@ def progress(what: str, r: dict) -> None:
     """One line per timed run as it ends (a step cut by its time limit still shows what it measured)."""
     print(f"  [{time.perf_counter() - _T0:6.0f}s] {what}: {r['tok_s']:.1f} tok/s, step {r['step_ms']:.2f} ms, "
           f"host {r['dispatch_ms']:.2f} ms", flush=True)
+    if "thread_ms_per_step" in r:  # which threads burn the host's CPUs meanwhile
+        print(f"      threads: {thread_cpu.summary(r['thread_ms_per_step'], r['busy_cpus'])}", flush=True)
 
 
 def print_row(row):

@@ -278,6 +278,15 @@ for s in "${steps[@]}"; do
          --fractions 0.37 \
          --policies lru-split lru-fill --no-sweep --no-online --steps ${KNOB_STEPS:-48} --warmup 24 \
          --knob-variants ${KNOBS:-tile_prefetch=on down_rows=16,window_prefetch=off} --out "$OUT/decode_b1_knobs.json" ;;
+    decode-sched)  # session 31: b1 / 37% with each run's CPU time per thread group (bench/thread_cpu.py), XLA's
+       # default CUDA scheduling, then XLA's host waits under TF_CUDA_PLATFORM_GPU_DEVICE_SCHEDULE=$SCHED (default
+       # blocking_sync; spin, yield); both with 14 workers round robin against the default ($SCHED_STEPS; ~7 min)
+       run decode_sched_default 280 python3 bench/decode.py --layers 40 --batches 1 --routing trace --fractions 0.37 \
+         --policies lru-split lru-fill --no-sweep --no-online --steps ${SCHED_STEPS:-48} --warmup 24 \
+         --worker-variants 14:2000 --out "$OUT/decode_sched_default.json"
+       run decode_sched_env 280 env TF_CUDA_PLATFORM_GPU_DEVICE_SCHEDULE=${SCHED:-blocking_sync} python3 bench/decode.py \
+         --layers 40 --batches 1 --routing trace --fractions 0.37 --policies lru-split --no-sweep --no-online \
+         --steps ${SCHED_STEPS:-48} --warmup 24 --worker-variants 14:2000 --out "$OUT/decode_sched_env.json" ;;
     decode-b1-granule)  # session 26: the unit split's step, the default (8 units) against $GRANULES (default 32: a
        # cache line of a bf16 down row), fresh backends round robin, b1 / 37% ($GRANULE_BATCHES; ~5 min a batch)
        run decode_b1_granule 560 python3 bench/decode.py --layers 40 --batches ${GRANULE_BATCHES:-1} --routing trace \

@@ -15,6 +15,8 @@
 // An empty task list (n_valid <= 0, decided on the GPU) is never published: the submit token is
 // kSkipped (0; real sequence numbers skip 0 when they wrap) and collect writes zeros without
 // waiting, so layers whose misses were all filled pay no round trip to the CPU.
+#include <pthread.h>
+
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -129,6 +131,7 @@ class Coordinator {
   }
 
   void run() {
+    pthread_setname_np(pthread_self(), "ftjax-coord");  // bench/thread_cpu.py tells its CPU time apart
     using clock = std::chrono::steady_clock;
     auto last_job = clock::now();
     std::vector<Channel*> list;

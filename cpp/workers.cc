@@ -9,6 +9,7 @@
 #include <map>
 #include <memory>
 #include <stdexcept>
+#include <string>
 #include <utility>
 
 #if defined(__x86_64__)
@@ -54,7 +55,12 @@ WorkerPool::WorkerPool(const WorkerConfig& cfg) : cfg_(cfg) {
   // cpus_ is complete before any thread starts: workers read it.
   if (cfg.pin && cores.size() > 1)
     for (int i = 0; i < n; ++i) cpus_.push_back(cores[(i + 1) % cores.size()]);
-  for (int i = 0; i < n; ++i) threads_.emplace_back(&WorkerPool::worker_main, this, i);
+  for (int i = 0; i < n; ++i) {
+    threads_.emplace_back(&WorkerPool::worker_main, this, i);
+    // A name per worker ("ftjax-w<i>", at most 15 characters), set before the pool is handed out, lets
+    // /proc/self/task tell the pool's CPU time from the runtime's other threads (bench/thread_cpu.py).
+    pthread_setname_np(threads_.back().native_handle(), ("ftjax-w" + std::to_string(i)).substr(0, 15).c_str());
+  }
 }
 
 WorkerPool::~WorkerPool() {
