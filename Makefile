@@ -18,6 +18,9 @@ PYTEST_ARGS ?=
 # Test processes (pytest-xdist): two cut the suite's wall time by a third on a 2-core box (session 21: 797 s -> 521 s);
 # 0 runs it in one process.
 TEST_WORKERS ?= 2
+# JAX's persistent compilation cache for the test runs (tests/conftest.py; empty: off). On a clean clone it still
+# cuts a run by ~20%: the tests compile the same tiny models' steps many times (session 31, 2-core box).
+TEST_JAX_CACHE ?= $(CURDIR)/build/jax-cache
 
 .PHONY: run test test-jax-min venv reference clean help
 
@@ -59,14 +62,14 @@ run: venv
 	$(VENV)/bin/ftjax demo
 
 test: venv reference
-	FTJAX_REF_DIR=$(CURDIR)/$(REFDIR) $(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) $(PYTEST_ARGS)
+	FTJAX_REF_DIR=$(CURDIR)/$(REFDIR) FTJAX_TEST_JAX_CACHE=$(TEST_JAX_CACHE) $(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 # The oldest jax we support, on Python 3.11 (where it installs); CI runs it after `make test`.
 $(VENVMIN)/.installed: pyproject.toml CMakeLists.txt $(wildcard cpp/*) $(wildcard protos/ftjax/v1/*.proto)
 	$(call project_venv,$(VENVMIN),$(PYREF),$(JAX_MIN_VERSION))
 
 test-jax-min: $(VENVMIN)/.installed reference
-	FTJAX_REF_DIR=$(CURDIR)/$(REFDIR) $(VENVMIN)/bin/python -m pytest -q -n $(TEST_WORKERS) $(PYTEST_ARGS)
+	FTJAX_REF_DIR=$(CURDIR)/$(REFDIR) FTJAX_TEST_JAX_CACHE=$(TEST_JAX_CACHE) $(VENVMIN)/bin/python -m pytest -q -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 clean:
 	rm -rf build $(VENV) $(VENVREF) $(VENVMIN)

@@ -4,6 +4,7 @@ The tests compare fp32 numerics against references at 1e-4..1e-5; on GPUs JAX's 
 precision may use TF32, so ask for full fp32 everywhere (a no-op on the CPU). Fixtures
 ``mgpu_interpret`` / ``mgpu`` skip tests where this jax cannot interpret / lower Mosaic GPU kernels."""
 import functools
+import os
 
 import ftjax  # noqa: F401  (first: it sets XLA_FLAGS before any JAX backend starts, as for users)
 import jax
@@ -11,6 +12,16 @@ import jax.numpy as jnp
 import pytest
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+# $FTJAX_TEST_JAX_CACHE (the Makefile sets it): JAX's persistent compilation cache for the suite, every compilation
+# kept (the tests compile the same tiny models' steps again and again, across tests and across pytest-xdist's
+# processes). Entries are keyed by the program, the compile options and the jax / XLA version. No size cap: with
+# one (jax_compilation_cache_max_size) every write takes a file lock and scans the directory, and the suite's
+# ~6,500 entries (~50 MB a run) made it 40% slower (session 31); `make clean` empties it.
+if os.environ.get("FTJAX_TEST_JAX_CACHE"):
+    jax.config.update("jax_compilation_cache_dir", os.environ["FTJAX_TEST_JAX_CACHE"])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
 
 
 @functools.cache
