@@ -19,7 +19,7 @@ PYTEST_ARGS ?=
 # 0 runs it in one process.
 TEST_WORKERS ?= 2
 # JAX's persistent compilation cache for the test runs (tests/conftest.py; empty: off): repeated runs reuse the
-# compiled steps (a 64-test subset 199 s cold, 48 s warm); a clean clone's run gains ~3% (session 31).
+# compiled steps (a 64-test subset: 199 s without, 161 s cold, 48 s warm); a clean clone's run gains ~3% (session 31).
 TEST_JAX_CACHE ?= $(CURDIR)/build/jax-cache
 
 .PHONY: run test test-jax-min venv reference clean help

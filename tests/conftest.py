@@ -16,8 +16,9 @@ jax.config.update("jax_default_matmul_precision", "highest")
 # $FTJAX_TEST_JAX_CACHE (the Makefile sets it): JAX's persistent compilation cache for the suite, every compilation
 # kept (the tests compile the same tiny models' steps again and again, across tests and across pytest-xdist's
 # processes). Entries are keyed by the program, the compile options and the jax / XLA version. No size cap: with
-# one (jax_compilation_cache_max_size) every write takes a file lock and scans the directory, and the suite's
-# ~6,500 entries (~50 MB a run) made it 40% slower (session 31); `make clean` empties it.
+# one (jax_compilation_cache_max_size) jax's cache locks a file and may scan the directory on every write, and the
+# suite (~6,500 entries, ~50 MB a run) took 21 min with a 2 GiB cap against 14.5 without (session 31); `make clean`
+# empties it.
 if os.environ.get("FTJAX_TEST_JAX_CACHE"):
     jax.config.update("jax_compilation_cache_dir", os.environ["FTJAX_TEST_JAX_CACHE"])
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
