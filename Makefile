@@ -77,7 +77,7 @@ $(VENVMIN)/.installed: pyproject.toml CMakeLists.txt $(wildcard cpp/*) $(wildcar
 	$(call project_venv,$(VENVMIN),$(PYREF),$(JAX_MIN_VERSION))
 
 test-jax-min: $(VENVMIN)/.installed reference
-	FTJAX_REF_DIR=$(CURDIR)/$(REFDIR) FTJAX_TEST_JAX_CACHE=$(TEST_JAX_CACHE) $(VENVMIN)/bin/python -m pytest -q -n $(TEST_WORKERS) $(JAX_MIN_TESTS) $(PYTEST_ARGS)
+	FTJAX_REF_DIR=$(CURDIR)/$(REFDIR) FTJAX_TEST_JAX_CACHE=$(TEST_JAX_CACHE) $(VENVMIN)/bin/python -m pytest -q -n $(TEST_WORKERS) --one-case-per-test $(JAX_MIN_TESTS) $(PYTEST_ARGS)
 
 clean:
 	rm -rf build $(VENV) $(VENVREF) $(VENVMIN)

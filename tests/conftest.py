@@ -23,6 +23,49 @@ if os.environ.get("FTJAX_TEST_JAX_CACHE"):
     jax.config.update("jax_compilation_cache_dir", os.environ["FTJAX_TEST_JAX_CACHE"])
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    # the same for the processes the tests start (the CLI, `ftjax serve`, `ftjax batch`): jax reads its options'
+    # defaults from these variables
+    os.environ.update(JAX_COMPILATION_CACHE_DIR=os.environ["FTJAX_TEST_JAX_CACHE"],
+                      JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1")
+
+# --one-case-per-test (`make test-jax-min`): of each parametrized test only its first case that is not marked to skip
+# here; the second jax's run checks that every test's code path works there, the pinned jax runs every case.
+# The host runtime's tests keep every case: they are parametrized by ISA tier (the first may be one this CPU lacks)
+# and take seconds.
+ALL_CASES_UNDER = ("tests/host/",)
+
+
+def pytest_addoption(parser):
+    parser.addoption("--one-case-per-test", action="store_true",
+                     help="run only the first runnable case of each parametrized test (outside tests/host)")
+
+
+def _statically_skipped(item):
+    if item.get_closest_marker("skip"):
+        return True
+    return any(m.args and all(isinstance(a, bool) and a for a in m.args[:1]) for m in item.iter_markers("skipif"))
+
+
+def pytest_collection_modifyitems(config, items):
+    if not config.getoption("--one-case-per-test"):
+        return
+    keep, first, seen = [], {}, set()
+    for item in items:
+        key = (item.path, item.cls, getattr(item, "originalname", item.name))
+        if not hasattr(item, "callspec") or str(item.path.relative_to(config.rootpath)).startswith(ALL_CASES_UNDER):
+            keep.append(item)
+        elif key not in seen and not _statically_skipped(item):
+            seen.add(key)
+            keep.append(item)
+        else:
+            first.setdefault(key, item)
+    # a test whose every case is skipped here keeps its first (it reports its skip)
+    keep += [item for key, item in first.items() if key not in seen]
+    kept = set(keep)
+    dropped = [item for item in items if item not in kept]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = [item for item in items if item in kept]
 
 
 @functools.cache

@@ -27,13 +27,22 @@ def tiny(tmp_path_factory):
     return load_store(store), Tokenizer.from_dir(store)
 
 
-@pytest.mark.parametrize("background_fills,unit_split", [(None, None), (True, None), (True, True)])
-def test_engine_lru_split_matches_resident(tiny, background_fills, unit_split):
+PROMPTS = ["the lighthouse", "a keeper of"]
+GREEDY6 = SamplingParams(temperature=0.0, max_tokens=6)
+
+
+@pytest.fixture(scope="module")
+def resident_tokens(tiny):
+    """The resident engine's greedy tokens for PROMPTS: the reference of every offloaded engine run below."""
     model, tok = tiny
-    prompts = ["the lighthouse", "a keeper of"]
-    sp = SamplingParams(temperature=0.0, max_tokens=6)
     with Engine(model, tok, EngineConfig(max_slots=2, max_len=64, prefill_chunk=16)) as eng:
-        want = [r.token_ids for r in eng.generate(prompts, sp)]
+        return [r.token_ids for r in eng.generate(PROMPTS, GREEDY6)]
+
+
+@pytest.mark.parametrize("background_fills,unit_split", [(None, None), (True, None), (True, True)])
+def test_engine_lru_split_matches_resident(tiny, resident_tokens, background_fills, unit_split):
+    model, tok = tiny
+    prompts, sp, want = PROMPTS, GREEDY6, resident_tokens
     cfg = model.config
     slot_gib = 3 * cfg.hidden_size * cfg.moe_intermediate_size * 4 / 2**30
     budget = slot_gib * max(2, int(0.37 * cfg.num_layers * cfg.num_experts))
