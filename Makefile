@@ -21,6 +21,9 @@ TEST_WORKERS ?= 2
 # JAX's persistent compilation cache for the test runs (tests/conftest.py; empty: off): repeated runs reuse the
 # compiled steps (a 64-test subset: 199 s without, 161 s cold, 48 s warm); a clean clone's run gains ~3% (session 31).
 TEST_JAX_CACHE ?= $(CURDIR)/build/jax-cache
+# 1: `make test` compiles with jax_disable_most_optimizations (XLA's LLVM back end at -O0; tests/conftest.py); the
+# suite is mostly compile time. `make test-jax-min` keeps XLA's defaults, so both settings run in CI.
+TEST_FAST_COMPILE ?= 1
 
 .PHONY: run test test-jax-min venv reference clean help
 
@@ -62,7 +65,8 @@ run: venv
 	$(VENV)/bin/ftjax demo
 
 test: venv reference
-	FTJAX_REF_DIR=$(CURDIR)/$(REFDIR) FTJAX_TEST_JAX_CACHE=$(TEST_JAX_CACHE) $(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) $(PYTEST_ARGS)
+	FTJAX_REF_DIR=$(CURDIR)/$(REFDIR) FTJAX_TEST_JAX_CACHE=$(TEST_JAX_CACHE) FTJAX_TEST_FAST_COMPILE=$(TEST_FAST_COMPILE) \
+	  $(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 # The oldest jax we support, on Python 3.11 (where it installs); CI runs it after `make test`. It runs the layers
 # that call jax themselves (models, the expert plans and backends, the host runtime's FFI, Pallas, the FTW store,
