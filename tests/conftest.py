@@ -49,31 +49,28 @@ def pytest_addoption(parser):
 
 
 def _statically_skipped(item):
-    if item.get_closest_marker("skip"):
-        return True
-    return any(m.args and all(isinstance(a, bool) and a for a in m.args[:1]) for m in item.iter_markers("skipif"))
+    return item.get_closest_marker("skip") is not None or any(
+        m.args and m.args[0] is True for m in item.iter_markers("skipif"))
 
 
 def pytest_collection_modifyitems(config, items):
     if not config.getoption("--one-case-per-test"):
         return
-    keep, first, seen = [], {}, set()
-    for item in items:
-        key = (item.path, item.cls, getattr(item, "originalname", item.name))
-        if not hasattr(item, "callspec") or str(item.path.relative_to(config.rootpath)).startswith(ALL_CASES_UNDER):
-            keep.append(item)
-        elif key not in seen and not _statically_skipped(item):
-            seen.add(key)
-            keep.append(item)
-        else:
-            first.setdefault(key, item)
-    # a test whose every case is skipped here keeps its first (it reports its skip)
-    keep += [item for key, item in first.items() if key not in seen]
-    kept = set(keep)
-    dropped = [item for item in items if item not in kept]
+
+    def sampled(item):
+        return hasattr(item, "callspec") and not str(item.path.relative_to(config.rootpath)).startswith(ALL_CASES_UNDER)
+
+    first, chosen = {}, {}  # per test function: its first case, its first case not skipped here
+    for item in filter(sampled, items):
+        key = (item.path, item.cls, item.originalname)
+        first.setdefault(key, item)
+        if key not in chosen and not _statically_skipped(item):
+            chosen[key] = item
+    kept = {chosen.get(key, item) for key, item in first.items()}  # all skipped here: the first reports its skip
+    dropped = [item for item in items if sampled(item) and item not in kept]
     if dropped:
         config.hook.pytest_deselected(items=dropped)
-        items[:] = [item for item in items if item in kept]
+        items[:] = [item for item in items if not sampled(item) or item in kept]
 
 
 @functools.cache

@@ -42,7 +42,6 @@ def resident_tokens(tiny):
 @pytest.mark.parametrize("background_fills,unit_split", [(None, None), (True, None), (True, True)])
 def test_engine_lru_split_matches_resident(tiny, resident_tokens, background_fills, unit_split):
     model, tok = tiny
-    prompts, sp, want = PROMPTS, GREEDY6, resident_tokens
     cfg = model.config
     slot_gib = 3 * cfg.hidden_size * cfg.moe_intermediate_size * 4 / 2**30
     budget = slot_gib * max(2, int(0.37 * cfg.num_layers * cfg.num_experts))
@@ -51,10 +50,10 @@ def test_engine_lru_split_matches_resident(tiny, resident_tokens, background_fil
                                          unit_split=unit_split)) as eng:
         assert eng.accelerator.backend.background_fills == bool(background_fills)  # None: the GPU only
         assert eng.accelerator.backend.unit_split == bool(unit_split)  # None: the GPU only (jnp kernel)
-        got = [r.token_ids for r in eng.generate(prompts, sp)]
+        got = [r.token_ids for r in eng.generate(PROMPTS, GREEDY6)]
         eng.accelerator.expert_stats.after_step(eng.accelerator.expert_state, force=True)
         stats = eng.stats()
-    assert got == want
+    assert got == resident_tokens
     ex = stats["experts"]
     assert ex["backend"] == "lru-split" and ex["num_slots"] >= 2
     assert ex["misses"] == ex["fills"] + ex["cpu_experts"] - ex["deferred"] and ex["hits"] + ex["misses"] > 0
