@@ -36,21 +36,15 @@ if os.environ.get("FTJAX_TEST_FAST_COMPILE") == "1":
     jax.config.update("jax_disable_most_optimizations", True)
     os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"
 
-# --one-case-per-test (`make test-jax-min`): of each parametrized test only its first case that is not marked to skip
-# here; the second jax's run checks that every test's code path works there, the pinned jax runs every case.
-# The host runtime's tests keep every case: they are parametrized by ISA tier (the first may be one this CPU lacks)
-# and take seconds.
+# --one-case-per-test (`make test-jax-min`): of each parametrized test only its first case; the second jax's run
+# checks that every test's code path works there, the pinned jax runs every case. The host runtime's tests keep
+# every case: they are parametrized by ISA tier (the first may be one this CPU lacks) and take seconds.
 ALL_CASES_UNDER = ("tests/host/",)
 
 
 def pytest_addoption(parser):
     parser.addoption("--one-case-per-test", action="store_true",
-                     help="run only the first runnable case of each parametrized test (outside tests/host)")
-
-
-def _statically_skipped(item):
-    return item.get_closest_marker("skip") is not None or any(
-        m.args and m.args[0] is True for m in item.iter_markers("skipif"))
+                     help="run only the first case of each parametrized test (outside tests/host)")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -60,13 +54,10 @@ def pytest_collection_modifyitems(config, items):
     def sampled(item):
         return hasattr(item, "callspec") and not str(item.path.relative_to(config.rootpath)).startswith(ALL_CASES_UNDER)
 
-    first, chosen = {}, {}  # per test function: its first case, its first case not skipped here
+    first = {}  # per test function, its first case
     for item in filter(sampled, items):
-        key = (item.path, item.cls, item.originalname)
-        first.setdefault(key, item)
-        if key not in chosen and not _statically_skipped(item):
-            chosen[key] = item
-    kept = {chosen.get(key, item) for key, item in first.items()}  # all skipped here: the first reports its skip
+        first.setdefault((item.path, item.cls, item.originalname), item)
+    kept = set(first.values())
     dropped = [item for item in items if sampled(item) and item not in kept]
     if dropped:
         config.hook.pytest_deselected(items=dropped)
