@@ -270,10 +270,12 @@ for s in "${steps[@]}"; do
        # int4 table (default q15 and the q8 form; exactly 8 tokens per expert; 8 tokens by the trace), then the probe
        # again: the host's drift falls on both (~4 min)
        g++ -O2 -march=native -pthread -o /tmp/int4_repack bench/int4_repack.cc > "$OUT/int4_repack_build.log" 2>&1
-       run int4_repack 120 /tmp/int4_repack --calls ${REPACK_CALLS:-200} --prefetch ${REPACK_PREFETCH:-0,2048}
+       run int4_repack 120 /tmp/int4_repack --calls ${REPACK_CALLS:-200} --prefetch ${REPACK_PREFETCH:-0,2048} \
+         --act-bits ${REPACK_BITS:-8,15}
        run cpu_int4 300 python3 bench/host_runtime.py --no-gpu --formats int4 --tiers amx --calls 20 \
          --knob-variants int4_act_bits=8 --shared-tokens 8 --trace-tokens 8 --out "$OUT/cpu_int4.json"
-       run int4_repack_again 120 /tmp/int4_repack --calls ${REPACK_CALLS:-200} --prefetch ${REPACK_PREFETCH:-0,2048} ;;
+       run int4_repack_again 120 /tmp/int4_repack --calls ${REPACK_CALLS:-200} --prefetch ${REPACK_PREFETCH:-0,2048} \
+         --act-bits ${REPACK_BITS:-8,15} ;;
     unit-windows)  # session 27: the CPU kernel tests (every tier, incl. AMX), then the CPU call on unit windows
        # under the defaults and each of $WINDOW_KNOBS, round robin (~1 min)
        run cpu_tests_windows 150 python3 -m pytest -q tests/host/test_kernels.py
