@@ -158,7 +158,7 @@ class Team {
           while ((g = gen_.load(std::memory_order_acquire)) == seen) pause();
           seen = g;
           if (stop_.load(std::memory_order_acquire)) return;
-          work();
+          work(i);
           done_.fetch_add(1, std::memory_order_acq_rel);
         }
       });
@@ -170,13 +170,15 @@ class Team {
   }
   int size() const { return n_; }
   // fn(item) for every item in [0, n) on all threads; returns when every item ran.
-  void run(int64_t n, const std::function<void(int64_t)>& fn) {
+  // contiguous = true: thread k takes items [k n / N, (k + 1) n / N), one stretch each (no claims).
+  void run(int64_t n, const std::function<void(int64_t)>& fn, bool contiguous = false) {
     fn_ = &fn;
+    contiguous_ = contiguous;
     n_items_ = n;
     next_.store(0, std::memory_order_relaxed);
     done_.store(0, std::memory_order_relaxed);
     gen_.fetch_add(1, std::memory_order_acq_rel);
-    work();
+    work(0);
     while (done_.load(std::memory_order_acquire) < n_ - 1) pause();
   }
 
@@ -188,7 +190,11 @@ class Team {
     CPU_SET((i + 1) % cpus, &set);
     pthread_setaffinity_np(pthread_self(), sizeof(set), &set);
   }
-  void work() {
+  void work(int k) {
+    if (contiguous_) {
+      for (int64_t i = k * n_items_ / n_; i < (k + 1) * n_items_ / n_; ++i) (*fn_)(i);
+      return;
+    }
     for (;;) {
       const int64_t i = next_.fetch_add(1, std::memory_order_acq_rel);
       if (i >= n_items_) return;
@@ -199,6 +205,7 @@ class Team {
   std::vector<std::thread> threads_;
   const std::function<void(int64_t)>* fn_ = nullptr;
   int64_t n_items_ = 0;
+  bool contiguous_ = false;
   alignas(64) std::atomic<int64_t> next_{0};
   alignas(64) std::atomic<int> done_{0};
   alignas(64) std::atomic<uint64_t> gen_{0};
@@ -352,7 +359,7 @@ struct Call {
 };
 
 template <int Bits>
-void run_call_bits(Team& team, Call& call, const std::vector<float>& x, int pf) {
+void run_call_bits(Team& team, Call& call, const std::vector<float>& x, int pf, bool contiguous) {
   const Shape& s = call.s;
   const int E = call.c.experts, Te = call.c.per_expert();
   constexpr int kQuantChunk = 512;  // round 0: the tokens' activations in int8, 512 values an item
@@ -382,7 +389,7 @@ void run_call_bits(Team& team, Call& call, const std::vector<float>& x, int pf) 
         QAct& q = call.hq[size_t(e) * T + t];
         quantize_group(&call.h[(size_t(e) * T + t) * s.I + i * kGroup], Bits, q, i * kGroup);
       }
-    });
+    }, contiguous);
     team.run(s.H / kRows, [&](int64_t blk) {
       float part[T][kRows];
       for (int t = 0; t < call.c.tokens; ++t) std::memset(&call.y[size_t(t) * s.H + blk * kRows], 0, sizeof(float) * kRows);
@@ -396,18 +403,19 @@ void run_call_bits(Team& team, Call& call, const std::vector<float>& x, int pf) 
           for (int r = 0; r < kRows; ++r) yt[r] += call.wt[e][t] * part[t][r];
         }
       }
-    });
+    }, contiguous);
   });
 }
 
 struct Variant {
-  int bits, pf;  // activations in 8 or 15 bits (0: the loads alone); software prefetch distance (B ahead, 0: off)
+  int bits, pf;     // activations in 8 or 15 bits (0: the loads alone); software prefetch distance (B ahead, 0: off)
+  bool contiguous;  // each thread one stretch of a round's items (else: claimed one at a time)
 };
 
 void run_call(Team& team, Call& call, const std::vector<float>& x, Variant var) {
-  if (var.bits == 15) run_call_bits<15>(team, call, x, var.pf);
-  else if (var.bits == 8) run_call_bits<8>(team, call, x, var.pf);
-  else run_call_bits<0>(team, call, x, var.pf);
+  if (var.bits == 15) run_call_bits<15>(team, call, x, var.pf, var.contiguous);
+  else if (var.bits == 8) run_call_bits<8>(team, call, x, var.pf, var.contiguous);
+  else run_call_bits<0>(team, call, x, var.pf, var.contiguous);
 }
 
 
@@ -512,7 +520,7 @@ uint64_t xorshift(uint64_t& s) {
 int main(int argc, char** argv) {
   double window_gib = 2.0;
   int threads = static_cast<int>(std::thread::hardware_concurrency()) - 1, calls = 200;
-  std::vector<int> pfs = {0}, bits = {8, 15};
+  std::vector<int> pfs = {0}, bits = {8, 15}, splits = {0};
   bool check_only = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -529,9 +537,10 @@ int main(int argc, char** argv) {
     else if (a == "--calls") calls = std::atoi(next());
     else if (a == "--prefetch") ints(pfs);
     else if (a == "--act-bits") ints(bits);
+    else if (a == "--contiguous") ints(splits);
     else if (a == "--check-only") check_only = true;
     else {
-      std::fprintf(stderr, "usage: %s [--window-gib G] [--threads N] [--calls C] [--prefetch B[,B...]] [--act-bits 0,8,15] [--check-only]\n", argv[0]);
+      std::fprintf(stderr, "usage: %s [--window-gib G] [--threads N] [--calls C] [--prefetch B[,B...]] [--act-bits 0,8,15] [--contiguous 0,1] [--check-only]\n", argv[0]);
       return 2;
     }
   }
@@ -589,10 +598,11 @@ int main(int argc, char** argv) {
   std::vector<Variant> variants;
   for (int b : bits) {
     if (b != 0 && b != 8 && b != 15) { std::fprintf(stderr, "--act-bits: 0 (loads only), 8 or 15, got %d\n", b); return 2; }
-    for (int pf : pfs) variants.push_back({b, pf});
+    for (int pf : pfs)
+      for (int c : splits) variants.push_back({b, pf, c != 0});
   }
-  std::printf("| shape | case | act bits | prefetch B | us/call (median) | GB/s | /STREAM | h err | y err | y err vs unquantized |\n");
-  std::printf("|---|---|---|---|---|---|---|---|---|---|\n");
+  std::printf("| shape | case | act bits | prefetch B | items | us/call (median) | GB/s | /STREAM | h err | y err | y err vs unquantized |\n");
+  std::printf("|---|---|---|---|---|---|---|---|---|---|---|\n");
   int failures = 0;
   for (const Shape& s : shapes) {
     const int64_t n_experts = static_cast<int64_t>(window / s.expert_bytes());
@@ -631,8 +641,9 @@ int main(int argc, char** argv) {
         char errs[96] = "- | - | -";
         if (variants[v].bits)
           std::snprintf(errs, sizeof errs, "%.1e | %.1e%s | %.1e", ck.h_err, ck.y_err, ok ? "" : " FAIL", ck.q8_err);
-        std::printf("| %s | %s | %s | %d | %.1f | %.1f | %.2f | %s |\n", s.name, c.name,
+        std::printf("| %s | %s | %s | %d | %s | %.1f | %.1f | %.2f | %s |\n", s.name, c.name,
                     variants[v].bits ? std::to_string(variants[v].bits).c_str() : "loads only", variants[v].pf,
+                    variants[v].contiguous ? "a stretch per thread" : "claimed",
                     med * 1e6, bytes / med / 1e9, bytes / med / 1e9 / stream, errs);
       }
       std::fflush(stdout);
