@@ -101,6 +101,7 @@ inline uint64_t stream_chunk(const uint8_t* p, size_t n) {
   for (size_t i = 0; i < n; i += 64) { std::memcpy(&x, p + i, 8); s ^= x; }
   return s;
 }
+inline uint64_t stream_chunk32(const uint8_t* p, size_t n) { return stream_chunk(p, n); }
 #else
 using V = __m512i;
 inline V load_v(const void* p) { return _mm512_loadu_si512(p); }
@@ -136,6 +137,19 @@ inline uint64_t stream_chunk(const uint8_t* p, size_t n) {
   alignas(64) uint64_t lanes[8];
   _mm512_store_si512(lanes, _mm512_xor_si512(_mm512_xor_si512(a, b), _mm512_xor_si512(c, d)));
   return lanes[0] ^ lanes[1] ^ lanes[2] ^ lanes[3] ^ lanes[4] ^ lanes[5] ^ lanes[6] ^ lanes[7];
+}
+// The runtime's read (cpp/stream.cc): four chains of 32-byte loads.
+inline uint64_t stream_chunk32(const uint8_t* p, size_t n) {
+  __m256i a = _mm256_setzero_si256(), b = a, c = a, d = a;
+  for (size_t i = 0; i < n; i += 128) {
+    a = _mm256_xor_si256(a, _mm256_load_si256(reinterpret_cast<const __m256i*>(p + i)));
+    b = _mm256_xor_si256(b, _mm256_load_si256(reinterpret_cast<const __m256i*>(p + i + 32)));
+    c = _mm256_xor_si256(c, _mm256_load_si256(reinterpret_cast<const __m256i*>(p + i + 64)));
+    d = _mm256_xor_si256(d, _mm256_load_si256(reinterpret_cast<const __m256i*>(p + i + 96)));
+  }
+  alignas(32) uint64_t lanes[4];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), _mm256_xor_si256(_mm256_xor_si256(a, b), _mm256_xor_si256(c, d)));
+  return lanes[0] ^ lanes[1] ^ lanes[2] ^ lanes[3];
 }
 #endif
 
@@ -521,7 +535,7 @@ int main(int argc, char** argv) {
   double window_gib = 2.0;
   int threads = static_cast<int>(std::thread::hardware_concurrency()) - 1, calls = 200;
   std::vector<int> pfs = {0}, bits = {8, 15}, splits = {0};
-  bool check_only = false;
+  bool check_only = false, stream_variants = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto next = [&]() -> const char* {
@@ -539,8 +553,9 @@ int main(int argc, char** argv) {
     else if (a == "--act-bits") ints(bits);
     else if (a == "--contiguous") ints(splits);
     else if (a == "--check-only") check_only = true;
+    else if (a == "--stream-variants") stream_variants = true;
     else {
-      std::fprintf(stderr, "usage: %s [--window-gib G] [--threads N] [--calls C] [--prefetch B[,B...]] [--act-bits 0,8,15] [--contiguous 0,1] [--check-only]\n", argv[0]);
+      std::fprintf(stderr, "usage: %s [--window-gib G] [--threads N] [--calls C] [--prefetch B[,B...]] [--act-bits 0,8,15] [--contiguous 0,1] [--check-only] [--stream-variants]\n", argv[0]);
       return 2;
     }
   }
@@ -573,6 +588,29 @@ int main(int argc, char** argv) {
       }
     }
   });
+  if (stream_variants) {  // the read ceiling itself: items of 256 KiB / 2 MiB x loads of 32 / 64 bytes, round robin
+    std::printf("STREAM-like read of %.2f GiB by %d threads, best of 8, variants round robin\n| item | loads | GB/s |\n|---|---|---|\n",
+                double(window) / (1ull << 30), threads);
+    const size_t items[2] = {size_t(256) << 10, size_t(2) << 20};
+    double best[2][2] = {};
+    std::vector<uint64_t> sink(window >> 18);
+    for (int rep = 0; rep < 8; ++rep)
+      for (int i = 0; i < 2; ++i)
+        for (int w = 0; w < 2; ++w) {
+          const size_t item = items[i];
+          const double t0 = now();
+          team.run(static_cast<int64_t>(window / item), [&](int64_t b) {
+            sink[b] = w ? stream_chunk(pool + b * item, item) : stream_chunk32(pool + b * item, item);
+          });
+          best[i][w] = std::max(best[i][w], double(window) / (now() - t0) / 1e9);
+        }
+    for (int i = 0; i < 2; ++i)
+      for (int w = 0; w < 2; ++w)
+        std::printf("| %zu KiB | %d B | %.1f |\n", items[i] >> 10, w ? 64 : 32, best[i][w]);
+    uint64_t s = 0;
+    for (auto v : sink) s ^= v;
+    return s == 42 ? 3 : 0;
+  }
   // STREAM-like read of the window by the same threads (best of 3).
   double stream = 0;
   {
