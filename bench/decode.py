@@ -14,7 +14,8 @@ measured steps with every routed expert resident, the resident engine's backend 
 same banks: no cache maps, no plan) and the offload path's ``resident`` policy (since session 22: on one host the
 engine's step ran 4.61 ms against the offload path's 4.38 and loosened the roofline; sessions 7-21 took the
 engine's alone, before session 7 the offload path's alone), B_DRAM = the all-thread host read bandwidth measured
-in this run; plus the q* rule against the best fixed fill fraction of a sweep.
+in this run (every logical CPU; 64-byte loads where the CPU has AVX-512: before session 33 the kernels' threads and
+32-byte loads, 10-25% lower on the H200 host); plus the q* rule against the best fixed fill fraction of a sweep.
 Random weights: the routing is synthetic or organic but the text generated is meaningless.
 
 GPU machine only (CUDA FFI fill + CPU-branch handshake). Writes bench/out/decode.json.
@@ -338,7 +339,9 @@ def main(argv=None) -> int:
     print(f"pool {pool.total_bytes / 2**30:.1f} GiB generated and pinned in {time.perf_counter() - t0:.0f}s; "
           f"on huge pages {backing['huge'] / max(backing['resident'], 1):.0%} (transparent_hugepage: {thp})",
           flush=True)
-    b_dram = measure.stream_read_gbps(4 << 30)
+    # every logical CPU of the host (until session 33 the kernels' 15 threads: 3-16% below the 16-thread read)
+    dram_threads = measure.host_threads()
+    b_dram = measure.stream_read_gbps(4 << 30, threads=dram_threads)
     prof = calibrate.load_profile()
     if prof is None:
         print("no calibration profile: measuring B_P/B_H now (ftjax calibrate)", flush=True)
@@ -361,10 +364,11 @@ def main(argv=None) -> int:
     plan_kw = dict(plan_impl=args.plan_impl, victims_by=args.victims_by)
     results = {"sync": args.sync, "stable_io": args.stable_io, **plan_kw,
                "xla_update_mode": ftjax.XLA_UPDATE_MODE,
-               "b_dram_gbps": b_dram, "bandwidth": band.to_dict(), "expert_bytes": expert_bytes,
-               "pool_backing": backing, "transparent_hugepage": thp, "rows": []}
-    print(f"B_DRAM {b_dram:.1f} GB/s | in use: B_P {band.b_pcie_gbps:.1f} GB/s, B_H {band.b_host_gbps:.1f} GB/s "
-          f"({'concurrent' if band.concurrent else 'standalone'}, {band.source}), q* fraction {band.fill_fraction:.3f}")
+               "b_dram_gbps": b_dram, "b_dram_threads": dram_threads, "bandwidth": band.to_dict(),
+               "expert_bytes": expert_bytes, "pool_backing": backing, "transparent_hugepage": thp, "rows": []}
+    print(f"B_DRAM {b_dram:.1f} GB/s ({dram_threads} threads) | in use: B_P {band.b_pcie_gbps:.1f} GB/s, "
+          f"B_H {band.b_host_gbps:.1f} GB/s ({'concurrent' if band.concurrent else 'standalone'}, {band.source}), "
+          f"q* fraction {band.fill_fraction:.3f}")
 
     tune_workers_for_gpu()  # what every CUDA lru-split backend below does first: print the pool they run with
     print(f"CPU worker pool: {worker_info()}")

@@ -10,6 +10,7 @@
 #include <memory>
 #include <optional>
 #include <stdexcept>
+#include <string>
 
 #include "cpu_features.h"
 #include "cuda_api.h"
@@ -146,14 +147,27 @@ nb::dict worker_info() {
   return d;
 }
 
-// Seconds to read the whole buffer once with every worker thread (best of reps).
-double stream_read_seconds(nb::ndarray<const uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> buf, int reps) {
+// Seconds to read the whole buffer once (best of reps) with the expert kernels' worker threads, or (threads > 0)
+// with a pool of its own of that many threads (the caller and threads - 1 pinned workers): the host's all-thread
+// read, which the decode roofline's DRAM bandwidth is.
+double stream_read_seconds(nb::ndarray<const uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> buf, int reps,
+                           int threads) {
+  if (reps < 1) throw std::invalid_argument("reps must be >= 1, got " + std::to_string(reps));
+  if (threads < 0 || threads > 1024) throw std::invalid_argument("threads must be 0 (the worker pool) or 1..1024, got " +
+                                                                  std::to_string(threads));
   nb::gil_scoped_release release;
+  std::unique_ptr<WorkerPool> own;
+  if (threads > 0) {
+    WorkerConfig cfg;
+    cfg.n_workers = threads - 1;
+    own = std::make_unique<WorkerPool>(cfg);
+  }
+  WorkerPool& pool = own ? *own : global_workers();
   double best = 1e30;
   volatile uint64_t sink = 0;
   for (int i = 0; i < reps; ++i) {
     const auto t0 = std::chrono::steady_clock::now();
-    sink = sink ^ read_all(global_workers(), buf.data(), buf.shape(0));
+    sink = sink ^ read_all(pool, buf.data(), buf.shape(0));
     best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   }
   return best;
@@ -319,7 +333,7 @@ NB_MODULE(_host, m) {
     return worker_self_test(global_workers(), rounds, max_items, seed, big);
   }, "rounds"_a, "max_items"_a, "seed"_a = 0, "big"_a = false,
         "Test hook: random parallel_for rounds; returns the number of anomalies (0 = correct).");
-  m.def("stream_read_seconds", &stream_read_seconds, "buf"_a, "reps"_a = 3);
+  m.def("stream_read_seconds", &stream_read_seconds, "buf"_a, "reps"_a = 3, "threads"_a = 0);
 
   m.def("cuda_built", &cuda_built);
   m.def("ffi_handlers", [] {

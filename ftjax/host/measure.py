@@ -6,6 +6,7 @@ as weight bytes read per second; its ceiling: a STREAM-like read with the same w
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 
 import numpy as np
@@ -65,13 +66,22 @@ def thp_setting() -> str | None:
     return text[start + 1:end] if 0 <= start < end else None
 
 
-def stream_read_gbps(nbytes: int, reps: int = 3) -> float:
-    """Read ceiling: all worker threads read a touched buffer of ``nbytes`` once (best of reps)."""
+def stream_read_gbps(nbytes: int, reps: int = 3, threads: int | None = None) -> float:
+    """Read ceiling: a touched buffer of ``nbytes`` read once (best of reps) by the expert kernels' worker threads
+    (the ceiling of a kernel's rate: "the same threads"), or by ``threads`` threads of a pool of its own
+    (`host_threads()`: the host's all-thread read, the decode roofline's DRAM bandwidth)."""
+    if threads is not None and not 1 <= threads <= 1024:
+        raise ValueError(f"threads must be None (the worker pool) or 1..1024, got {threads}")
     buf = np.empty(nbytes + 64, np.uint8)
     off = (-buf.ctypes.data) % 64
     buf = buf[off:off + nbytes]
     _fill_random(buf, np.random.default_rng(1))
-    return nbytes / _host.stream_read_seconds(buf, reps) / 1e9
+    return nbytes / _host.stream_read_seconds(buf, reps, threads or 0) / 1e9
+
+
+def host_threads() -> int:
+    """The logical CPUs this process may run on (every one: the all-thread read)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def cpu_kernel_gbps(pool: HostPool, shape: ExpertShape, tokens: int, calls: int = 20, seed: int = 0,

@@ -126,3 +126,17 @@ def test_cpu_kernel_variants_routings():
             measure.cpu_kernel_variants(pool, shape, 8, {"": None}, calls=1, routing="uniform")
     finally:
         pool.close()
+
+
+def test_stream_read_by_the_worker_pool_or_a_pool_of_its_own():
+    from ftjax.host import measure
+
+    # the kernels' ceiling (the worker pool) and the all-thread read (a pool of its own, every logical CPU)
+    assert measure.host_threads() >= 1
+    for threads in (None, 1, measure.host_threads()):
+        assert measure.stream_read_gbps(8 << 20, reps=1, threads=threads) > 0
+    for bad in (0, -1, 1025):
+        with pytest.raises(ValueError, match="threads"):
+            measure.stream_read_gbps(1 << 20, reps=1, threads=bad)
+    with pytest.raises(ValueError, match="reps"):
+        _host.stream_read_seconds(np.zeros(64, np.uint8), 0, 0)
