@@ -160,6 +160,7 @@ double stream_read_seconds(nb::ndarray<const uint8_t, nb::ndim<1>, nb::c_contig,
   if (threads > 0) {
     WorkerConfig cfg;
     cfg.n_workers = threads - 1;
+    cfg.every_cpu = true;  // one thread per logical CPU, SMT siblings included
     own = std::make_unique<WorkerPool>(cfg);
   }
   WorkerPool& pool = own ? *own : global_workers();

@@ -28,14 +28,20 @@ int read_int(const std::string& path, int fallback) {
 }
 }  // namespace
 
-std::vector<int> physical_core_cpus() {
+std::vector<int> allowed_cpus() {
   cpu_set_t set;
   CPU_ZERO(&set);
   std::vector<int> cpus;
   if (sched_getaffinity(0, sizeof(set), &set) != 0) return cpus;
+  for (int c = 0; c < CPU_SETSIZE; ++c)
+    if (CPU_ISSET(c, &set)) cpus.push_back(c);
+  return cpus;
+}
+
+std::vector<int> physical_core_cpus() {
+  std::vector<int> cpus;
   std::map<std::pair<int, int>, int> first_of_core;  // (package, core) -> first logical CPU
-  for (int c = 0; c < CPU_SETSIZE; ++c) {
-    if (!CPU_ISSET(c, &set)) continue;
+  for (int c : allowed_cpus()) {
     const std::string topo = "/sys/devices/system/cpu/cpu" + std::to_string(c) + "/topology/";
     const auto key = std::make_pair(read_int(topo + "physical_package_id", 0), read_int(topo + "core_id", c));
     first_of_core.emplace(key, c);
@@ -46,7 +52,7 @@ std::vector<int> physical_core_cpus() {
 }
 
 WorkerPool::WorkerPool(const WorkerConfig& cfg) : cfg_(cfg) {
-  const auto cores = physical_core_cpus();
+  const auto cores = cfg.every_cpu ? allowed_cpus() : physical_core_cpus();
   int n = cfg.n_workers;
   if (n < 0) n = std::max(0, static_cast<int>(cores.size()) - 2);
   if (n > 1024) throw std::invalid_argument("n_workers " + std::to_string(n) + " is too large (max 1024)");

@@ -21,10 +21,13 @@ struct WorkerConfig {
   int n_workers = -1;   // threads besides the caller; -1 = physical cores - 2 (at least 0)
   int spin_us = 100;    // busy-wait this long for new work before sleeping
   bool pin = true;      // pin worker i to the first logical CPU of physical core i + 1
+  bool every_cpu = false;  // pin over every logical CPU this process may run on instead (SMT siblings too)
 };
 
 // Logical CPUs this process may run on, one per physical core (SMT siblings dropped).
 std::vector<int> physical_core_cpus();
+// Every logical CPU this process may run on.
+std::vector<int> allowed_cpus();
 
 // A parallel_for's wall time and how long its caller waited for the other threads after running out
 // of items to claim (stragglers, late wake-ups), in microseconds: call profiles read them.
