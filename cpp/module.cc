@@ -148,19 +148,19 @@ nb::dict worker_info() {
 }
 
 // Seconds to read the whole buffer once (best of reps) with the expert kernels' worker threads, or (threads > 0)
-// with a pool of its own of that many threads (the caller and threads - 1 pinned workers): the host's all-thread
-// read, which the decode roofline's DRAM bandwidth is.
+// with a pool of its own of that many threads, the caller and threads - 1 workers pinned over every logical CPU
+// (the host's all-thread read: the decode roofline's DRAM bandwidth).
 double stream_read_seconds(nb::ndarray<const uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> buf, int reps,
                            int threads) {
   if (reps < 1) throw std::invalid_argument("reps must be >= 1, got " + std::to_string(reps));
-  if (threads < 0 || threads > 1024) throw std::invalid_argument("threads must be 0 (the worker pool) or 1..1024, got " +
-                                                                  std::to_string(threads));
+  if (threads < 0 || threads > 1024)
+    throw std::invalid_argument("threads must be 0 (the worker pool) or 1..1024, got " + std::to_string(threads));
   nb::gil_scoped_release release;
   std::unique_ptr<WorkerPool> own;
   if (threads > 0) {
     WorkerConfig cfg;
     cfg.n_workers = threads - 1;
-    cfg.every_cpu = true;  // one thread per logical CPU, SMT siblings included
+    cfg.every_cpu = true;
     own = std::make_unique<WorkerPool>(cfg);
   }
   WorkerPool& pool = own ? *own : global_workers();
