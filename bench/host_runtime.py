@@ -48,6 +48,7 @@ def cpu_part(window_gib: float, calls: int, tiers: list[str], prefetch: list[int
     short_rows = short_rows or [default["short_row_bytes"]]
     variants = variants or {"default": default}
     stream = measure.stream_read_gbps(window)
+    stream_all = measure.stream_read_gbps(window, threads=measure.host_threads())  # every logical CPU: the stricter
     rows = []
     for name, shape in SHAPES.items():
         for fmt in formats:
@@ -66,7 +67,7 @@ def cpu_part(window_gib: float, calls: int, tiers: list[str], prefetch: list[int
                         rows.append({"shape": name, "format": fmt, "tier": tier, "prefetch": pf, "short_rows": short,
                                      "down_rows": knobs[v]["down_rows"], "knobs": v, "tokens": tokens,
                                      "top_k": k, "routing": routing, **r, "stream_gbps": stream,
-                                     "ratio": r["gbps"] / stream})
+                                     "ratio": r["gbps"] / stream, "stream_all_gbps": stream_all})
             pool.close()
             del pool
     _host.set_tier("auto")
@@ -244,15 +245,17 @@ def main(argv=None) -> int:
         print(f"CPU: {res['cpu']}, {info['n_threads']} threads; STREAM read with the same threads "
               f"({args.window_gib} GiB); per thread = GB/s / threads; GB/s and /STREAM over the timed Python call, "
               f"'kernel' = /STREAM over the kernel's own clock (no binding or y allocation: the call as the jitted "
-              f"step's FFI handler makes it)")
+              f"step's FFI handler makes it); '/all' = GB/s over the STREAM read by all "
+              f"{measure.host_threads()} logical CPUs ({res['kernel'][0]['stream_all_gbps']:.1f} GB/s)")
         print(f"{'shape':22} {'fmt':5} {'tier':11} {'pf B':>5} {'short':>5} {'knobs':{kw}} {'thr':>3} {'tok':>3} {'k':>3} "
               f"{'ms':>7} "
-              f"{'GB/s':>7} {'/thread':>7} {'STREAM':>7} {'/STREAM':>8} {'kernel':>7}")
+              f"{'GB/s':>7} {'/thread':>7} {'STREAM':>7} {'/STREAM':>8} {'kernel':>7} {'/all':>5}")
     for r in res["kernel"]:
         print(f"{r['shape']:22} {r['format']:5} {r['tier']:11} {r['prefetch']:5d} {r['short_rows']:5d} {r['knobs']:{kw}} "
               f"{r['threads']:3d} "
               f"{r['tokens']:>3} {_k(r):>3} {r['ms']:7.3f} {r['gbps']:7.1f} {r['gbps'] / r['threads']:7.2f} "
-              f"{r['stream_gbps']:7.1f} {r['ratio']:8.2f} {r['kernel_gbps'] / r['stream_gbps']:7.2f}")
+              f"{r['stream_gbps']:7.1f} {r['ratio']:8.2f} {r['kernel_gbps'] / r['stream_gbps']:7.2f} "
+              f"{r['gbps'] / r['stream_all_gbps']:5.2f}")
     if res["kernel"]:
         print("\nWhere the calls go (us, the kernel's clock, medians): setup, then per round its wall time / the caller's"
               "\nwait for other threads; 'outside' = the timed call minus the kernel's total (binding, y allocation)")
