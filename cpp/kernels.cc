@@ -268,51 +268,6 @@ void to_pair64(const uint16_t* x, int64_t K, uint16_t* dst) {
 #endif
 }
 
-namespace {
-// The lines of [p, p + n) bytes: a prefetch of the given kind, or a load of each line's first byte summed into
-// `sink` (so the loads are not dropped).
-template <int kHint>
-void prefetch_lines(const uint8_t* p, int64_t n) {
-  const uintptr_t first = reinterpret_cast<uintptr_t>(p) & ~uintptr_t{63};
-  for (uintptr_t a = first; a < reinterpret_cast<uintptr_t>(p + n); a += 64)
-    __builtin_prefetch(reinterpret_cast<const void*>(a), 0, kHint);
-}
-unsigned load_lines(const uint8_t* p, int64_t n) {
-  unsigned sum = 0;
-  const uintptr_t first = reinterpret_cast<uintptr_t>(p) & ~uintptr_t{63};
-  for (uintptr_t a = first; a < reinterpret_cast<uintptr_t>(p + n); a += 64)
-    sum += *reinterpret_cast<const volatile uint8_t*>(a);
-  return sum;
-}
-}  // namespace
-
-void warm_rows(const MatrixRef& w, int64_t r0, int64_t r1, int mode) {
-  const int64_t elem_bits = w.format == WeightFormat::kF32 ? 32 : w.format == WeightFormat::kBF16 ? 16 : 4;
-  const int64_t row = w.cols * elem_bits / 8, ld = w.ld * elem_bits / 8;
-  const bool int4 = w.format == WeightFormat::kInt4;
-  thread_local unsigned sink = 0;
-  for (int64_t r = r0; r < r1; ++r) {
-    const uint8_t* d = w.data + r * ld;
-    const uint8_t* sc = int4 ? reinterpret_cast<const uint8_t*>(w.scales + r * (w.ld / 32)) : nullptr;
-    const int64_t sc_bytes = int4 ? w.cols / 32 * 2 : 0;
-    switch (mode) {
-      case 1:
-        prefetch_lines<2>(d, row);  // locality 2: prefetcht1
-        if (int4) prefetch_lines<2>(sc, sc_bytes);
-        break;
-      case 2:
-        prefetch_lines<1>(d, row);  // locality 1: prefetcht2
-        if (int4) prefetch_lines<1>(sc, sc_bytes);
-        break;
-      case 3:
-        sink += load_lines(d, row) + (int4 ? load_lines(sc, sc_bytes) : 0);
-        break;
-      default:
-        break;
-    }
-  }
-}
-
 MatrixRef column_window(const MatrixRef& w, int64_t c0, int64_t n) {
   if (c0 < 0 || n < 0 || c0 + n > w.cols)
     throw std::invalid_argument("column window [" + std::to_string(c0) + ", " + std::to_string(c0 + n) +

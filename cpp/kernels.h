@@ -24,9 +24,6 @@ struct MatrixRef {
 MatrixRef matrix_of(const Bank& bank, int64_t expert);
 // Columns [c0, c0 + n) of w (every row): the same memory, ld unchanged. int4: c0 and n multiples of 32.
 MatrixRef column_window(const MatrixRef& w, int64_t c0, int64_t n);
-// Every cache line of rows [r0, r1) of w (its columns; int4: and the rows' scales) touched ahead of their use:
-// mode 1 prefetcht1, 2 prefetcht2, 3 a load per line (kept). No result depends on it.
-void warm_rows(const MatrixRef& w, int64_t r0, int64_t r1, int mode);
 
 // n activation vectors of length cols, each in f32 and, when the call runs in bf16 activations, also as bf16 bits
 // (the same values) for the tiers that multiply in bf16.

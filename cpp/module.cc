@@ -312,9 +312,6 @@ NB_MODULE(_host, m) {
   m.def("down_sum", &down_sum, "Whether down's round sums a token's lone experts in one pass (default False).");
   m.def("set_down_sum", &set_down_sum, "on"_a,
         "True: a token's lone experts' down rows summed in one pass per work item (False: one call each).");
-  m.def("down_ahead", &down_ahead, "How gate/up's items warm their share of down's rows (0: off, the default).");
-  m.def("set_down_ahead", &set_down_ahead, "mode"_a,
-        "0 off; 1 prefetcht1, 2 prefetcht2, 3 loads: each gate/up item touches its share of its expert's down window.");
   m.def("int4_act_bits", &int4_act_bits,
         "15: int4 x bf16 on the VNNI loop with exact 15-bit activations (default); 8: int8 activations (lossy, "
         "faster).");

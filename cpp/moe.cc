@@ -94,7 +94,6 @@ std::vector<float>& scratch(size_t n) {
 std::atomic<int64_t> g_gate_up_rows{kRowsPhase1};
 std::atomic<int64_t> g_down_rows{kRowsPhase2};
 std::atomic<bool> g_down_sum{false};
-std::atomic<int> g_down_ahead{0};
 void check_item_rows(int64_t rows, const char* what) {
   if (rows < 4 || rows > 1024 || (rows & (rows - 1)))
     throw std::invalid_argument(std::string(what) + " item rows must be a power of two in [4, 1024], got " +
@@ -113,11 +112,6 @@ void set_gate_up_item_rows(int64_t rows) {
 int64_t down_item_rows() { return g_down_rows.load(std::memory_order_relaxed); }
 bool down_sum() { return g_down_sum.load(std::memory_order_relaxed); }
 void set_down_sum(bool on) { g_down_sum.store(on, std::memory_order_relaxed); }
-int down_ahead() { return g_down_ahead.load(std::memory_order_relaxed); }
-void set_down_ahead(int mode) {
-  if (mode < 0 || mode > 3) throw std::invalid_argument("down_ahead is 0 (off), 1, 2 or 3, got " + std::to_string(mode));
-  g_down_ahead.store(mode, std::memory_order_relaxed);
-}
 void set_down_item_rows(int64_t rows) {
   check_item_rows(rows, "down");
   g_down_rows.store(rows, std::memory_order_relaxed);
@@ -280,17 +274,11 @@ void run_experts(WorkerPool& workers, const ExpertCall& c, Tier tier) {
   const int64_t rows1 = rows_per_item(I, groups, std::max(gate_up_item_rows(), min_rows), workers.n_threads(), min_rows);
   const int64_t blocks1 = (I + rows1 - 1) / rows1;
   const int64_t item1_bytes = rows1 * static_cast<int64_t>(pool.gate_up().expert_bytes) / I;  // 2 rows1 of 2I rows
-  const int ahead = down_ahead();
   const RoundTiming t_phase1 = workers.parallel_for(groups * blocks1, [&](int64_t item, int) {
     const int64_t g = item / blocks1, r0 = start[g], nr = start[g + 1] - r0;
     const int64_t i1 = std::min(I, (item % blocks1 + 1) * rows1);
     const int64_t i0 = std::max((item % blocks1) * rows1, unit_of(order[r0]));  // the group's units only
     if (i0 >= i1) return;
-    if (ahead) {  // this item's share of the group's down window: its place among the group's items with rows
-      const int64_t u = unit_of(order[r0]), first = u / rows1, k = item % blocks1 - first, n_items = blocks1 - first;
-      warm_rows(column_window(matrix_of(pool.down(), c.expert_ids[order[r0]]), u, I - u), k * H / n_items,
-                (k + 1) * H / n_items, ahead);
-    }
     const MatrixRef w = matrix_of(pool.gate_up(), c.expert_ids[order[r0]]);
     const bool vnni_act = amx_group(g), q15_g = q15_group(g);
     const int64_t s0 = src_of[r0];  // where the group's copies are (r0, or an earlier route of a lone token)

@@ -45,12 +45,6 @@ void set_down_item_rows(int64_t rows);
 // (Qwen3.6 bf16, large int4): 8 experts' rows interleaved per tile instead of one expert's 32 rows after another.
 bool down_sum();
 void set_down_sum(bool on);
-// down_ahead: each gate/up work item pulls its share of its expert's down window (the rows of the window in
-// proportion to the item's place among the group's items, int4 scales too) toward the caches before its own
-// products, so down's round reads lines another core brought in instead of starting cold streams after the
-// barrier. 0: off (default); 1: prefetcht1 (L2); 2: prefetcht2; 3: plain loads. Only speed depends on it.
-int down_ahead();
-void set_down_ahead(int mode);
 
 // Where the last run_experts call (any thread) spent its time, in microseconds: the whole call, the
 // work before the first round (checks, sort), and per round (activation layouts, phase 1 = gate/up,

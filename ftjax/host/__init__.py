@@ -68,15 +68,13 @@ _KNOBS = {
     "int4_q8_tokens": (_host.int4_q8_tokens, _host.set_int4_q8_tokens, int),
     # down's round: a token's lone experts summed in one pass (on) or one call and store each (off); f32 rounding
     "down_sum": (_host.down_sum, _host.set_down_sum, bool),
-    # gate/up's items warm their share of down's rows before the barrier: 0 off, 1 prefetcht1, 2 prefetcht2, 3 loads
-    "down_ahead": (_host.down_ahead, _host.set_down_ahead, int),
 }
 
 
 def kernel_knobs() -> dict:
     """The CPU expert kernels' speed knobs as set now: gate_up_rows / down_rows (rows per work item of the
     two rounds), prefetch_bytes, short_row_bytes, window_prefetch, tile_prefetch, int4_vnni_tokens,
-    int4_act_bits, int4_q8_tokens, down_sum, down_ahead (cpp/kernels.h, cpp/moe.h). No result depends on them, except the last
+    int4_act_bits, int4_q8_tokens, down_sum (cpp/kernels.h, cpp/moe.h). No result depends on them, except the last
     bits with int4_vnni_tokens (int4 weights, bf16 activations) and down_sum (its summation order), and int4_act_bits=8
     (opt-in, lossy: int4 x bf16 activations as int8 per lane of 8 columns, each off by up to 1/254 of its lane's
     largest; int4_q8_tokens is then the VNNI loop's limit)."""

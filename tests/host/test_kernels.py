@@ -153,7 +153,7 @@ def test_window_and_tile_prefetch_change_speed_only(tier, fmt):
     rows warming the next tile (`tile_prefetch`) change no result bit, on every tier: short rows (a tile
     ahead, the first tile's window lines) and in-row prefetch (short_row_bytes 0; distances 64 B and 512 B,
     inside and past short windows), 1 and 4 tokens per expert (AMX groups from 3), and the results equal
-    the reference; nor does gate/up's items warming down's rows (`down_ahead`, every mode)."""
+    the reference."""
     set_tier(tier)
     hidden, inter = 128, 256
     rng = np.random.default_rng(zlib.crc32(f"wpf{tier}{fmt}".encode()))
@@ -171,9 +171,9 @@ def test_window_and_tile_prefetch_change_speed_only(tier, fmt):
             # or not) bit for bit under the prefetch knobs
             outs = []
             for pf, short in ((default["prefetch_bytes"], default["short_row_bytes"]), (64, 0), (512, 0)):
-                for ahead, (window, tile) in enumerate(((True, False), (False, False), (True, True), (False, True))):
+                for window, tile in ((True, False), (False, False), (True, True), (False, True)):
                     set_kernel_knobs(prefetch_bytes=pf, short_row_bytes=short, window_prefetch=window,
-                                     tile_prefetch=tile, int4_vnni_tokens=vnni, down_sum=dsum, down_ahead=ahead)
+                                     tile_prefetch=tile, int4_vnni_tokens=vnni, down_sum=dsum)
                     assert (_host.window_prefetch(), _host.tile_prefetch()) == (window, tile)
                     outs.append(_host.run_experts(pool._h, x.view(np.uint16), tok, eid, w, 6, x_bf16=True,
                                                   unit_start=unit))
@@ -190,13 +190,12 @@ def test_kernel_knobs_set_parse_and_refuse():
     default = kernel_knobs()
     assert set(default) == {"gate_up_rows", "down_rows", "prefetch_bytes", "short_row_bytes", "window_prefetch",
                             "tile_prefetch", "int4_vnni_tokens", "int4_act_bits", "int4_q8_tokens",
-                            "down_sum", "down_ahead"}
+                            "down_sum"}
     try:
         set_kernel_knobs(down_rows=64, tile_prefetch=True)
         assert kernel_knobs() == dict(default, down_rows=64, tile_prefetch=True)
         for bad in (dict(down_rows=128, gate_up_rows=12), dict(down_rows=128, window_prefetch="off"),
-                    dict(down_rows=128, prefetch_bytes=1.5), dict(down_rows=128, nonsense=1),
-                    dict(down_rows=128, down_ahead=4)):
+                    dict(down_rows=128, prefetch_bytes=1.5), dict(down_rows=128, nonsense=1)):
             with pytest.raises(ValueError):
                 set_kernel_knobs(**bad)
             assert kernel_knobs() == dict(default, down_rows=64, tile_prefetch=True)
