@@ -94,8 +94,8 @@ def main(argv=None) -> int:
     for line in numa_nodes() or ["no NUMA nodes in sysfs"]:
         print(line)
     shape = measure.ExpertShape(2048, 512, 8)
-    t0 = time.perf_counter()
     fresh_before = measure.stream_read_gbps(4 << 30, threads=threads)
+    t0 = time.perf_counter()
     pool = measure.make_pool(shape, "bf16", int(args.gib * 2**30))
     fill_s = time.perf_counter() - t0
     pinned = pool.pin_if_cuda() if args.pin else False
