@@ -7,6 +7,7 @@
 #include <nanobind/stl/vector.h>
 
 #include <chrono>
+#include <cstring>
 #include <memory>
 #include <optional>
 #include <stdexcept>
@@ -15,6 +16,7 @@
 #include "cpu_features.h"
 #include "cuda_api.h"
 #include "ffi_cpu.h"
+#include "host_plan.h"
 #include "kernels.h"
 #include "moe.h"
 #include "pool.h"
@@ -336,6 +338,54 @@ NB_MODULE(_host, m) {
         "Test hook: random parallel_for rounds; returns the number of anomalies (0 = correct).");
   m.def("stream_read_seconds", &stream_read_seconds, "buf"_a, "reps"_a = 3, "threads"_a = 0);
 
+  m.def("host_plan_tasks", [](int64_t tokens, int64_t top_k, int64_t n_experts, int64_t layer, int64_t fill_capacity,
+                              int32_t rule, int32_t update, int32_t defer_horizon, int32_t split_inter,
+                              int32_t split_granule, int32_t rebase_at, int32_t rebase_by, int32_t all_units,
+                              I32Array ids, I32Array valid, nb::ndarray<const float, nb::ndim<1>, nb::c_contig, nb::device::cpu> gate,
+                              I32Array slot, I32Array recency, I32Array slot_lu, int32_t step, int32_t below,
+                              float fill_fraction) {
+    const int64_t R = tokens * top_k;
+    if (static_cast<int64_t>(ids.size()) != R || static_cast<int64_t>(gate.size()) != R ||
+        static_cast<int64_t>(slot.size()) != R || static_cast<int64_t>(recency.size()) != R ||
+        static_cast<int64_t>(slot_lu.size()) != R || static_cast<int64_t>(valid.size()) != tokens)
+      throw std::invalid_argument("host_plan_tasks: the per-route arrays must have tokens * top_k entries, valid tokens");
+    HostPlanStatics st;
+    st.tokens = tokens;
+    st.top_k = top_k;
+    st.n_experts = n_experts;
+    st.layer = layer;
+    st.fill_capacity = fill_capacity;
+    st.rule = rule;
+    st.update = update;
+    st.defer_horizon = defer_horizon;
+    st.split_inter = split_inter;
+    st.split_granule = split_granule;
+    st.rebase_at = rebase_at;
+    st.rebase_by = rebase_by;
+    st.all_units = all_units;
+    HostPlanInputs in;
+    in.ids = ids.data();
+    in.valid = valid.data();
+    in.gate = gate.data();
+    in.slot = slot.data();
+    in.recency = recency.data();
+    in.slot_lu = slot_lu.data();
+    in.step = step;
+    in.below = below;
+    in.fill_fraction = fill_fraction;
+    HostPlanTasks t;
+    host_plan_tasks(st, in, &t);
+    return nb::make_tuple(t.token, t.flat, t.units, t.weight, t.checksum);
+  }, "tokens"_a, "top_k"_a, "n_experts"_a, "layer"_a, "fill_capacity"_a, "rule"_a, "update"_a, "defer_horizon"_a,
+        "split_inter"_a, "split_granule"_a, "rebase_at"_a, "rebase_by"_a, "all_units"_a, "ids"_a, "valid"_a, "gate"_a,
+        "slot"_a, "recency"_a, "slot_lu"_a, "step"_a, "below"_a, "fill_fraction"_a,
+        "The host plan's CPU task list (cpp/host_plan.h), from what the GPU gathers: (token, flat, units, weight, "
+        "checksum).");
+  m.def("task_checksum", [](int32_t token, int32_t flat, int32_t unit, float weight) {
+    uint32_t wb;
+    std::memcpy(&wb, &weight, 4);
+    return task_checksum(token, flat, unit, wb);
+  }, "token"_a, "flat"_a, "unit"_a, "weight"_a, "One task's share of the host plan's checksum.");
   m.def("cuda_built", &cuda_built);
   m.def("ffi_handlers", [] {
     nb::dict cpu, cuda;

@@ -19,6 +19,22 @@ RULE_CODES = {"balance": 0, "all": 1, "none": 2}  # cpp/plan_core.h PlanRule
 MAX_EXPERTS = 5120  # 10 E int32 of scratch at most within cpp/plan_cuda.cu kPlanMaxSmem (200 KiB)
 
 
+def plan_statics(layer: int, num_routes: int, num_experts: int, num_slots: int, *, rule: str, fill_cap: int | None,
+                 update: bool, defer_horizon: int, unit_split: tuple[int, int] | None) -> dict:
+    """The plan's static parameters as the native calls take them (the fused plan's attributes; the host
+    plan's, ``cuda.cpu_experts_publish``): the fill capacity, the rule's code, the effective defer horizon."""
+    from ftjax.experts.plan import ALL_UNITS, REBASE_AT, REBASE_BY, fill_capacity
+
+    F = fill_capacity(num_routes, num_experts, num_slots, fill_cap, rule) if update else 0
+    defer = defer_horizon > 0 and rule == "balance" and update
+    return dict(layer=np.int64(layer), n_experts=np.int64(num_experts), fill_capacity=np.int64(F),
+                rule=np.int64(RULE_CODES[rule]), update=np.int64(bool(update)),
+                defer_horizon=np.int64(defer_horizon if defer else 0),
+                split_inter=np.int64(unit_split[0] if unit_split else 0),
+                split_granule=np.int64(unit_split[1] if unit_split else 0),
+                rebase_at=np.int64(REBASE_AT), rebase_by=np.int64(REBASE_BY), all_units=np.int64(ALL_UNITS))
+
+
 def plan_layer_fused(cache: dict, layer: int, expert_ids: jax.Array, token_valid: jax.Array, *, num_experts: int,
                      rule: str, fill_cap: int | None, update: bool, defer_horizon: int,
                      unit_split: tuple[int, int] | None, gate_weights: jax.Array | None = None,
@@ -31,7 +47,7 @@ def plan_layer_fused(cache: dict, layer: int, expert_ids: jax.Array, token_valid
     ``bg_ids``/``bg_slots`` [L, C >= F], ``bg_n``/``bg_from`` [L] updated in place at row ``layer``, None
     without it; ``bg_from`` is written only under the unit split). ``team_threads`` > 1 (tests, CPU backend):
     the CPU handler runs the plan on that many threads in the GPU thread block's form."""
-    from ftjax.experts.plan import ALL_UNITS, BACKGROUND_KEYS, REBASE_AT, REBASE_BY, LayerPlan, fill_capacity
+    from ftjax.experts.plan import BACKGROUND_KEYS, LayerPlan
 
     register_targets()
     T, k = expert_ids.shape
@@ -41,9 +57,9 @@ def plan_layer_fused(cache: dict, layer: int, expert_ids: jax.Array, token_valid
         raise ValueError(f"the fused plan handles up to {MAX_EXPERTS} experts per layer (its GPU scratch is in "
                          f"shared memory), got {num_experts}: use plan_impl='scatter'")
     R, E = T * k, num_experts
-    S = cache["owner_of"].shape[0]
-    F = fill_capacity(R, E, S, fill_cap, rule) if update else 0
-    defer = defer_horizon > 0 and rule == "balance" and update
+    statics = plan_statics(layer, T * k, E, cache["owner_of"].shape[0], rule=rule, fill_cap=fill_cap, update=update,
+                           defer_horizon=defer_horizon, unit_split=unit_split)
+    F = int(statics["fill_capacity"])
     stats = cache["stats"]
     state = [cache["slot_of"], cache["owner_of"], cache["last_use"], cache["step"], cache["recency"],
              *(stats[key] for key in STAT_KEYS), stats["hist"]]
@@ -69,14 +85,7 @@ def plan_layer_fused(cache: dict, layer: int, expert_ids: jax.Array, token_valid
             jnp.asarray(cache["fill_fraction"], jnp.float32).reshape(())]
     if with_tasks:
         head.append(gate_weights.astype(jnp.float32))
-    out = call(*head, *state, *bg,
-               layer=np.int64(layer), n_experts=np.int64(E), fill_capacity=np.int64(F),
-               rule=np.int64(RULE_CODES[rule]), update=np.int64(bool(update)),
-               defer_horizon=np.int64(defer_horizon if defer else 0),
-               split_inter=np.int64(unit_split[0] if unit_split else 0),
-               split_granule=np.int64(unit_split[1] if unit_split else 0),
-               rebase_at=np.int64(REBASE_AT), rebase_by=np.int64(REBASE_BY), all_units=np.int64(ALL_UNITS),
-               with_tasks=np.int64(with_tasks), with_background=np.int64(background is not None),
+    out = call(*head, *state, *bg, **statics, with_tasks=np.int64(with_tasks), with_background=np.int64(background is not None),
                bg_units=np.int64(unit_split is not None), team_threads=np.int64(team_threads))
     n = len(state)
     slot_of, owner_of, last_use, step, recency = out[:5]
