@@ -309,6 +309,10 @@ def main(argv=None) -> int:
                     help="also lru-split with the unit split's step set to UNITS (OffloadExperts unit_granule; the "
                          "default: 8 units for bf16/f32): each a backend of its own, timed round robin with a "
                          "second default backend ('split granule default'), every one on its own copy of the trace")
+    ap.add_argument("--host-plan-ablation", action="store_true",
+                    help="also lru-split with the host plan off and on (OffloadExperts host_plan: the CPU branch's "
+                         "tasks decided on the host from the router's output, cpp/host_plan.h): two fresh backends, "
+                         "round robin, each on its own copy of the trace")
     ap.add_argument("--tokenizer", default=str(TOKENIZER), help="the real Qwen3 tokenizer (routing text)")
     ap.add_argument("--worker-variants", nargs="*", default=[], metavar="N:SPIN_US",
                     help="also run lru-split with the CPU worker pool reconfigured (N workers, -1 = default; "
@@ -360,7 +364,8 @@ def main(argv=None) -> int:
                + (0 if args.no_sweep else len(SWEEP) * (8 + args.steps)) + (4 if args.profile else 0)
                + (len(BACKGROUND_YIELD_MODES) * (ROUNDS * (2 + max(1, args.steps // ROUNDS)) + (4 if args.profile else 0))
                   if args.yield_ablation else 0)
-               + (1 if args.granule_ablation else 0))  # a granule run: its warm-up, 1 step, the rounds
+               + (1 if args.granule_ablation or args.host_plan_ablation else 0))  # fresh runs: warm-up, 1 step,
+    # the rounds (each on its own copy of the trace)
     plan_kw = dict(plan_impl=args.plan_impl, victims_by=args.victims_by)
     results = {"sync": args.sync, "stable_io": args.stable_io, **plan_kw,
                "xla_update_mode": ftjax.XLA_UPDATE_MODE,
@@ -412,6 +417,7 @@ def main(argv=None) -> int:
                     rows[pol]["unit_split"] = run.backend.unit_split
                     rows[pol]["unit_granule"] = run.backend.unit_granule
                     rows[pol]["background_yield"] = run.backend.background_yield
+                    rows[pol]["host_plan"] = run.backend.host_plan
                     progress(f"{routing} b{B} {pol}{' (units: the default)' if run.backend.unit_split else ''} "
                              f"{frac:.0%}", rows[pol])
                     if args.hlo_stats:
@@ -453,14 +459,11 @@ def main(argv=None) -> int:
                                 profile(run, args.profile, f"{routing}-b{B}-yield-{m.replace('+', '-')}-"
                                         f"{round(100 * frac)}")
                             run.backend.set_background_yield(default_yield)
-                        if args.granule_ablation and run.backend.unit_split:
-                            # other split steps are other executables: fresh backends, each on its own copy of
-                            # the trace from its start, with a fresh default one, warmed and then round robin
-                            grains = {"split granule default": None,
-                                      **{f"split granule {g}": g for g in args.granule_ablation}}
+                        def backends_round_robin(configs: dict, what):
+                            # other executables: fresh backends, each on its own copy of the trace from its
+                            # start, warmed and then timed round robin (every one sees the same stretches)
                             runs = {}
-                            for name, g in grains.items():
-                                kw = {} if g is None else {"unit_granule": g}
+                            for name, kw in configs.items():
                                 runs[name] = Run(cfg, params, pool, pol, S, B, routing, trace, max_len,
                                                  band.fill_fraction, tokens, fused_handshake=args.fused_handshake,
                                                  stable_io=args.stable_io,
@@ -469,12 +472,22 @@ def main(argv=None) -> int:
                                 runs[name].timed(args.warmup, 1)
                             for name, r in round_robin({n: (rr, lambda: None) for n, rr in runs.items()}, ROUNDS,
                                                        args.steps, 2).items():
-                                rows[name] = dict(r, unit_granule=runs[name].backend.unit_granule)
-                                progress(f"{routing} b{B} lru-split, {name[6:]} (units "
-                                         f"{runs[name].backend.unit_granule}) {frac:.0%} ({ROUNDS} rounds)", r)
+                                rows[name] = dict(r, unit_granule=runs[name].backend.unit_granule,
+                                                  host_plan=runs[name].backend.host_plan)
+                                progress(f"{routing} b{B} lru-split, {name[6:]} ({what(runs[name].backend)}) "
+                                         f"{frac:.0%} ({ROUNDS} rounds)", r)
                             for rr in runs.values():
                                 rr.backend.drain()
-                            del runs, rr
+
+                        if args.granule_ablation and run.backend.unit_split:
+                            backends_round_robin({"split granule default": {},
+                                                  **{f"split granule {g}": {"unit_granule": g}
+                                                     for g in args.granule_ablation}},
+                                                 lambda b: f"units {b.unit_granule}")
+                        if args.host_plan_ablation:  # the CPU branch planned on the host (cpp/host_plan.h) or not
+                            backends_round_robin({"split host plan off": {"host_plan": False},
+                                                  "split host plan on": {"host_plan": True}},
+                                                 lambda b: f"host plan {'on' if b.host_plan else 'off'}")
                     if pol == "lru-split" and not args.no_sweep:
                         sweep = {}
                         for f in SWEEP:
@@ -576,6 +589,9 @@ def print_row(row):
         print(f"lru-split / lru-fill = {p['lru-split']['tok_s'] / p['lru-fill']['tok_s']:.2f}")
     if "lru-split" in p and "split bg-fills" in p:
         print(f"background fills: split bg-fills / lru-split = {p['split bg-fills']['tok_s'] / p['lru-split']['tok_s']:.2f}")
+    if "split host plan on" in p and "split host plan off" in p:
+        print(f"host plan: on / off = {p['split host plan on']['tok_s'] / p['split host plan off']['tok_s']:.2f} "
+              "(fresh backends, round robin)")
     for name in p:
         if name.startswith("split plan ") and "lru-split" in p:
             print(f"plan impl: lru-split / {name} = {p['lru-split']['tok_s'] / p[name]['tok_s']:.2f}")

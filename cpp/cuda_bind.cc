@@ -113,6 +113,8 @@ void add_cuda_handlers(nb::dict& h) {
   h["ftjax_cpu_experts_submit_nocb"] = nb::capsule(cpu_submit_handler(false));
   h["ftjax_cpu_experts_collect"] = nb::capsule(cpu_collect_handler(true));
   h["ftjax_cpu_experts_collect_nocb"] = nb::capsule(cpu_collect_handler(false));
+  h["ftjax_cpu_experts_publish"] = nb::capsule(cpu_publish_handler());
+  h["ftjax_cpu_experts_collect_checked"] = nb::capsule(cpu_collect_checked_handler());
   h["ftjax_expert_fill_fork_nocb"] = nb::capsule(expert_fill_fork_handler());
   h["ftjax_stream_join_nocb"] = nb::capsule(stream_join_handler());
   h["ftjax_bg_wait"] = nb::capsule(bg_wait_handler());

@@ -13,6 +13,8 @@ void* expert_fill_handler(bool cmd_buffer);
 void* expert_fill_units_handler(bool cmd_buffer);  // the unit split's partial fill (bf16 pools)
 void* cpu_submit_handler(bool cmd_buffer);
 void* cpu_collect_handler(bool cmd_buffer);
+void* cpu_publish_handler();          // the host plan's request (handshake.cu)
+void* cpu_collect_checked_handler();  // ... and its collect, checked against the device plan
 void* expert_fill_fork_handler();  // experimental: the fill on a side stream (bench/overlap.py)
 void* stream_join_handler();       // ... and the join that makes XLA's stream wait for it
 void sync_side_stream();           // the host waits for every forked fill issued so far

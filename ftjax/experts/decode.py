@@ -32,7 +32,7 @@ from ftjax.experts.interface import combine_routes, expert_mlp
 from ftjax.experts.kernels import check_kernel, decode_routes, prefill_layer
 from ftjax.experts.plan import (BACKGROUND_KEYS, PLAN_IMPLS, VICTIM_METHODS, cpu_tasks, plan_layer,
                                 record_background)
-from ftjax.experts.plan_fused import plan_layer_fused
+from ftjax.experts.plan_fused import plan_layer_fused, plan_statics
 from ftjax.experts.policies import Policy, get_policy, min_slots
 from ftjax.experts.resident import _ragged_routes
 from ftjax.host import quant, tune_workers_for_gpu
@@ -74,6 +74,8 @@ def unit_granule(pool: HostPool) -> int:
 # OffloadExperts.background_yield: what the step's background fill pauses for (cuda.YIELD_MODES).
 BACKGROUND_YIELD_MODES = ("off", "fills", "cpu", "fills+cpu")
 DEFAULT_BACKGROUND_YIELD = "off"
+# OffloadExperts.host_plan's default (off until measured faster on the GPU machine: bench/RESULTS.md).
+DEFAULT_HOST_PLAN = False
 
 
 def _check_yield(mode) -> None:
@@ -147,6 +149,11 @@ class OffloadExperts:
     branches (submitted, not yet collected), "fills+cpu" both, "off" never; a pause lasts at most 200 us
     (2 ms per fork and thread in all). None (default): DEFAULT_BACKGROUND_YIELD. `set_background_yield`
     changes it for the next steps without recompiling.
+    ``host_plan`` (CUDA decode calls with a CPU branch, the fused plan): the CPU branch's tasks are decided on
+    the host from the router's output and what the plan reads of the cache state, staged by
+    `cuda.cpu_experts_publish` before the plan kernel (``cpp/host_plan.h``), so the CPU call starts without
+    waiting for the plan kernel and the submit kernel; the collect checks the host's tasks against the device
+    plan's (a mismatch fails the call: NaN, never a silent error). None (default): DEFAULT_HOST_PLAN.
     Call `drain` before dropping a state on the GPU (a background fill may still be writing its banks).
     """
 
@@ -167,6 +174,7 @@ class OffloadExperts:
     unit_split: bool | None = None
     unit_granule: int | None = None
     background_yield: str | None = None
+    host_plan: bool | None = None
     channel_base: int = -1
     background_id: int = -1
 
@@ -210,6 +218,12 @@ class OffloadExperts:
                              f"multiple of unit_granule ({g})")
         if self.background_yield is None:
             object.__setattr__(self, "background_yield", DEFAULT_BACKGROUND_YIELD)
+        if self.host_plan is None:
+            object.__setattr__(self, "host_plan", DEFAULT_HOST_PLAN and self.plan_impl == "fused")
+        if self.host_plan not in (True, False):
+            raise ValueError(f"host_plan must be None, True or False, got {self.host_plan!r}")
+        if self.host_plan and self.plan_impl != "fused":
+            raise ValueError("host_plan checks the host's CPU tasks against the fused plan's: it needs plan_impl='fused'")
         _check_yield(self.background_yield)
         check_kernel(self.kernel, self.pool.hidden, self.pool.inter, cache_dtype(self.pool) if self.num_slots else None)
         if self.plan_impl not in PLAN_IMPLS:
@@ -239,6 +253,10 @@ class OffloadExperts:
                 object.__setattr__(self, "background_id", cuda.create_background(L, self.background_capacity))
                 made["background"] = self.background_id
                 cuda.set_background_yield(self.background_id, self.background_yield)
+
+    def uses_host_plan(self, decode: bool) -> bool:
+        """Whether a call takes the host plan's CPU branch (``host_plan``): CUDA decode calls with a CPU branch."""
+        return bool(self.host_plan) and self.platform == "cuda" and self.cpu_branch and decode
 
     def set_background_yield(self, mode: str) -> None:
         """``background_yield`` from the next step on (the compiled step is unchanged: the fork reads it)."""
@@ -361,6 +379,20 @@ class OffloadExperts:
                          defer_horizon=self.num_layers if self.background_fills and decode else 0,
                          unit_split=(self.pool.inter, self.unit_granule) if self.unit_split else None)
         recorded = False  # this call's background row written by the plan itself
+        token = None
+        host_plan = self.uses_host_plan(decode)
+        if host_plan:  # the CPU branch starts from the router's output; the plan below decides the same tasks
+            from ftjax.host import cuda
+
+            if T > self.max_tokens:
+                raise ValueError(f"{T} tokens in one call, the CPU-branch staging holds {self.max_tokens}")
+            statics = plan_statics(layer, T * k, E, state["owner_of"].shape[0], rule=rule, fill_cap=self.fill_cap,
+                                   update=self.policy.update, defer_horizon=plan_args["defer_horizon"],
+                                   unit_split=plan_args["unit_split"])
+            token, *kept = cuda.cpu_experts_publish(x, expert_ids, gate_weights, token_valid, state["fill_fraction"],
+                                                    state["slot_of"], state["recency"], state["last_use"],
+                                                    state["step"], self.channel_base + layer, statics)
+            state = dict(state, **dict(zip(("slot_of", "recency", "last_use", "step"), kept)))
         if self.plan_impl == "fused" and (self.cpu_branch or bg_decode):
             # the CPU branch's task arrays and the background row in the plan's own call (no XLA glue)
             plan, state, tasks, bg = plan_layer_fused(
@@ -374,9 +406,9 @@ class OffloadExperts:
                                      victims_by=self.victims_by, **plan_args)
             tasks = cpu_tasks(plan, layer, expert_ids, gate_weights, E) if self.cpu_branch else None
         cpu_args = (x, *tasks, plan.n_cpu_routes) if tasks is not None else None
-        token, y_cpu = None, jnp.zeros(x.shape, jnp.float32)
-        if not self.cpu_branch:
-            pass  # every expert is in the cache: nothing can miss
+        y_cpu = jnp.zeros(x.shape, jnp.float32)
+        if not self.cpu_branch or host_plan:
+            pass  # every expert is in the cache: nothing can miss; or the host plan's call is on its way
         elif self.platform == "cuda":
             from ftjax.host import cuda
 
@@ -399,7 +431,10 @@ class OffloadExperts:
         else:
             y = jnp.zeros_like(x)
 
-        if token is not None:
+        if host_plan:
+            y_cpu, _status, y = cuda.cpu_experts_collect_checked(token, plan.n_cpu_routes, tasks, plan.cpu_units, T,
+                                                                 x.shape[1], self.channel_base + layer, after=y)
+        elif token is not None:
             y_cpu, _status, y = cuda.cpu_experts_collect(token, T, x.shape[1], self.channel_base + layer, after=y,
                                                          fused=self.fused_handshake)
         y = (y.astype(jnp.float32) + y_cpu).astype(x.dtype)

@@ -30,7 +30,8 @@ import numpy as np
 from ftjax import _host
 from ftjax.host.ffi import register_targets
 
-STATUS = {0: "ok", 1: "timeout: the CPU branch made no progress", 2: "the CPU branch failed"}
+STATUS = {0: "ok", 1: "timeout: the CPU branch made no progress", 2: "the CPU branch failed",
+          3: "the host plan's CPU tasks differ from the device plan's"}
 
 
 def registration_kwargs(name: str) -> dict:
@@ -262,6 +263,47 @@ def cpu_experts_collect(token, n_tokens: int, hidden: int, channel: int, *, afte
                             (jax.ShapeDtypeStruct((n_tokens, hidden), jnp.float32),
                              jax.ShapeDtypeStruct((), jnp.int32)))
     y, status = call(token, channel=np.int64(channel), timeout_ms=np.int64(timeout_ms), fused=np.int64(bool(fused)))
+    return (y, status) if after is None else (y, status, after)
+
+
+def cpu_experts_publish(x, expert_ids, gate_weights, token_valid, fill_fraction, slot_of, recency, last_use, step,
+                        channel: int, statics: dict):
+    """The host plan's request of a decode layer call (``cpp/host_plan.h``), placed before the call's plan:
+    stages x, the router's ids [T, k] and gate weights, the token mask and, per route, what the plan reads of
+    the cache state; the coordinator then plans the CPU branch's tasks itself and runs them at once.
+    ``statics``: the plan's static parameters (``plan_fused.plan_statics``), the same as the plan call's.
+    Returns ``(token, slot_of, recency, last_use, step)``: the state arrays pass through unchanged (aliased),
+    so that the plan, which updates them in place, is ordered after this call. Collect with
+    `cpu_experts_collect_checked`."""
+    register_targets()
+    keys = ("layer", "n_experts", "fill_capacity", "rule", "update", "defer_horizon", "split_inter", "split_granule",
+            "rebase_at", "rebase_by", "all_units")
+    state = [jnp.asarray(a, jnp.int32) for a in (slot_of, recency, last_use, step)]
+    call = jax.ffi.ffi_call("ftjax_cpu_experts_publish",
+                            [jax.ShapeDtypeStruct((1,), jnp.int32)] + [jax.ShapeDtypeStruct(a.shape, a.dtype)
+                                                                       for a in state],
+                            input_output_aliases={5 + i: 1 + i for i in range(4)})
+    return tuple(call(x, jnp.asarray(expert_ids, jnp.int32), jnp.asarray(gate_weights, jnp.float32),
+                      jnp.asarray(token_valid, jnp.int32), jnp.asarray(fill_fraction, jnp.float32).reshape(()),
+                      *state, channel=np.int64(channel), **{key: np.int64(statics[key]) for key in keys}))
+
+
+def cpu_experts_collect_checked(token, n_cpu_routes, tasks, cpu_units, n_tokens: int, hidden: int, channel: int, *,
+                                after=None, timeout_ms: int = 10_000):
+    """The collect of a `cpu_experts_publish` call: waits for the CPU branch (with the watchdog), checks the host
+    plan's task count and checksum against the device plan's (``n_cpu_routes``, ``tasks`` = the plan's
+    (task_token, task_flat, task_weight) and its ``cpu_units``), and returns ``(y [T, H] f32, status)`` like
+    `cpu_experts_collect` (status 3: the two plans differ; y is NaN then)."""
+    register_targets()
+    if after is not None:
+        token, after = jax.lax.optimization_barrier((token, after))
+    call = jax.ffi.ffi_call("ftjax_cpu_experts_collect_checked",
+                            (jax.ShapeDtypeStruct((n_tokens, hidden), jnp.float32),
+                             jax.ShapeDtypeStruct((), jnp.int32)))
+    task_token, task_flat, task_weight = tasks
+    y, status = call(token, jnp.asarray(n_cpu_routes, jnp.int32).reshape(()), jnp.asarray(task_token, jnp.int32),
+                     jnp.asarray(task_flat, jnp.int32), jnp.asarray(task_weight, jnp.float32),
+                     jnp.asarray(cpu_units, jnp.int32), channel=np.int64(channel), timeout_ms=np.int64(timeout_ms))
     return (y, status) if after is None else (y, status, after)
 
 

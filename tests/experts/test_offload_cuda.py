@@ -128,3 +128,75 @@ def test_dropped_backend_frees_its_staging(setup):
     backend = OffloadExperts(pool, L, E, SIZES["37%"], "lru-split", platform="cuda")
     got, _ = run(cfg, params, backend, backend.init_state(fill_fraction=0.4), 1)
     assert np.abs(got - ref[1]).max() / np.abs(ref[1]).max() < 1e-4
+
+
+@pytest.mark.parametrize("policy,size,batch,defer,unit_split", [
+    ("lru-split", "37%", 1, True, True), ("lru-split", "min", 3, True, True), ("lru-split", "37%", 3, True, False),
+    ("lru-split", "layer", 1, False, False), ("lru-fill", "layer", 3, True, False), ("static", "37%", 3, True, False),
+    ("cpu", None, 3, True, False)])
+def test_cuda_host_plan_equals_resident(setup, policy, size, batch, defer, unit_split):
+    """The host plan (``host_plan=True``: the CPU branch's tasks decided by the coordinator from what
+    `cuda.cpu_experts_publish` stages before the plan kernel; the checked collect compares them with the
+    device plan's, a mismatch would be NaN): the resident logits, one published request per decode layer call,
+    jobs for the calls with CPU work."""
+    cfg, params, pool, ref = setup
+    S = 0 if policy == "cpu" else SIZES[size]
+    backend = OffloadExperts(pool, L, E, S, policy, platform="cuda", defer_fills=defer,
+                             unit_split=unit_split if defer and policy == "lru-split" else False, host_plan=True)
+    state = backend.init_state(fill_fraction=0.4)
+    hlo = decode_hlo(cfg, params, backend, state, batch)
+    assert "ftjax_cpu_experts_publish" in hlo and "ftjax_cpu_experts_collect_checked" in hlo
+    assert "ftjax_cpu_experts_submit" not in hlo
+    got, st = run(cfg, params, backend, state, batch, check=check_invariants, freeze=backend.freeze_hot_set)
+    want = ref[batch]
+    assert np.abs(got - want).max() / np.abs(want).max() < 1e-4
+    stats = {k: np.asarray(v) for k, v in st["stats"].items()}
+    jobs, seconds = backend.cpu_served()
+    assert (stats["cpu_experts"].sum() > 0) == (jobs > 0)
+    if policy in ("cpu", "static") or (policy == "lru-split" and batch > 1):
+        assert jobs > 0
+    backend.drain()
+    assert cuda.transfer_words() == (0, 0)
+
+
+def test_cuda_host_plan_mismatch_fails_the_call(setup):
+    """The checked collect compares the host plan's tasks with the device plan's: a publish whose plan
+    parameters differ from the plan call's (here: no fills on the host, fills on the device) makes the call fail
+    (status 3, y NaN); the same parameters pass (status 0)."""
+    import jax
+    import jax.numpy as jnp
+
+    from ftjax.experts.cache import CacheGeometry, init_cache_state
+    from ftjax.experts.plan_fused import plan_layer_fused, plan_statics
+
+    cfg, params, pool, ref = setup
+    channel = 987_000
+    cuda.create_channel(channel, pool, 4, 4 * E)
+    try:
+        geom = CacheGeometry(L, E, SIZES["37%"], pool.hidden, pool.inter)
+        kw = dict(num_experts=E, rule="balance", fill_cap=None, update=True, defer_horizon=0, unit_split=None)
+
+        def call(cache, x, ids, gw, valid, host_fill_cap):
+            statics = plan_statics(0, ids.size, E, SIZES["37%"], **dict(kw, fill_cap=host_fill_cap))
+            token, *kept = cuda.cpu_experts_publish(x, ids, gw, valid, cache["fill_fraction"], cache["slot_of"],
+                                                    cache["recency"], cache["last_use"], cache["step"], channel,
+                                                    statics)
+            cache = dict(cache, **dict(zip(("slot_of", "recency", "last_use", "step"), kept)))
+            plan, cache, tasks, _ = plan_layer_fused(cache, 0, ids, valid, gate_weights=gw, **kw)
+            y, status = cuda.cpu_experts_collect_checked(token, plan.n_cpu_routes, tasks, plan.cpu_units,
+                                                         x.shape[0], x.shape[1], channel)
+            return y, status, plan.n_fill
+
+        rng = np.random.default_rng(0)
+        x = jnp.asarray(rng.standard_normal((2, pool.hidden)), jnp.float32)
+        ids = jnp.asarray([[0, 1, 2], [3, 4, 5]], jnp.int32)
+        gw = jnp.asarray(rng.random((2, 3)), jnp.float32)
+        valid = jnp.ones((2,), jnp.int32)
+        for host_cap, want in ((None, 0), (1, 3)):
+            cache = init_cache_state(geom, jnp.float32, fill_fraction=0.5)
+            y, status, n_fill = jax.jit(call, static_argnums=5)(cache, x, ids, gw, valid, host_cap)
+            assert int(n_fill) > 1  # six misses at f = 0.5: the device fills three, the host plans for one
+            assert int(status) == want, cuda.STATUS.get(int(status))
+            assert np.isnan(np.asarray(y)).all() == (want != 0)
+    finally:
+        cuda.destroy_channel(channel)
