@@ -309,6 +309,9 @@ def main(argv=None) -> int:
                     help="also lru-split with the unit split's step set to UNITS (OffloadExperts unit_granule; the "
                          "default: 8 units for bf16/f32): each a backend of its own, timed round robin with a "
                          "second default backend ('split granule default'), every one on its own copy of the trace")
+    ap.add_argument("--no-resident", action="store_true",
+                    help="skip the resident runs (a GPU that cannot hold the whole pool, e.g. the H100 at 40 layers): "
+                         "no T_gpu and no roofline (printed as nan), the policies' rows only")
     ap.add_argument("--host-plan-ablation", action="store_true",
                     help="also lru-split with the host plan off and on (OffloadExperts host_plan: the CPU branch's "
                          "tasks decided on the host from the router's output, cpp/host_plan.h): two fresh backends, "
@@ -386,23 +389,26 @@ def main(argv=None) -> int:
         for B in args.batches:
             trace = synthetic_trace(max_len, L, E, cfg.num_experts_per_tok, batch=B, seed=B) if routing == "trace" else None
             tokens = text_tokens(max_len, B, args.tokenizer) if routing == "text" else None
-            res = Run(cfg, params, pool, "resident", L * E, B, routing, trace, max_len, band.fill_fraction, tokens,
-                      fused_handshake=args.fused_handshake, stable_io=args.stable_io, plan=plan_kw)
-            res.sync, res.fixed_inputs = args.sync, args.fixed_inputs
-            t_offload_resident = res.timed(args.warmup // 4, args.steps)
-            progress(f"{routing} b{B} resident (offload path: plan, no misses)", t_offload_resident)
-            if args.hlo_stats:
-                print(f"resident: compiled decode step, top-level ops {res.hlo_ops()}", flush=True)
-            profile(res, args.profile, f"{routing}-b{B}-resident")
-            banks = {b: res.cache[b] for b in ("gate_up", "down")}  # slot s holds flat id s (preloaded in order)
-            del res
-            eng = Run(cfg, params, pool, "resident", L * E, B, routing, trace, max_len, band.fill_fraction, tokens,
-                      stable_io=args.stable_io, resident_banks=banks)
-            eng.sync, eng.fixed_inputs = args.sync, args.fixed_inputs
-            t_gpu = eng.timed(args.warmup // 4, args.steps)  # the roofline's T_gpu: the resident engine's step
-            progress(f"{routing} b{B} resident (engine: ResidentExperts)", t_gpu)
-            profile(eng, args.profile, f"{routing}-b{B}-resident-engine")
-            del eng, banks
+            if args.no_resident:  # (a GPU that cannot hold the whole pool: no T_gpu, no roofline)
+                t_gpu = t_offload_resident = None
+            else:
+                res = Run(cfg, params, pool, "resident", L * E, B, routing, trace, max_len, band.fill_fraction, tokens,
+                          fused_handshake=args.fused_handshake, stable_io=args.stable_io, plan=plan_kw)
+                res.sync, res.fixed_inputs = args.sync, args.fixed_inputs
+                t_offload_resident = res.timed(args.warmup // 4, args.steps)
+                progress(f"{routing} b{B} resident (offload path: plan, no misses)", t_offload_resident)
+                if args.hlo_stats:
+                    print(f"resident: compiled decode step, top-level ops {res.hlo_ops()}", flush=True)
+                profile(res, args.profile, f"{routing}-b{B}-resident")
+                banks = {b: res.cache[b] for b in ("gate_up", "down")}  # slot s holds flat id s (preloaded in order)
+                del res
+                eng = Run(cfg, params, pool, "resident", L * E, B, routing, trace, max_len, band.fill_fraction, tokens,
+                          stable_io=args.stable_io, resident_banks=banks)
+                eng.sync, eng.fixed_inputs = args.sync, args.fixed_inputs
+                t_gpu = eng.timed(args.warmup // 4, args.steps)  # the roofline's T_gpu: the resident engine's step
+                progress(f"{routing} b{B} resident (engine: ResidentExperts)", t_gpu)
+                profile(eng, args.profile, f"{routing}-b{B}-resident-engine")
+                del eng, banks
             for frac in args.fractions:
                 S = int(frac * L * E)
                 rows = {}
@@ -525,6 +531,9 @@ def main(argv=None) -> int:
                         variant(f"split plan {args.plan_ablation}", f"plan impl {args.plan_ablation}",
                                 defer_fills=args.defer == "on", plan_impl=args.plan_ablation)
                 miss_bytes = rows["lru-split"]["misses_per_step"] * expert_bytes if "lru-split" in rows else 0.0
+                nan = float("nan")
+                t_gpu = t_gpu or {"step_ms": nan, "dispatch_ms": nan, "tok_s": nan}
+                t_offload_resident = t_offload_resident or {"step_ms": nan}
                 t_floor = min(t_gpu["step_ms"], t_offload_resident["step_ms"])  # the stricter roofline
                 roof = B / (t_floor / 1e3 + miss_bytes / (b_dram * 1e9))
                 row = {"routing": routing, "batch": B, "cache_fraction": frac, "slots": S,

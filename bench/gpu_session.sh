@@ -299,12 +299,13 @@ for s in "${steps[@]}"; do
          --layers 40 --batches 1 --routing trace --fractions 0.37 --policies lru-split --no-sweep --no-online \
          --steps ${SCHED_STEPS:-48} --warmup 24 --worker-variants 14:2000 --out "$OUT/decode_sched_env.json" ;;
     tests-host-plan)  # session 35: the host plan's GPU tests (publish, checked collect, offload = resident) (~2 min)
-       run tests_host_plan 300 python3 -m pytest -q -m gpu tests/experts/test_offload_cuda.py tests/host/test_cuda.py ;;
+       run tests_host_plan 300 python3 -m pytest -q -m gpu tests/experts/test_offload_cuda.py tests/host/test_cuda.py \
+         ${HP_TESTS:+-k "$HP_TESTS"} ;;
     decode-host-plan)  # session 35: 40 layers, trace, 37%: lru-split with the host plan off and on, fresh backends
        # round robin ($HP_BATCHES, default 1; $HP_STEPS; ~4 min a batch)
        run decode_host_plan 560 python3 bench/decode.py --layers 40 --batches ${HP_BATCHES:-1} --routing trace \
          --fractions 0.37 --policies lru-split --no-sweep --no-online --steps ${HP_STEPS:-48} --warmup 24 \
-         --host-plan-ablation --out "$OUT/decode_host_plan.json" ;;
+         --host-plan-ablation ${HP_ARGS:-} --out "$OUT/decode_host_plan.json" ;;
     decode-b1-granule)  # session 26: the unit split's step, the default (8 units) against $GRANULES (default 32: a
        # cache line of a bf16 down row), fresh backends round robin, b1 / 37% ($GRANULE_BATCHES; ~5 min a batch)
        run decode_b1_granule 560 python3 bench/decode.py --layers 40 --batches ${GRANULE_BATCHES:-1} --routing trace \

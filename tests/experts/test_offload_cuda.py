@@ -174,7 +174,7 @@ def test_cuda_host_plan_mismatch_fails_the_call(setup):
     cuda.create_channel(channel, pool, 4, 4 * E)
     try:
         geom = CacheGeometry(L, E, SIZES["37%"], pool.hidden, pool.inter)
-        kw = dict(num_experts=E, rule="balance", fill_cap=None, update=True, defer_horizon=0, unit_split=None)
+        kw = dict(rule="balance", fill_cap=None, update=True, defer_horizon=0, unit_split=None)
 
         def call(cache, x, ids, gw, valid, host_fill_cap):
             statics = plan_statics(0, ids.size, E, SIZES["37%"], **dict(kw, fill_cap=host_fill_cap))
@@ -182,7 +182,7 @@ def test_cuda_host_plan_mismatch_fails_the_call(setup):
                                                     cache["recency"], cache["last_use"], cache["step"], channel,
                                                     statics)
             cache = dict(cache, **dict(zip(("slot_of", "recency", "last_use", "step"), kept)))
-            plan, cache, tasks, _ = plan_layer_fused(cache, 0, ids, valid, gate_weights=gw, **kw)
+            plan, cache, tasks, _ = plan_layer_fused(cache, 0, ids, valid, gate_weights=gw, num_experts=E, **kw)
             y, status = cuda.cpu_experts_collect_checked(token, plan.n_cpu_routes, tasks, plan.cpu_units,
                                                          x.shape[0], x.shape[1], channel)
             return y, status, plan.n_fill
