@@ -482,7 +482,8 @@ def main(argv=None) -> int:
                                                   host_plan=runs[name].backend.host_plan)
                                 progress(f"{routing} b{B} lru-split, {name[6:]} ({what(runs[name].backend)}) "
                                          f"{frac:.0%} ({ROUNDS} rounds)", r)
-                            for rr in runs.values():
+                            for name, rr in runs.items():
+                                profile(rr, args.profile, f"{routing}-b{B}-{name.replace(' ', '-')}-{round(100 * frac)}")
                                 rr.backend.drain()
 
                         if args.granule_ablation and run.backend.unit_split:

@@ -305,7 +305,11 @@ for s in "${steps[@]}"; do
        # round robin ($HP_BATCHES, default 1; $HP_STEPS; ~4 min a batch)
        run decode_host_plan 560 python3 bench/decode.py --layers 40 --batches ${HP_BATCHES:-1} --routing trace \
          --fractions 0.37 --policies lru-split --no-sweep --no-online --steps ${HP_STEPS:-48} --warmup 24 \
-         --host-plan-ablation ${HP_ARGS:-} --out "$OUT/decode_host_plan.json" ;;
+         --host-plan-ablation ${HP_ARGS:-} ${HP_PROFILE:+--profile /tmp/hp_prof} --out "$OUT/decode_host_plan.json"
+       if [ -n "${HP_PROFILE:-}" ]; then  # each run's kernels, and its layer call phase by phase
+         run decode_host_plan 60 python3 bench/trace_summary.py /tmp/hp_prof --top 16
+         run decode_host_plan 60 python3 bench/layer_timeline.py /tmp/hp_prof
+       fi ;;
     decode-b1-granule)  # session 26: the unit split's step, the default (8 units) against $GRANULES (default 32: a
        # cache line of a bf16 down row), fresh backends round robin, b1 / 37% ($GRANULE_BATCHES; ~5 min a batch)
        run decode_b1_granule 560 python3 bench/decode.py --layers 40 --batches ${GRANULE_BATCHES:-1} --routing trace \
