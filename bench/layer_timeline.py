@@ -44,7 +44,8 @@ def layer_calls(ks: list[dict]) -> tuple[list[list[dict]], set]:
     work = sorted((e for e in ks if (e["pid"], e["tid"]) not in side), key=lambda e: e["ts"])
     calls, cur = [], None
     for e in work:
-        if "plan_kernel" in e["name"]:
+        if "plan_kernel" in e["name"] and "publish" not in e["name"]:  # (the host plan's publish_plan_kernel
+            # comes before the plan, at the end of the previous call's "rest")
             cur = [e]
             calls.append(cur)
         elif cur is not None:
