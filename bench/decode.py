@@ -412,6 +412,28 @@ def main(argv=None) -> int:
             for frac in args.fractions:
                 S = int(frac * L * E)
                 rows = {}
+
+                def backends_round_robin(configs: dict, what):
+                    # other executables: fresh backends, each on its own copy of the trace from its
+                    # start, warmed and then timed round robin (every one sees the same stretches)
+                    runs = {}
+                    for name, kw in configs.items():
+                        runs[name] = Run(cfg, params, pool, "lru-split", S, B, routing, trace, max_len,
+                                         band.fill_fraction, tokens, fused_handshake=args.fused_handshake,
+                                         stable_io=args.stable_io,
+                                         plan=dict(plan_kw, defer_fills=args.defer == "on", **kw))
+                        runs[name].sync, runs[name].fixed_inputs = args.sync, args.fixed_inputs
+                        runs[name].timed(args.warmup, 1)
+                    for name, r in round_robin({n: (rr, lambda: None) for n, rr in runs.items()}, ROUNDS,
+                                               args.steps, 2).items():
+                        rows[name] = dict(r, unit_granule=runs[name].backend.unit_granule,
+                                          host_plan=runs[name].backend.host_plan)
+                        progress(f"{routing} b{B} lru-split, {name[6:]} ({what(runs[name].backend)}) "
+                                 f"{frac:.0%} ({ROUNDS} rounds)", r)
+                    for name, rr in runs.items():
+                        profile(rr, args.profile, f"{routing}-b{B}-{name.replace(' ', '-')}-{round(100 * frac)}")
+                        rr.backend.drain()
+
                 for pol in args.policies:
                     run = Run(cfg, params, pool, pol, 0 if pol == "cpu" else S, B, routing, trace, max_len,
                               band.fill_fraction, tokens, fused_handshake=args.fused_handshake,
@@ -465,36 +487,11 @@ def main(argv=None) -> int:
                                 profile(run, args.profile, f"{routing}-b{B}-yield-{m.replace('+', '-')}-"
                                         f"{round(100 * frac)}")
                             run.backend.set_background_yield(default_yield)
-                        def backends_round_robin(configs: dict, what):
-                            # other executables: fresh backends, each on its own copy of the trace from its
-                            # start, warmed and then timed round robin (every one sees the same stretches)
-                            runs = {}
-                            for name, kw in configs.items():
-                                runs[name] = Run(cfg, params, pool, pol, S, B, routing, trace, max_len,
-                                                 band.fill_fraction, tokens, fused_handshake=args.fused_handshake,
-                                                 stable_io=args.stable_io,
-                                                 plan=dict(plan_kw, defer_fills=args.defer == "on", **kw))
-                                runs[name].sync, runs[name].fixed_inputs = args.sync, args.fixed_inputs
-                                runs[name].timed(args.warmup, 1)
-                            for name, r in round_robin({n: (rr, lambda: None) for n, rr in runs.items()}, ROUNDS,
-                                                       args.steps, 2).items():
-                                rows[name] = dict(r, unit_granule=runs[name].backend.unit_granule,
-                                                  host_plan=runs[name].backend.host_plan)
-                                progress(f"{routing} b{B} lru-split, {name[6:]} ({what(runs[name].backend)}) "
-                                         f"{frac:.0%} ({ROUNDS} rounds)", r)
-                            for name, rr in runs.items():
-                                profile(rr, args.profile, f"{routing}-b{B}-{name.replace(' ', '-')}-{round(100 * frac)}")
-                                rr.backend.drain()
-
                         if args.granule_ablation and run.backend.unit_split:
                             backends_round_robin({"split granule default": {},
                                                   **{f"split granule {g}": {"unit_granule": g}
                                                      for g in args.granule_ablation}},
                                                  lambda b: f"units {b.unit_granule}")
-                        if args.host_plan_ablation:  # the CPU branch planned on the host (cpp/host_plan.h) or not
-                            backends_round_robin({"split host plan off": {"host_plan": False},
-                                                  "split host plan on": {"host_plan": True}},
-                                                 lambda b: f"host plan {'on' if b.host_plan else 'off'}")
                     if pol == "lru-split" and not args.no_sweep:
                         sweep = {}
                         for f in SWEEP:
@@ -505,6 +502,10 @@ def main(argv=None) -> int:
                     del run
                     if pol != "lru-split":
                         continue
+                    if args.host_plan_ablation:  # the CPU branch planned on the host (cpp/host_plan.h) or not
+                        backends_round_robin({"split host plan off": {"host_plan": False},
+                                              "split host plan on": {"host_plan": True}},
+                                             lambda b: f"host plan {'on' if b.host_plan else 'off'}")
 
                     def variant(name, what, **plan_extra):  # lru-split again, another backend configuration
                         run = Run(cfg, params, pool, pol, S, B, routing, trace, max_len, band.fill_fraction, tokens,
