@@ -270,7 +270,7 @@ __global__ void wait_kernel(const HandshakeCtrl* ctrl, const int32_t* token, uin
 
 // The request (its fields and the staged data written before) under the next sequence number.
 __device__ void publish_now(HandshakeCtrl* ctrl, int32_t kind, int32_t n_valid, int32_t n_tokens, int32_t x_bf16,
-                            int32_t capacity, int32_t* token, int32_t* words) {
+                            int32_t capacity, int32_t* token, int32_t* words, bool trailing_fence = true) {
   uint32_t seq = ctrl->submit_seq + 1;
   if (seq == kSkipped) seq = 1;
   ctrl->kind = kind;
@@ -280,7 +280,7 @@ __device__ void publish_now(HandshakeCtrl* ctrl, int32_t kind, int32_t n_valid, 
   ctrl->task_capacity = capacity;
   __threadfence_system();  // the request fields (and the staged data) precede the seq
   ctrl->submit_seq = seq;
-  __threadfence_system();
+  if (trailing_fence) __threadfence_system();
   *token = static_cast<int32_t>(seq);
   if (words) atomicAdd(words + kWordCpu, 1);  // in flight until its collect
 }
@@ -392,37 +392,17 @@ struct PublishPlanArgs {
 };
 
 __global__ void publish_plan_kernel(PublishPlanArgs a) {
+  // Every load first (the scan's eight per thread, the router's outputs, then the two dependent gathers),
+  // then the stores to the mapped staging, one system fence per thread, and thread 0's request: its fields,
+  // one more fence, the sequence number (no trailing fence: the request is on its way).
   __shared__ int32_t red[32];
   const int tid = static_cast<int>(threadIdx.x), nthreads = static_cast<int>(blockDim.x);
-  const int64_t n16 = a.x_bytes / 16;  // (x and the staging are 16-byte aligned: checked by the host)
-  const int4* xs = reinterpret_cast<const int4*>(a.x);
-  int4* xd = reinterpret_cast<int4*>(a.stage + a.x_off);
-  for (int64_t i = tid; i < n16; i += nthreads) xd[i] = xs[i];
-  for (int64_t i = 16 * n16 + tid; i < a.x_bytes; i += nthreads) a.stage[a.x_off + i] = a.x[i];
   const int64_t E = a.statics[kPsExperts], base = a.statics[kPsLayer] * E, R = a.tokens * a.top_k, S = a.n_slots;
-  int32_t* ids_d = reinterpret_cast<int32_t*>(a.stage + a.ids_off);
-  int32_t* slot_d = reinterpret_cast<int32_t*>(a.stage + a.slot_off);
-  float* gate_d = reinterpret_cast<float*>(a.stage + a.gate_off);
-  int32_t* rec_d = reinterpret_cast<int32_t*>(a.stage + a.rec_off);
-  int32_t* lu_d = reinterpret_cast<int32_t*>(a.stage + a.lu_off);
-  int32_t* valid_d = reinterpret_cast<int32_t*>(a.stage + a.valid_off);
-  for (int64_t r = tid; r < R; r += nthreads) {
-    const int32_t id = a.ids[r];
-    const bool in = id >= 0 && id < E && base + id < a.n_ids;
-    const int32_t slot = in ? a.slot_of[base + id] : -1;
-    ids_d[r] = id;
-    gate_d[r] = a.gate[r];
-    slot_d[r] = slot;
-    rec_d[r] = in ? a.recency[base + id] : 0;
-    lu_d[r] = (slot >= 0 && slot < S) ? a.last_use[slot] : 0;
-  }
-  for (int64_t t = tid; t < a.tokens; t += nthreads) valid_d[t] = a.valid[t];
-  // the evictable count's first part (plan_core: last_use < step after the rebase), eight loads in flight
   const int32_t step0 = *a.step;
   const bool rebase = a.statics[kPsLayer] == 0 && a.statics[kPsUpdate] && step0 >= a.statics[kPsRebaseAt];
   const int32_t shift = rebase ? a.statics[kPsRebaseBy] : 0, step = step0 - shift + 1;
   int32_t below = 0;
-  if (a.statics[kPsFillCapacity] > 0)
+  if (a.statics[kPsFillCapacity] > 0)  // the evictable count's first part (plan_core: last_use < step, rebased)
     for (int64_t c = tid; c * 8 < S; c += nthreads) {
       int32_t v[8];
       for (int q = 0; q < 8; ++q) v[q] = c * 8 + q < S ? a.last_use[c * 8 + q] : 0;
@@ -431,9 +411,33 @@ __global__ void publish_plan_kernel(PublishPlanArgs a) {
         below += c * 8 + q < S && b < step;
       }
     }
+  const int64_t n16 = a.x_bytes / 16;  // (x and the staging are 16-byte aligned: checked by the host)
+  const int4* xs = reinterpret_cast<const int4*>(a.x);
+  int4* xd = reinterpret_cast<int4*>(a.stage + a.x_off);
+  for (int64_t i = tid; i < n16; i += nthreads) xd[i] = xs[i];
+  for (int64_t i = 16 * n16 + tid; i < a.x_bytes; i += nthreads) a.stage[a.x_off + i] = a.x[i];
+  int32_t* ids_d = reinterpret_cast<int32_t*>(a.stage + a.ids_off);
+  int32_t* slot_d = reinterpret_cast<int32_t*>(a.stage + a.slot_off);
+  float* gate_d = reinterpret_cast<float*>(a.stage + a.gate_off);
+  int32_t* rec_d = reinterpret_cast<int32_t*>(a.stage + a.rec_off);
+  int32_t* lu_d = reinterpret_cast<int32_t*>(a.stage + a.lu_off);
+  int32_t* valid_d = reinterpret_cast<int32_t*>(a.stage + a.valid_off);
+  for (int64_t r = tid; r < R; r += nthreads) {
+    const int32_t id = a.ids[r];
+    const float g = a.gate[r];
+    const bool in = id >= 0 && id < E && base + id < a.n_ids;
+    const int32_t slot = in ? a.slot_of[base + id] : -1, rec = in ? a.recency[base + id] : 0;
+    const int32_t lu = (slot >= 0 && slot < S) ? a.last_use[slot] : 0;
+    ids_d[r] = id;
+    gate_d[r] = g;
+    slot_d[r] = slot;
+    rec_d[r] = rec;
+    lu_d[r] = lu;
+  }
+  for (int64_t t = tid; t < a.tokens; t += nthreads) valid_d[t] = a.valid[t];
   for (int o = 16; o; o >>= 1) below += __shfl_down_sync(0xffffffffu, below, o);
   if ((tid & 31) == 0) red[tid >> 5] = below;
-  __threadfence_system();
+  __threadfence_system();  // this thread's staging stores before the request (thread 0's, after the barrier)
   __syncthreads();
   if (tid == 0) {
     int32_t total = 0;
@@ -445,7 +449,7 @@ __global__ void publish_plan_kernel(PublishPlanArgs a) {
     ctrl->fill_fraction = *a.fill_fraction;
     for (int i = 0; i < kPlanStatics; ++i) ctrl->plan[i] = a.statics[i];
     publish_now(ctrl, kPlanRequest, static_cast<int32_t>(R), static_cast<int32_t>(a.tokens), a.x_bf16,
-                static_cast<int32_t>(R), a.token, a.words);
+                static_cast<int32_t>(R), a.token, a.words, /*trailing_fence=*/false);
   }
 }
 
