@@ -338,8 +338,15 @@ def main(argv=None) -> int:
     cfg = parse_hf_config(hf)
     L, E = cfg.num_layers, cfg.num_experts
     shape = measure.ExpertShape(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok)
+    pool_bytes = L * E * shape.expert_bytes("bf16")
+    limit = (jax.devices()[0].memory_stats() or {}).get("bytes_limit", 0)
+    if not args.no_resident and limit and limit < 1.05 * pool_bytes:
+        print(f"the resident runs (the roofline's T_gpu) hold the whole {pool_bytes / 2**30:.1f} GiB pool on the "
+              f"GPU, whose allocator has {limit / 2**30:.1f} GiB: pass --no-resident (the policies' rows, no "
+              "roofline) or run on a larger GPU (the H200)", file=sys.stderr)
+        return 2
     t0 = time.perf_counter()
-    pool = measure.make_pool(shape, "bf16", L * E * shape.expert_bytes("bf16"))
+    pool = measure.make_pool(shape, "bf16", pool_bytes)
     assert pool.n_experts == L * E
     pool.pin()
     backing, thp = pool.page_backing(), measure.thp_setting()
