@@ -7,6 +7,8 @@
 #include <stdexcept>
 #include <string>
 
+#include "host_plan.h"  // PlanStatic
+
 namespace ftjax {
 
 inline void cuda_check(cudaError_t err, const char* what) {
@@ -20,10 +22,7 @@ inline void cuda_check(cudaError_t err, const char* what) {
 // the router's output and what the plan reads of the state are staged, the host plans the tasks,
 // host_plan.h; the plan's statics in `plan`, its task count and checksum back in plan_n / plan_sum).
 enum RequestKind : int32_t { kTaskRequest = 0, kPlanRequest = 1 };
-enum PlanStatic : int32_t {
-  kPsExperts = 0, kPsLayer, kPsFillCapacity, kPsRule, kPsUpdate, kPsDeferHorizon, kPsSplitInter, kPsSplitGranule,
-  kPsRebaseAt, kPsRebaseBy, kPsAllUnits, kPlanStatics
-};
+static_assert(kPlanStatics <= 16, "HandshakeCtrl::plan holds the plan statics");
 struct alignas(64) HandshakeCtrl {
   volatile uint32_t submit_seq;
   volatile int32_t n_valid;
@@ -36,7 +35,7 @@ struct alignas(64) HandshakeCtrl {
   volatile int32_t below;          // kPlanRequest: slots whose last_use (rebased) is below the call's step
   volatile float fill_fraction;    // kPlanRequest
   int32_t pad0[6];
-  volatile int32_t plan[16];       // kPlanRequest: PlanStatic values
+  volatile int32_t plan[16];       // kPlanRequest: PlanStatic values (host_plan.h)
   volatile uint32_t done_seq;  // own cache line: written by the CPU, polled by the GPU
   volatile int32_t status;     // 0 ok, 2 the CPU branch failed (message kept host-side)
   volatile int32_t plan_n;     // kPlanRequest: the host plan's task count (-1: it failed), before done_seq

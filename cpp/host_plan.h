@@ -7,7 +7,7 @@
 // on the fills); not on which slots the fills evict. host_plan_tasks runs plan_core itself, on the host, over
 // a small stand-in state that has exactly those values: the layer's routed experts with their slots (renamed,
 // in order) and recency, and as many evictable slots as the real cache has (up to the fill capacity). Its
-// task list is the device plan's, bit for bit (tests/host/test_host_plan.py, against the fused plan); the
+// task list is the device plan's, bit for bit (tests/experts/test_host_plan.py, against the fused plan); the
 // GPU's collect checks each call's list against its own plan (task_checksum) and fails the call if they
 // differ, never a silent error.
 #pragma once
@@ -28,6 +28,30 @@ struct HostPlanStatics {
   int32_t rule = 0, update = 0, defer_horizon = 0, split_inter = 0, split_granule = 0;
   int32_t rebase_at = 0, rebase_by = 0, all_units = 0;
 };
+
+// The statics' wire order (HandshakeCtrl::plan; the publish call's attributes).
+enum PlanStatic : int32_t {
+  kPsExperts = 0, kPsLayer, kPsFillCapacity, kPsRule, kPsUpdate, kPsDeferHorizon, kPsSplitInter, kPsSplitGranule,
+  kPsRebaseAt, kPsRebaseBy, kPsAllUnits, kPlanStatics
+};
+
+inline HostPlanStatics host_plan_statics(int64_t tokens, int64_t top_k, const int32_t* plan) {
+  HostPlanStatics s;
+  s.tokens = tokens;
+  s.top_k = top_k;
+  s.n_experts = plan[kPsExperts];
+  s.layer = plan[kPsLayer];
+  s.fill_capacity = plan[kPsFillCapacity];
+  s.rule = plan[kPsRule];
+  s.update = plan[kPsUpdate];
+  s.defer_horizon = plan[kPsDeferHorizon];
+  s.split_inter = plan[kPsSplitInter];
+  s.split_granule = plan[kPsSplitGranule];
+  s.rebase_at = plan[kPsRebaseAt];
+  s.rebase_by = plan[kPsRebaseBy];
+  s.all_units = plan[kPsAllUnits];
+  return s;
+}
 
 // What the GPU gathers for the call (state before the call's plan), per route r of R = tokens * top_k.
 struct HostPlanInputs {

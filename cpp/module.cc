@@ -349,20 +349,19 @@ NB_MODULE(_host, m) {
         static_cast<int64_t>(slot.size()) != R || static_cast<int64_t>(recency.size()) != R ||
         static_cast<int64_t>(slot_lu.size()) != R || static_cast<int64_t>(valid.size()) != tokens)
       throw std::invalid_argument("host_plan_tasks: the per-route arrays must have tokens * top_k entries, valid tokens");
-    HostPlanStatics st;
-    st.tokens = tokens;
-    st.top_k = top_k;
-    st.n_experts = n_experts;
-    st.layer = layer;
-    st.fill_capacity = fill_capacity;
-    st.rule = rule;
-    st.update = update;
-    st.defer_horizon = defer_horizon;
-    st.split_inter = split_inter;
-    st.split_granule = split_granule;
-    st.rebase_at = rebase_at;
-    st.rebase_by = rebase_by;
-    st.all_units = all_units;
+    int32_t plan[kPlanStatics] = {};
+    plan[kPsExperts] = static_cast<int32_t>(n_experts);
+    plan[kPsLayer] = static_cast<int32_t>(layer);
+    plan[kPsFillCapacity] = static_cast<int32_t>(fill_capacity);
+    plan[kPsRule] = rule;
+    plan[kPsUpdate] = update;
+    plan[kPsDeferHorizon] = defer_horizon;
+    plan[kPsSplitInter] = split_inter;
+    plan[kPsSplitGranule] = split_granule;
+    plan[kPsRebaseAt] = rebase_at;
+    plan[kPsRebaseBy] = rebase_by;
+    plan[kPsAllUnits] = all_units;
+    const HostPlanStatics st = host_plan_statics(tokens, top_k, plan);
     HostPlanInputs in;
     in.ids = ids.data();
     in.valid = valid.data();

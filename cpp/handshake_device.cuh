@@ -1,0 +1,66 @@
+// The CPU-branch handshake's device side shared by its CUDA sources (handshake.cu: submit / collect;
+// host_plan_cuda.cu: the host plan's publish and checked collect), and a channel's staging as they see it.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "cuda_common.h"
+#include "fill_device.cuh"
+
+namespace ftjax {
+
+constexpr int kFusedThreads = 512;
+constexpr int kCollectThreads = 256;  // fused collect: up to 16 blocks, one float4 per thread each
+constexpr uint32_t kSkipped = 0;      // submit token of an empty task list
+
+// A channel's mapped staging (device pointers) and its offsets: x, the task arrays (a plan request's ids, slots,
+// gate weights, recency), a plan request's slot last_use and token mask, y.
+struct ChannelView {
+  HandshakeCtrl* ctrl_dev;
+  uint8_t* stage_dev;
+  size_t x_off, tok_off, eid_off, w_off, u_off, lu_off, valid_off, y_off;
+  int64_t hidden, max_tokens, max_tasks;
+};
+bool channel_view(int64_t channel, ChannelView* out);  // false: no such channel
+
+// Poll done_seq until it reaches the token's sequence number (the CPU's status) or timeout_ns passes
+// (kTimeout): the watchdog that turns a stuck CPU branch into a status, never a hang.
+__device__ inline int32_t wait_done(const HandshakeCtrl* ctrl, const int32_t* token, uint64_t timeout_ns) {
+  const uint32_t seq = static_cast<uint32_t>(*token);
+  if (seq == kSkipped) return kOk;
+  uint64_t start, now;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+  for (;;) {
+    if (static_cast<int32_t>(ctrl->done_seq - seq) >= 0) return ctrl->status;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+    if (now - start > timeout_ns) return kTimeout;
+    __nanosleep(100);
+  }
+}
+
+// The CPU branch leaves the transfer words (`words`, nullptr: not counted) once its collect saw it end
+// (or gave up on it).
+__device__ inline void cpu_branch_left(const int32_t* token, int32_t* words) {
+  if (words && static_cast<uint32_t>(*token) != kSkipped) atomicSub(words + kWordCpu, 1);
+}
+
+// The request (its fields and the staged data written before) under the next sequence number.
+__device__ inline void publish_now(HandshakeCtrl* ctrl, int32_t kind, int32_t n_valid, int32_t n_tokens, int32_t x_bf16,
+                                   int32_t capacity, int32_t* token, int32_t* words, bool trailing_fence = true) {
+  uint32_t seq = ctrl->submit_seq + 1;
+  if (seq == kSkipped) seq = 1;
+  ctrl->kind = kind;
+  ctrl->n_valid = n_valid;
+  ctrl->n_tokens = n_tokens;
+  ctrl->x_bf16 = x_bf16;
+  ctrl->task_capacity = capacity;
+  __threadfence_system();  // the request fields (and the staged data) precede the seq
+  ctrl->submit_seq = seq;
+  if (trailing_fence) __threadfence_system();
+  *token = static_cast<int32_t>(seq);
+  if (words) atomicAdd(words + kWordCpu, 1);  // in flight until its collect
+}
+
+}  // namespace ftjax
