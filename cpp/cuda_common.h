@@ -44,7 +44,8 @@ struct alignas(64) HandshakeCtrl {
 };
 
 // The checked collect reads done_seq, status, plan_n and plan_sum with one 16-byte load.
-static_assert(offsetof(HandshakeCtrl, done_seq) % 64 == 0 && offsetof(HandshakeCtrl, status) == offsetof(HandshakeCtrl, done_seq) + 4 &&
+static_assert(offsetof(HandshakeCtrl, done_seq) % 64 == 0 &&
+                  offsetof(HandshakeCtrl, status) == offsetof(HandshakeCtrl, done_seq) + 4 &&
                   offsetof(HandshakeCtrl, plan_sum) == offsetof(HandshakeCtrl, done_seq) + 12,
               "HandshakeCtrl: the done line's layout");
 

@@ -35,6 +35,11 @@ enum PlanStatic : int32_t {
   kPsRebaseAt, kPsRebaseBy, kPsAllUnits, kPlanStatics
 };
 
+// Their names (plan_fused.plan_statics' keys, the publish call's attributes), in that order.
+inline constexpr const char* kPlanStaticNames[kPlanStatics] = {
+    "n_experts", "layer", "fill_capacity", "rule", "update", "defer_horizon", "split_inter", "split_granule",
+    "rebase_at", "rebase_by", "all_units"};
+
 inline HostPlanStatics host_plan_statics(int64_t tokens, int64_t top_k, const int32_t* plan) {
   HostPlanStatics s;
   s.tokens = tokens;

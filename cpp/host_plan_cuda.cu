@@ -265,7 +265,8 @@ ffi::Error CollectCheckedImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> token, 
   if (timeout_ms <= 0) return ffi::Error::InvalidArgument(tag + "timeout_ms must be > 0");
   const int64_t cap = static_cast<int64_t>(task_token.element_count());
   if (n_dev.element_count() != 1 || static_cast<int64_t>(task_flat.element_count()) != cap ||
-      static_cast<int64_t>(task_weight.element_count()) != cap || static_cast<int64_t>(task_units.element_count()) < cap)
+      static_cast<int64_t>(task_weight.element_count()) != cap ||
+      static_cast<int64_t>(task_units.element_count()) != cap)
     return ffi::Error::InvalidArgument(tag + "the device plan's task arrays must have one length");
   const int64_t n = static_cast<int64_t>(y->element_count());
   const bool vec = reinterpret_cast<uintptr_t>(y->untyped_data()) % 16 == 0;

@@ -49,6 +49,7 @@ struct PoolHandle {
 
 using F32Array = nb::ndarray<const float, nb::c_contig, nb::device::cpu>;
 using I32Array = nb::ndarray<const int32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+using F32Vector = nb::ndarray<const float, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
 
 nb::ndarray<nb::numpy, float, nb::ndim<2>> run_experts_py(PoolHandle& h, nb::ndarray<nb::c_contig, nb::device::cpu> x,
                                                          I32Array token_idx, I32Array expert_ids,
@@ -338,30 +339,20 @@ NB_MODULE(_host, m) {
         "Test hook: random parallel_for rounds; returns the number of anomalies (0 = correct).");
   m.def("stream_read_seconds", &stream_read_seconds, "buf"_a, "reps"_a = 3, "threads"_a = 0);
 
-  m.def("host_plan_tasks", [](int64_t tokens, int64_t top_k, int64_t n_experts, int64_t layer, int64_t fill_capacity,
-                              int32_t rule, int32_t update, int32_t defer_horizon, int32_t split_inter,
-                              int32_t split_granule, int32_t rebase_at, int32_t rebase_by, int32_t all_units,
-                              I32Array ids, I32Array valid, nb::ndarray<const float, nb::ndim<1>, nb::c_contig, nb::device::cpu> gate,
-                              I32Array slot, I32Array recency, I32Array slot_lu, int32_t step, int32_t below,
-                              float fill_fraction) {
+  m.def("host_plan_tasks", [](int64_t tokens, int64_t top_k, const nb::dict& statics, I32Array ids, I32Array valid,
+                              F32Vector gate, I32Array slot, I32Array recency, I32Array slot_lu, int32_t step,
+                              int32_t below, float fill_fraction) {
     const int64_t R = tokens * top_k;
     if (static_cast<int64_t>(ids.size()) != R || static_cast<int64_t>(gate.size()) != R ||
         static_cast<int64_t>(slot.size()) != R || static_cast<int64_t>(recency.size()) != R ||
         static_cast<int64_t>(slot_lu.size()) != R || static_cast<int64_t>(valid.size()) != tokens)
       throw std::invalid_argument("host_plan_tasks: the per-route arrays must have tokens * top_k entries, valid tokens");
-    int32_t plan[kPlanStatics] = {};
-    plan[kPsExperts] = static_cast<int32_t>(n_experts);
-    plan[kPsLayer] = static_cast<int32_t>(layer);
-    plan[kPsFillCapacity] = static_cast<int32_t>(fill_capacity);
-    plan[kPsRule] = rule;
-    plan[kPsUpdate] = update;
-    plan[kPsDeferHorizon] = defer_horizon;
-    plan[kPsSplitInter] = split_inter;
-    plan[kPsSplitGranule] = split_granule;
-    plan[kPsRebaseAt] = rebase_at;
-    plan[kPsRebaseBy] = rebase_by;
-    plan[kPsAllUnits] = all_units;
-    const HostPlanStatics st = host_plan_statics(tokens, top_k, plan);
+    int32_t plan[kPlanStatics];
+    for (int i = 0; i < kPlanStatics; ++i) {
+      if (!statics.contains(kPlanStaticNames[i]))
+        throw std::invalid_argument(std::string("host_plan_tasks: statics has no '") + kPlanStaticNames[i] + "'");
+      plan[i] = nb::cast<int32_t>(statics[kPlanStaticNames[i]]);
+    }
     HostPlanInputs in;
     in.ids = ids.data();
     in.valid = valid.data();
@@ -373,13 +364,12 @@ NB_MODULE(_host, m) {
     in.below = below;
     in.fill_fraction = fill_fraction;
     HostPlanTasks t;
-    host_plan_tasks(st, in, &t);
+    host_plan_tasks(host_plan_statics(tokens, top_k, plan), in, &t);
     return nb::make_tuple(t.token, t.flat, t.units, t.weight, t.checksum);
-  }, "tokens"_a, "top_k"_a, "n_experts"_a, "layer"_a, "fill_capacity"_a, "rule"_a, "update"_a, "defer_horizon"_a,
-        "split_inter"_a, "split_granule"_a, "rebase_at"_a, "rebase_by"_a, "all_units"_a, "ids"_a, "valid"_a, "gate"_a,
-        "slot"_a, "recency"_a, "slot_lu"_a, "step"_a, "below"_a, "fill_fraction"_a,
-        "The host plan's CPU task list (cpp/host_plan.h), from what the GPU gathers: (token, flat, units, weight, "
-        "checksum).");
+  }, "tokens"_a, "top_k"_a, "statics"_a, "ids"_a, "valid"_a, "gate"_a, "slot"_a, "recency"_a, "slot_lu"_a, "step"_a,
+        "below"_a, "fill_fraction"_a,
+        "The host plan's CPU task list (cpp/host_plan.h) from what the GPU gathers, under the plan's statics "
+        "(plan_fused.plan_statics): (token, flat, units, weight, checksum).");
   m.def("task_checksum", [](int32_t token, int32_t flat, int32_t unit, float weight) {
     uint32_t wb;
     std::memcpy(&wb, &weight, 4);

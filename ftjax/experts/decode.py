@@ -223,7 +223,8 @@ class OffloadExperts:
         if self.host_plan not in (True, False):
             raise ValueError(f"host_plan must be None, True or False, got {self.host_plan!r}")
         if self.host_plan and self.plan_impl != "fused":
-            raise ValueError("host_plan checks the host's CPU tasks against the fused plan's: it needs plan_impl='fused'")
+            raise ValueError("host_plan checks the host's CPU tasks against the fused plan's: it needs "
+                             "plan_impl='fused'")
         _check_yield(self.background_yield)
         check_kernel(self.kernel, self.pool.hidden, self.pool.inter, cache_dtype(self.pool) if self.num_slots else None)
         if self.plan_impl not in PLAN_IMPLS:
@@ -379,13 +380,13 @@ class OffloadExperts:
                          defer_horizon=self.num_layers if self.background_fills and decode else 0,
                          unit_split=(self.pool.inter, self.unit_granule) if self.unit_split else None)
         recorded = False  # this call's background row written by the plan itself
+        if self.platform == "cuda" and self.cpu_branch and T > self.max_tokens:
+            raise ValueError(f"{T} tokens in one call, the CPU-branch staging holds {self.max_tokens}")
         token = None
         host_plan = self.uses_host_plan(decode)
         if host_plan:  # the CPU branch starts from the router's output; the plan below decides the same tasks
             from ftjax.host import cuda
 
-            if T > self.max_tokens:
-                raise ValueError(f"{T} tokens in one call, the CPU-branch staging holds {self.max_tokens}")
             statics = plan_statics(layer, T * k, E, state["owner_of"].shape[0], rule=rule, fill_cap=self.fill_cap,
                                    update=self.policy.update, defer_horizon=plan_args["defer_horizon"],
                                    unit_split=plan_args["unit_split"])
@@ -412,8 +413,6 @@ class OffloadExperts:
         elif self.platform == "cuda":
             from ftjax.host import cuda
 
-            if T > self.max_tokens:
-                raise ValueError(f"{T} tokens in one call, the CPU-branch staging holds {self.max_tokens}")
             token = cuda.cpu_experts_submit(*cpu_args, channel=self.channel_base + layer,
                                             unit_start=plan.cpu_units if self.unit_split else None,
                                             fused=self.fused_handshake)

@@ -85,8 +85,9 @@ def plan_layer_fused(cache: dict, layer: int, expert_ids: jax.Array, token_valid
             jnp.asarray(cache["fill_fraction"], jnp.float32).reshape(())]
     if with_tasks:
         head.append(gate_weights.astype(jnp.float32))
-    out = call(*head, *state, *bg, **statics, with_tasks=np.int64(with_tasks), with_background=np.int64(background is not None),
-               bg_units=np.int64(unit_split is not None), team_threads=np.int64(team_threads))
+    out = call(*head, *state, *bg, **statics, with_tasks=np.int64(with_tasks),
+               with_background=np.int64(background is not None), bg_units=np.int64(unit_split is not None),
+               team_threads=np.int64(team_threads))
     n = len(state)
     slot_of, owner_of, last_use, step, recency = out[:5]
     new_stats = dict(zip(STAT_KEYS, out[5:5 + len(STAT_KEYS)]), hist=out[n - 1])

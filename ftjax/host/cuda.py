@@ -276,8 +276,6 @@ def cpu_experts_publish(x, expert_ids, gate_weights, token_valid, fill_fraction,
     so that the plan, which updates them in place, is ordered after this call. Collect with
     `cpu_experts_collect_checked`."""
     register_targets()
-    keys = ("layer", "n_experts", "fill_capacity", "rule", "update", "defer_horizon", "split_inter", "split_granule",
-            "rebase_at", "rebase_by", "all_units")
     state = [jnp.asarray(a, jnp.int32) for a in (slot_of, recency, last_use, step)]
     call = jax.ffi.ffi_call("ftjax_cpu_experts_publish",
                             [jax.ShapeDtypeStruct((1,), jnp.int32)] + [jax.ShapeDtypeStruct(a.shape, a.dtype)
@@ -285,7 +283,7 @@ def cpu_experts_publish(x, expert_ids, gate_weights, token_valid, fill_fraction,
                             input_output_aliases={5 + i: 1 + i for i in range(4)})
     return tuple(call(x, jnp.asarray(expert_ids, jnp.int32), jnp.asarray(gate_weights, jnp.float32),
                       jnp.asarray(token_valid, jnp.int32), jnp.asarray(fill_fraction, jnp.float32).reshape(()),
-                      *state, channel=np.int64(channel), **{key: np.int64(statics[key]) for key in keys}))
+                      *state, channel=np.int64(channel), **statics))
 
 
 def cpu_experts_collect_checked(token, n_cpu_routes, tasks, cpu_units, n_tokens: int, hidden: int, channel: int, *,

@@ -39,12 +39,8 @@ def gathered(cache, layer, ids, E, update):
 
 def host_tasks(statics, T, k, ids, valid, gw, g, ff):
     slot, rec, lu, step, below = g
-    s = {key: int(v) for key, v in statics.items()}
-    return _host.host_plan_tasks(T, k, s["n_experts"], s["layer"], s["fill_capacity"], s["rule"], s["update"],
-                                 s["defer_horizon"], s["split_inter"], s["split_granule"], s["rebase_at"],
-                                 s["rebase_by"], s["all_units"], np.asarray(ids, np.int32).reshape(-1),
-                                 np.asarray(valid, np.int32), np.asarray(gw, np.float32).reshape(-1), slot, rec, lu,
-                                 step, below, ff)
+    return _host.host_plan_tasks(T, k, statics, np.asarray(ids, np.int32).reshape(-1), np.asarray(valid, np.int32),
+                                 np.asarray(gw, np.float32).reshape(-1), slot, rec, lu, step, below, ff)
 
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)
@@ -92,13 +88,16 @@ def test_host_plan_matches_fused(case, clock):
 
 
 def test_host_plan_rejects_bad_ids():
-    args = dict(tokens=1, top_k=2, n_experts=8, layer=0, fill_capacity=2, rule=0, update=1, defer_horizon=0,
-                split_inter=0, split_granule=0, rebase_at=REBASE_AT, rebase_by=1, all_units=1 << 30,
-                valid=np.ones(1, np.int32), gate=np.ones(2, np.float32), slot=np.full(2, -1, np.int32),
-                recency=np.zeros(2, np.int32), slot_lu=np.zeros(2, np.int32), step=0, below=4, fill_fraction=0.5)
+    statics = plan_statics(0, 2, 8, 4, rule="balance", fill_cap=None, update=True, defer_horizon=0, unit_split=None)
+    args = dict(tokens=1, top_k=2, statics=statics, valid=np.ones(1, np.int32), gate=np.ones(2, np.float32),
+                slot=np.full(2, -1, np.int32), recency=np.zeros(2, np.int32), slot_lu=np.zeros(2, np.int32), step=0,
+                below=4, fill_fraction=0.5)
     with pytest.raises(ValueError, match="router id 8 outside"):
         _host.host_plan_tasks(ids=np.array([1, 8], np.int32), **args)
     with pytest.raises(ValueError, match="tokens \\* top_k"):
         _host.host_plan_tasks(ids=np.array([1, 2, 3], np.int32), **args)
+    with pytest.raises(ValueError, match="no 'rule'"):
+        _host.host_plan_tasks(ids=np.array([1, 2], np.int32), **dict(args, statics={
+            key: v for key, v in statics.items() if key != "rule"}))
     token, flat, units, weight, checksum = _host.host_plan_tasks(ids=np.array([1, 2], np.int32), **args)
     assert len(token) == 1 and units == [0]  # two misses at f = 0.5: one filled, one on the CPU
