@@ -70,13 +70,25 @@ def stream_read_gbps(nbytes: int, reps: int = 3, threads: int | None = None) -> 
     """Read ceiling: a touched buffer of ``nbytes`` read once (best of reps) by the expert kernels' worker threads
     (the ceiling of a kernel's rate: "the same threads"), or by ``threads`` threads of a pool of its own
     (`host_threads()`: the host's all-thread read, the decode roofline's DRAM bandwidth)."""
-    if threads is not None and not 1 <= threads <= 1024:
-        raise ValueError(f"threads must be None (the worker pool) or 1..1024, got {threads}")
+    return read_gbps(stream_buffer(nbytes), reps, threads)
+
+
+def stream_buffer(nbytes: int) -> np.ndarray:
+    """A 64-byte aligned, touched (random) buffer for `read_gbps`: keep it to read the ceiling again later."""
+    if nbytes < 64:
+        raise ValueError(f"a stream buffer needs at least 64 bytes, got {nbytes}")
     buf = np.empty(nbytes + 64, np.uint8)
     off = (-buf.ctypes.data) % 64
     buf = buf[off:off + nbytes]
     _fill_random(buf, np.random.default_rng(1))
-    return nbytes / _host.stream_read_seconds(buf, reps, threads or 0) / 1e9
+    return buf
+
+
+def read_gbps(buf: np.ndarray, reps: int = 3, threads: int | None = None) -> float:
+    """`stream_read_gbps` over a buffer from `stream_buffer` (best of reps reads of the whole buffer)."""
+    if threads is not None and not 1 <= threads <= 1024:
+        raise ValueError(f"threads must be None (the worker pool) or 1..1024, got {threads}")
+    return buf.nbytes / _host.stream_read_seconds(buf, reps, threads or 0) / 1e9
 
 
 def host_threads() -> int:
