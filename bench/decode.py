@@ -16,7 +16,8 @@ engine's step ran 4.61 ms against the offload path's 4.38 and loosened the roofl
 engine's alone, before session 7 the offload path's alone), B_DRAM = the all-thread host read bandwidth measured
 in this run (every logical CPU; 64-byte loads where the CPU has AVX-512: before session 33 the kernels' threads and
 32-byte loads, 10-25% lower on the H200 host), since session 36 the highest of three reads, at the start and right
-before and after lru-split's timed run (the host's rate drifts by up to ~18% over minutes); plus the q* rule against the best fixed fill fraction of a sweep.
+before and after lru-split's timed run (the host's rate drifts by up to ~18% over minutes); plus the q* rule
+against the best fixed fill fraction of a sweep.
 Random weights: the routing is synthetic or organic but the text generated is meaningless.
 
 GPU machine only (CUDA FFI fill + CPU-branch handshake). Writes bench/out/decode.json.
@@ -421,6 +422,7 @@ def main(argv=None) -> int:
             for frac in args.fractions:
                 S = int(frac * L * E)
                 rows = {}
+                dram_around = []  # B_DRAM read right before and after lru-split's timed run
 
                 def backends_round_robin(configs: dict, what):
                     # other executables: fresh backends, each on its own copy of the trace from its
@@ -450,7 +452,7 @@ def main(argv=None) -> int:
                     run.sync, run.fixed_inputs = args.sync, args.fixed_inputs
                     if pol == "lru-split":  # the host's read rate drifts over minutes (session 34): read
                         # it again right before and after the run that the ratio is taken of
-                        dram_around = [measure.read_gbps(dram_buf, threads=dram_threads)]
+                        dram_around.append(measure.read_gbps(dram_buf, threads=dram_threads))
                     rows[pol] = run.timed(args.warmup, args.steps)
                     if pol == "lru-split":
                         dram_around.append(measure.read_gbps(dram_buf, threads=dram_threads))
@@ -549,7 +551,7 @@ def main(argv=None) -> int:
                 miss_bytes = rows["lru-split"]["misses_per_step"] * expert_bytes if "lru-split" in rows else 0.0
                 # the roofline's B_DRAM: the highest of the reads at the start and around lru-split's run (the
                 # strictest ceiling of the three)
-                dram_reads = [b_dram] + (dram_around if "lru-split" in rows else [])
+                dram_reads = [b_dram] + dram_around
                 nan = float("nan")
                 t_gpu = t_gpu or {"step_ms": nan, "dispatch_ms": nan, "tok_s": nan}
                 t_offload_resident = t_offload_resident or {"step_ms": nan}

@@ -70,7 +70,13 @@ def stream_read_gbps(nbytes: int, reps: int = 3, threads: int | None = None) -> 
     """Read ceiling: a touched buffer of ``nbytes`` read once (best of reps) by the expert kernels' worker threads
     (the ceiling of a kernel's rate: "the same threads"), or by ``threads`` threads of a pool of its own
     (`host_threads()`: the host's all-thread read, the decode roofline's DRAM bandwidth)."""
+    _check_threads(threads)  # before the buffer is made and filled
     return read_gbps(stream_buffer(nbytes), reps, threads)
+
+
+def _check_threads(threads: int | None) -> None:
+    if threads is not None and not 1 <= threads <= 1024:
+        raise ValueError(f"threads must be None (the worker pool) or 1..1024, got {threads}")
 
 
 def stream_buffer(nbytes: int) -> np.ndarray:
@@ -86,8 +92,7 @@ def stream_buffer(nbytes: int) -> np.ndarray:
 
 def read_gbps(buf: np.ndarray, reps: int = 3, threads: int | None = None) -> float:
     """`stream_read_gbps` over a buffer from `stream_buffer` (best of reps reads of the whole buffer)."""
-    if threads is not None and not 1 <= threads <= 1024:
-        raise ValueError(f"threads must be None (the worker pool) or 1..1024, got {threads}")
+    _check_threads(threads)
     return buf.nbytes / _host.stream_read_seconds(buf, reps, threads or 0) / 1e9
 
 
