@@ -277,6 +277,15 @@ for s in "${steps[@]}"; do
          --knob-variants int4_act_bits=8 --shared-tokens 8 --trace-tokens 8 --out "$OUT/cpu_int4.json"
        run int4_repack_again 120 /tmp/int4_repack --calls ${REPACK_CALLS:-200} --prefetch ${REPACK_PREFETCH:-0,2048} \
          --act-bits ${REPACK_BITS:-8,15} ;;
+    down-layout)  # session 37: bench/down_layout.cc (a probe: the down matrix stored [I, H] for the unit split's CPU
+       # window, the gate/up and down rows in one round; rows vs units vs interleaved), 15 and 16 threads, 1 and 2
+       # tokens, prefetch 0 / 2048 B; then the runtime's own call on the same windows (bench/unit_windows.py) (~2 min)
+       g++ -O2 -march=native -pthread -o /tmp/down_layout bench/down_layout.cc > "$OUT/down_layout_build.log" 2>&1
+       for dl_threads in 15 16; do for dl_tokens in 1 2; do for dl_pf in 0 2048; do
+         run down_layout 60 /tmp/down_layout --threads $dl_threads --tokens $dl_tokens --prefetch $dl_pf \
+           --calls ${DL_CALLS:-400} --starts ${DL_STARTS:-0,160,192,256} --experts 1,2
+       done; done; done
+       run unit_windows 150 python3 bench/unit_windows.py --calls 400 --starts 0 160 192 256 --out "$OUT/unit_windows.json" ;;
     unit-windows)  # session 27: the CPU kernel tests (every tier, incl. AMX), then the CPU call on unit windows
        # under the defaults and each of $WINDOW_KNOBS, round robin (~1 min)
        run cpu_tests_windows 150 python3 -m pytest -q tests/host/test_kernels.py

@@ -47,6 +47,8 @@
 #include <immintrin.h>
 #endif
 
+#include "probe_team.h"
+
 namespace {
 
 constexpr int kGroup = 32, kRows = 16, kTile = 4 * 64 + 2 * kRows;  // 288 bytes: 16 rows x 32 inputs + scales
@@ -95,7 +97,6 @@ inline V bf16_ps(const uint16_t* p) {
 }
 inline void store_ps(float* p, V v) { std::memcpy(p, v.f, 64); }
 inline void prefetch(const void*) {}
-inline void pause() { std::this_thread::yield(); }
 inline uint64_t stream_chunk(const uint8_t* p, size_t n) {
   uint64_t s = 0, x;
   for (size_t i = 0; i < n; i += 64) { std::memcpy(&x, p + i, 8); s ^= x; }
@@ -125,7 +126,6 @@ inline V bf16_ps(const uint16_t* p) {
 }
 inline void store_ps(float* p, V v) { _mm512_storeu_ps(p, _mm512_castsi512_ps(v)); }
 inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
-inline void pause() { _mm_pause(); }
 inline uint64_t stream_chunk(const uint8_t* p, size_t n) {
   __m512i a = _mm512_setzero_si512(), b = a, c = a, d = a;
   for (size_t i = 0; i < n; i += 256) {
@@ -153,78 +153,8 @@ inline uint64_t stream_chunk32(const uint8_t* p, size_t n) {
 }
 #endif
 
-double now() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
-
-// ---- persistent pinned threads, spinning between rounds; the caller is thread 0 ----
-class Team {
- public:
-  explicit Team(int n) : n_(n) {
-    const int cpus = static_cast<int>(std::thread::hardware_concurrency());
-    pin(0, cpus);
-    for (int i = 1; i < n; ++i)
-      threads_.emplace_back([this, i, cpus] {
-        pin(i, cpus);
-        uint64_t seen = 0;
-        for (;;) {
-          uint64_t g;
-          while ((g = gen_.load(std::memory_order_acquire)) == seen) pause();
-          seen = g;
-          if (stop_.load(std::memory_order_acquire)) return;
-          work(i);
-          done_.fetch_add(1, std::memory_order_acq_rel);
-        }
-      });
-  }
-  ~Team() {
-    stop_.store(true, std::memory_order_release);
-    gen_.fetch_add(1, std::memory_order_acq_rel);
-    for (auto& t : threads_) t.join();
-  }
-  int size() const { return n_; }
-  // fn(item) for every item in [0, n) on all threads; returns when every item ran.
-  // contiguous = true: thread k takes items [k n / N, (k + 1) n / N), one stretch each (no claims).
-  void run(int64_t n, const std::function<void(int64_t)>& fn, bool contiguous = false) {
-    fn_ = &fn;
-    contiguous_ = contiguous;
-    n_items_ = n;
-    next_.store(0, std::memory_order_relaxed);
-    done_.store(0, std::memory_order_relaxed);
-    gen_.fetch_add(1, std::memory_order_acq_rel);
-    work(0);
-    while (done_.load(std::memory_order_acquire) < n_ - 1) pause();
-  }
-
- private:
-  static void pin(int i, int cpus) {  // thread i on CPU (i + 1) mod cpus: CPU 0 stays with the system
-    if (cpus <= 1) return;
-    cpu_set_t set;
-    CPU_ZERO(&set);
-    CPU_SET((i + 1) % cpus, &set);
-    pthread_setaffinity_np(pthread_self(), sizeof(set), &set);
-  }
-  void work(int k) {
-    if (contiguous_) {
-      for (int64_t i = k * n_items_ / n_; i < (k + 1) * n_items_ / n_; ++i) (*fn_)(i);
-      return;
-    }
-    for (;;) {
-      const int64_t i = next_.fetch_add(1, std::memory_order_acq_rel);
-      if (i >= n_items_) return;
-      (*fn_)(i);
-    }
-  }
-  int n_;
-  std::vector<std::thread> threads_;
-  const std::function<void(int64_t)>* fn_ = nullptr;
-  int64_t n_items_ = 0;
-  bool contiguous_ = false;
-  alignas(64) std::atomic<int64_t> next_{0};
-  alignas(64) std::atomic<int> done_{0};
-  alignas(64) std::atomic<uint64_t> gen_{0};
-  std::atomic<bool> stop_{false};
-};
+using probe::now;
+using probe::Team;
 
 // ---- the layout ----
 struct Shape {
@@ -377,7 +307,7 @@ void run_call_bits(Team& team, Call& call, const std::vector<float>& x, int pf, 
   const Shape& s = call.s;
   const int E = call.c.experts, Te = call.c.per_expert();
   constexpr int kQuantChunk = 512;  // round 0: the tokens' activations in int8, 512 values an item
-  team.run(int64_t(call.c.tokens) * (s.H / kQuantChunk), [&](int64_t item) {
+  team.run(int64_t(call.c.tokens) * (s.H / kQuantChunk), [&](int64_t item, int) {
     const int t = static_cast<int>(item / (s.H / kQuantChunk)), k0 = static_cast<int>(item % (s.H / kQuantChunk)) * kQuantChunk;
     QAct& q = call.xq[t];
     for (int k = k0; k < k0 + kQuantChunk; k += kGroup)
@@ -386,7 +316,7 @@ void run_call_bits(Team& team, Call& call, const std::vector<float>& x, int pf, 
   const int64_t gu_items = int64_t(E) * (s.I / kGroup);
   with_tokens(Te, [&](auto TT) {
     constexpr int T = decltype(TT)::value;
-    team.run(gu_items, [&](int64_t item) {
+    team.run(gu_items, [&](int64_t item, int) {
       const int e = static_cast<int>(item / (s.I / kGroup)), i = static_cast<int>(item % (s.I / kGroup));
       const QAct* a[T];
       for (int t = 0; t < T; ++t) a[t] = &call.xq[call.tok[e][t]];
@@ -404,7 +334,7 @@ void run_call_bits(Team& team, Call& call, const std::vector<float>& x, int pf, 
         quantize_group(&call.h[(size_t(e) * T + t) * s.I + i * kGroup], Bits, q, i * kGroup);
       }
     }, contiguous);
-    team.run(s.H / kRows, [&](int64_t blk) {
+    team.run(s.H / kRows, [&](int64_t blk, int) {
       float part[T][kRows];
       for (int t = 0; t < call.c.tokens; ++t) std::memset(&call.y[size_t(t) * s.H + blk * kRows], 0, sizeof(float) * kRows);
       for (int e = 0; e < E; ++e) {
@@ -474,7 +404,7 @@ Check check_call(Team& team, const Call& call, const std::vector<float>& x, int 
   const int E = call.c.experts, T = call.c.per_expert();
   // per (expert, token) pair: h's largest reference value and difference, and its down rows' contributions
   std::vector<double> h_max(size_t(E) * T), h_diff(size_t(E) * T), yq(size_t(E) * T * s.H), ye(size_t(E) * T * s.H);
-  team.run(int64_t(E) * T, [&](int64_t pair) {
+  team.run(int64_t(E) * T, [&](int64_t pair, int) {
     const int e = static_cast<int>(pair / T), t = static_cast<int>(pair % T), tk = call.tok[e][t];
     const float* xt = &x[size_t(tk) * s.H];
     std::vector<float> h_exact(s.I);
@@ -577,7 +507,7 @@ int main(int argc, char** argv) {
   Team team(threads);
   // Fill: random nibbles, scales in [2^-8, 2^-7) (bf16), tile by tile (the window is a sequence of tiles).
   const int64_t n_tiles = static_cast<int64_t>(window / kTile), chunk = 4096;
-  team.run((n_tiles + chunk - 1) / chunk, [&](int64_t c) {
+  team.run((n_tiles + chunk - 1) / chunk, [&](int64_t c, int) {
     uint64_t st = 0x9E3779B97F4A7C15ull ^ (uint64_t(c) * 0xD1B54A32D192ED03ull);
     for (int64_t t = c * chunk; t < std::min(n_tiles, (c + 1) * chunk); ++t) {
       uint8_t* tile = pool + t * kTile;
@@ -599,7 +529,7 @@ int main(int argc, char** argv) {
         for (int w = 0; w < 2; ++w) {
           const size_t item = items[i];
           const double t0 = now();
-          team.run(static_cast<int64_t>(window / item), [&](int64_t b) {
+          team.run(static_cast<int64_t>(window / item), [&](int64_t b, int) {
             sink[b] = w ? stream_chunk(pool + b * item, item) : stream_chunk32(pool + b * item, item);
           });
           best[i][w] = std::max(best[i][w], double(window) / (now() - t0) / 1e9);
@@ -618,7 +548,7 @@ int main(int argc, char** argv) {
     std::vector<uint64_t> sink(blocks);
     for (int rep = 0; rep < 3; ++rep) {
       const double t0 = now();
-      team.run(blocks, [&](int64_t b) { sink[b] = stream_chunk(pool + (size_t(b) << 21), size_t(1) << 21); });
+      team.run(blocks, [&](int64_t b, int) { sink[b] = stream_chunk(pool + (size_t(b) << 21), size_t(1) << 21); });
       stream = std::max(stream, double(window) / (now() - t0) / 1e9);
     }
     uint64_t s = 0;
