@@ -286,6 +286,13 @@ for s in "${steps[@]}"; do
            --calls ${DL_CALLS:-400} --starts ${DL_STARTS:-0,160,192,256} --experts 1,2
        done; done; done
        run unit_windows 150 python3 bench/unit_windows.py --calls 400 --starts 0 160 192 256 --out "$OUT/unit_windows.json" ;;
+    down-ih)  # session 38: the transposed down bank (HostPool down_layout="ih"): the CPU kernel tests (every tier, AMX
+       # too), then the runtime's call on unit windows of an hi and an ih pool, round robin, 12 and 15 workers (~2 min)
+       run cpu_tests_down_ih 150 python3 -m pytest -q tests/host/test_down_layout.py tests/host/test_kernels.py
+       for dw in 12 15; do
+         run unit_windows_ih 150 python3 bench/unit_windows.py --workers $dw --calls 400 --starts 0 128 160 192 256 \
+           --down-layouts hi ih --out "$OUT/unit_windows_ih_$dw.json"
+       done ;;
     unit-windows)  # session 27: the CPU kernel tests (every tier, incl. AMX), then the CPU call on unit windows
        # under the defaults and each of $WINDOW_KNOBS, round robin (~1 min)
        run cpu_tests_windows 150 python3 -m pytest -q tests/host/test_kernels.py

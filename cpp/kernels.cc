@@ -166,6 +166,19 @@ DotRowsFn dot_rows_for(Tier t) {
   }
 }
 
+AxpyRowsFn axpy_rows_for(Tier t) {
+  switch (t) {
+#ifdef FTJAX_HAVE_AVX2
+    case Tier::kAvx2: return axpy_rows_avx2;
+#endif
+#ifdef FTJAX_HAVE_AVX512BF16
+    case Tier::kAvx512Bf16:
+    case Tier::kAmx: return axpy_rows_avx512;
+#endif
+    default: return axpy_rows_scalar;
+  }
+}
+
 AmxRoute amx_route(WeightFormat format, int n_tokens, bool bf16_act, bool vnni_given, int64_t K, int64_t rows) {
   // Fewer tokens than kAmxMinTokens: the AVX-512 loops are faster (they do not pay for the unused
   // tile columns; dev-box Xeon, one core: bf16 27 vs 20 GB/s at 1 token, int4 12.6 vs 8.3).

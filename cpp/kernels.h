@@ -156,6 +156,18 @@ using DotRowsFn = void (*)(const MatrixRef& w, int64_t r0, int64_t r1, const Act
 // token's lone experts' down rows with it (down_sum), instead of one dot_rows call, reduction and store per expert.
 void dot_rows_sum(const MatrixRef* ws, const ActRef* as, const float* wts, int n, int64_t r0, int64_t r1, float* out);
 
+// out[j][h] += sum over i in [i0, i1) of c[j][i] * W[i, h], for h in [h0, h1) and j < n: rows of an f32 or bf16 matrix
+// scaled and summed into n vectors (c[j] and out[j] are indexed by the absolute row and column). The MoE driver's
+// down pass over a transposed down bank (DownLayout::kIH: row i is unit i's down column): a unit window [u, I) is
+// whole rows, read one after another. The out[j] must not overlap (the SIMD tiers keep each in registers while they
+// add a step of rows). Every tier; the AMX tier runs the AVX-512 loop (no tile form).
+using AxpyRowsFn = void (*)(const MatrixRef& w, int64_t i0, int64_t i1, const float* const* c, int n, int64_t h0,
+                            int64_t h1, float* const* out);
+AxpyRowsFn axpy_rows_for(Tier t);
+void axpy_rows_scalar(const MatrixRef&, int64_t, int64_t, const float* const*, int, int64_t, int64_t, float* const*);
+void axpy_rows_avx2(const MatrixRef&, int64_t, int64_t, const float* const*, int, int64_t, int64_t, float* const*);
+void axpy_rows_avx512(const MatrixRef&, int64_t, int64_t, const float* const*, int, int64_t, int64_t, float* const*);
+
 const char* tier_name(Tier t);
 std::vector<Tier> available_tiers();  // compiled in and supported by this CPU, best last
 Tier active_tier();

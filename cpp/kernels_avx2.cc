@@ -5,6 +5,7 @@
 #include <algorithm>
 
 #include "kernels.h"
+#include "kernels_axpy.h"
 #include "kernels_tiling.h"
 
 namespace ftjax {
@@ -103,6 +104,24 @@ struct Avx2Tile {
 void dot_rows_avx2(const MatrixRef& w, int64_t r0, int64_t r1, const ActRef& a, float* out) {
   // 12 accumulators + 3 activations + 1 weight of 16 ymm
   dot_rows_tiled<Avx2Tile, 4, 3>(w, r0, r1, a, out);
+}
+
+namespace {
+struct Avx2Ops {
+  using V = __m256;
+  static constexpr int kW = 8;
+  static V load(const float* p) { return _mm256_loadu_ps(p); }
+  static V load_bf16(const uint16_t* p) { return load_bf16x8(p); }
+  static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+  static V set1(float v) { return _mm256_set1_ps(v); }
+  static V fma(V a, V b, V acc) { return _mm256_fmadd_ps(a, b, acc); }
+};
+}  // namespace
+
+void axpy_rows_avx2(const MatrixRef& w, int64_t i0, int64_t i1, const float* const* c, int n, int64_t h0,
+                    int64_t h1, float* const* out) {
+  // 4 accumulators + 8 coefficients + 2 weights of 16 ymm
+  axpy_rows_tiled<Avx2Ops, 2>(w, i0, i1, c, n, h0, h1, out);
 }
 
 }  // namespace ftjax

@@ -9,6 +9,7 @@
 #include <type_traits>
 
 #include "kernels.h"
+#include "kernels_axpy.h"
 #include "kernels_tiling.h"
 
 namespace ftjax {
@@ -501,6 +502,24 @@ void dot_rows_avx512bf16(const MatrixRef& w, int64_t r0, int64_t r1, const ActRe
   prefetch_call_start(w, r0, r1, r8 ? 8 : 4);
   if (r8) return dot_rows_tiled<Avx512Tile, 8, 1>(w, r0, r1, a, out);
   dot_rows_tiled<Avx512Tile, 4, 4>(w, r0, r1, a, out);
+}
+
+namespace {
+struct Avx512Ops {
+  using V = __m512;
+  static constexpr int kW = 16;
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static V load_bf16(const uint16_t* p) { return load_bf16x16(p); }
+  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+  static V set1(float v) { return _mm512_set1_ps(v); }
+  static V fma(V a, V b, V acc) { return _mm512_fmadd_ps(a, b, acc); }
+};
+}  // namespace
+
+void axpy_rows_avx512(const MatrixRef& w, int64_t i0, int64_t i1, const float* const* c, int n, int64_t h0,
+                      int64_t h1, float* const* out) {
+  // 8 accumulators + 16 coefficients + 2 weights of 32 zmm
+  axpy_rows_tiled<Avx512Ops, 4>(w, i0, i1, c, n, h0, h1, out);
 }
 
 }  // namespace ftjax

@@ -40,4 +40,14 @@ void dot_rows_scalar(const MatrixRef& w, int64_t r0, int64_t r1, const ActRef& a
   }
 }
 
+void axpy_rows_scalar(const MatrixRef& w, int64_t i0, int64_t i1, const float* const* c, int n, int64_t h0,
+                      int64_t h1, float* const* out) {
+  for (int64_t i = i0; i < i1; ++i)
+    for (int j = 0; j < n; ++j) {
+      const float cj = c[j][i];
+      float* o = out[j];
+      for (int64_t h = h0; h < h1; ++h) o[h] += cj * dense_weight(w, i, h);
+    }
+}
+
 }  // namespace ftjax

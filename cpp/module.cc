@@ -6,6 +6,7 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <memory>
@@ -33,8 +34,8 @@ namespace {
 // the id then fails with a clear FFI error instead of reading freed memory).
 struct PoolHandle {
   std::shared_ptr<ExpertPool> pool;
-  PoolHandle(int64_t n_experts, int64_t hidden, int64_t inter, const std::string& fmt)
-      : pool(std::make_shared<ExpertPool>(n_experts, hidden, inter, parse_format(fmt))) {
+  PoolHandle(int64_t n_experts, int64_t hidden, int64_t inter, const std::string& fmt, const std::string& down_layout)
+      : pool(std::make_shared<ExpertPool>(n_experts, hidden, inter, parse_format(fmt), parse_down_layout(down_layout))) {
     register_pool(pool);
   }
   ~PoolHandle() { close(); }
@@ -124,6 +125,43 @@ nb::ndarray<nb::numpy, float, nb::ndim<2>> dot_rows_py(PoolHandle& h, const std:
     dot_rows_for(tier)(w, 0, b.rows, a, out);
   }
   return nb::ndarray<nb::numpy, float, nb::ndim<2>>(out, {static_cast<size_t>(b.rows), static_cast<size_t>(n)}, owner);
+}
+
+// axpy_rows (kernels.h) on one expert matrix of an f32/bf16 bank as stored, in the active tier, on the calling thread:
+// out0 [n, h1 - h0] + sum over rows i in [i0, i1) of coef[j, i] * W[i, h0:h1] (kernel tests).
+nb::ndarray<nb::numpy, float, nb::ndim<2>> axpy_rows_py(PoolHandle& h, const std::string& bank, int64_t expert,
+                                                       nb::ndarray<const float, nb::ndim<2>, nb::c_contig, nb::device::cpu> coef,
+                                                       int64_t i0, int64_t i1, int64_t h0, int64_t h1,
+                                                       nb::ndarray<const float, nb::ndim<2>, nb::c_contig, nb::device::cpu> out0) {
+  ExpertPool& pool = h.get();
+  if (bank != "gate_up" && bank != "down") throw std::invalid_argument("bank is gate_up or down, got '" + bank + "'");
+  const Bank& b = bank == "gate_up" ? pool.gate_up() : pool.down();
+  if (b.format == WeightFormat::kInt4) throw std::invalid_argument("axpy_rows takes f32 or bf16 banks, not int4");
+  if (expert < 0 || expert >= pool.n_experts())
+    throw std::invalid_argument("expert " + std::to_string(expert) + " outside [0, " + std::to_string(pool.n_experts()) + ")");
+  if (i0 < 0 || i1 < i0 || i1 > b.rows || h0 < 0 || h1 < h0 || h1 > b.cols)
+    throw std::invalid_argument("rows [" + std::to_string(i0) + ", " + std::to_string(i1) + ") or columns [" +
+                                std::to_string(h0) + ", " + std::to_string(h1) + ") outside the matrix [" +
+                                std::to_string(b.rows) + ", " + std::to_string(b.cols) + "]");
+  const int64_t n = static_cast<int64_t>(coef.shape(0)), cols = h1 - h0;
+  if (n < 1 || static_cast<int64_t>(coef.shape(1)) != b.rows)
+    throw std::invalid_argument("coef must be [n >= 1, " + std::to_string(b.rows) + "]");
+  if (static_cast<int64_t>(out0.shape(0)) != n || static_cast<int64_t>(out0.shape(1)) != cols)
+    throw std::invalid_argument("out0 must be [" + std::to_string(n) + ", " + std::to_string(cols) + "]");
+  float* out = new float[std::max<int64_t>(1, n * cols)];
+  nb::capsule owner(out, [](void* p) noexcept { delete[] static_cast<float*>(p); });
+  std::copy(out0.data(), out0.data() + n * cols, out);
+  std::vector<const float*> c(n);
+  std::vector<float*> o(n);
+  for (int64_t j = 0; j < n; ++j) {
+    c[j] = coef.data() + j * b.rows;
+    o[j] = out + j * cols - h0;  // indexed by the absolute column
+  }
+  {
+    nb::gil_scoped_release release;
+    axpy_rows_for(active_tier())(matrix_of(b, expert), i0, i1, c.data(), static_cast<int>(n), h0, h1, o.data());
+  }
+  return nb::ndarray<nb::numpy, float, nb::ndim<2>>(out, {static_cast<size_t>(n), static_cast<size_t>(cols)}, owner);
 }
 
 // The q15 layout (kernels.h) of one bf16 vector, as its bytes: the layout alone, for tests.
@@ -219,13 +257,14 @@ NB_MODULE(_host, m) {
   m.attr("abi_version") = 2;
 
   nb::class_<PoolHandle>(m, "HostPool")
-      .def(nb::init<int64_t, int64_t, int64_t, const std::string&>(), "n_experts"_a, "hidden"_a, "inter"_a,
-           "format"_a = "bf16")
+      .def(nb::init<int64_t, int64_t, int64_t, const std::string&, const std::string&>(), "n_experts"_a, "hidden"_a,
+           "inter"_a, "format"_a = "bf16", "down_layout"_a = "hi")
       .def_prop_ro("id", [](PoolHandle& h) { return h.get().id(); })
       .def_prop_ro("n_experts", [](PoolHandle& h) { return h.get().n_experts(); })
       .def_prop_ro("hidden", [](PoolHandle& h) { return h.get().hidden(); })
       .def_prop_ro("inter", [](PoolHandle& h) { return h.get().inter(); })
       .def_prop_ro("format", [](PoolHandle& h) { return std::string(format_name(h.get().format())); })
+      .def_prop_ro("down_layout", [](PoolHandle& h) { return std::string(down_layout_name(h.get().down_layout())); })
       .def_prop_ro("total_bytes", [](PoolHandle& h) { return h.get().total_bytes(); })
       .def_prop_ro("pinned", [](PoolHandle& h) { return h.get().pinned(); })
       .def_prop_ro("closed", [](PoolHandle& h) { return h.closed; })
@@ -251,6 +290,9 @@ NB_MODULE(_host, m) {
   m.def("dot_rows", &dot_rows_py, "pool"_a, "bank"_a, "expert"_a, "x"_a, "x_bf16"_a = false, "col0"_a = 0,
         "One expert matrix's rows [rows, n] times x [n, cols] (columns [col0, cols)) on the calling thread, in the "
         "active tier (kernel tests).");
+  m.def("axpy_rows", &axpy_rows_py, "pool"_a, "bank"_a, "expert"_a, "coef"_a, "i0"_a, "i1"_a, "h0"_a, "h1"_a, "out0"_a,
+        "out0 + coef[:, i0:i1] @ W[i0:i1, h0:h1] for one f32/bf16 expert matrix as stored, in the active tier (kernel "
+        "tests of the transposed down's pass).");
   m.def("q15_layout", &q15_layout_py, "x"_a, "bits"_a = 15,
         "The q15 activation layout of a bf16 vector (uint16 bits), or its q8 form (bits=8), as bytes (tests).");
   m.def("available_tiers", [] {

@@ -21,7 +21,12 @@ constexpr int64_t kRowsPhase1 = 16;  // gate rows (and as many up rows) per work
 constexpr int64_t kRowsPhase2 = 32;
 constexpr int64_t kMinItemsPerThread = 4;  // below it, items of half the rows (load balance)
 constexpr int64_t kMinClaimBytes = 32 << 10;  // weight bytes a thread claims at once, at least
-constexpr int64_t kVnniColumns = 512;  // columns of a group's B-tile layout per layout item (a multiple of 32)
+constexpr int64_t kVnniColumns = 512;
+// A transposed down: calls of up to this many T * H output floats per thread (8 tokens at H = 4096, 128 KiB) sum their
+// down rows in phase 1's items into per-thread partials (no barrier between a unit's gate/up rows and its down row;
+// the partials fit a core's L2); larger calls run down by column blocks of kAxpyColumns (halved for balance down to
+// kMinAxpyColumns: 128 bytes of a bf16 row). The partials are summed in blocks of kSumColumns outputs.
+constexpr int64_t kFusedPartialFloats = 32768, kAxpyColumns = 256, kMinAxpyColumns = 64, kSumColumns = 256;  // columns of a group's B-tile layout per layout item (a multiple of 32)
 
 // Items per claim so that a claim covers kMinClaimBytes of weights: a contended claim costs ~0.1 us,
 // as long as reading a few KiB.
@@ -66,6 +71,25 @@ struct CallBuffers {
     if (q15_act) grow(act_q, n * q15_bytes(I));
   }
   const uint32_t* act_v() const { return act_v_.data(); }
+  // Per-thread partial outputs of a fused call over a transposed down: `len` floats per thread, zeroed by the
+  // thread on its first write in the call (partial_of), read back only where written (partial_if_touched).
+  std::vector<float> partial;
+  std::vector<uint8_t> touched;
+  void clear_partials(int threads, int64_t len) {
+    grow(partial, threads * len);
+    touched.assign(threads, 0);
+  }
+  float* partial_of(int thread, int64_t len) {
+    float* p = partial.data() + thread * len;
+    if (!touched[thread]) {
+      std::fill(p, p + len, 0.f);
+      touched[thread] = 1;
+    }
+    return p;
+  }
+  const float* partial_if_touched(int thread, int64_t len) const {
+    return touched[thread] ? partial.data() + thread * len : nullptr;
+  }
   // phase 1 writes the intermediate's B layout a word at a time (the kernels read it as dwords)
   uint16_t* act_v_words() { return reinterpret_cast<uint16_t*>(act_v_.data()); }
   template <class T>
@@ -75,7 +99,7 @@ struct CallBuffers {
   size_t bytes() const {
     return (xg.capacity() + act.capacity()) * 4 +
            (xg_h.capacity() + act_h.capacity() + xg_p.capacity() + act_p.capacity()) * 2 +
-           (xg_v.capacity() + act_v_.capacity()) * 4 + xg_q.capacity() + act_q.capacity();
+           (xg_v.capacity() + act_v_.capacity() + partial.capacity()) * 4 + xg_q.capacity() + act_q.capacity();
   }
   void trim() {
     if (bytes() > kKeepBufferBytes) *this = CallBuffers();
@@ -166,6 +190,28 @@ void run_experts(WorkerPool& workers, const ExpertCall& c, Tier tier) {
   const int64_t groups = static_cast<int64_t>(start.size()) - 1;
 
   const DotRowsFn dot = dot_rows_for(tier);
+  // A transposed down (f32/bf16 pools only): phase 1 stores each route's intermediate times its gate weight, and a
+  // call of few tokens (fused) sums the same units' down rows into per-thread partials in phase 1's items; phase 2
+  // then adds the partials (fused) or runs the down rows by column blocks (many tokens).
+  const bool down_t = pool.down_transposed(), fused = down_t && c.T * H <= kFusedPartialFloats;
+  const AxpyRowsFn axpy_fn = axpy_rows_for(tier);
+  // Group g's routes' down rows [i0, i1), columns [h0, h1), into outs[j] (the kernel's vectors must not alias: a token
+  // routed twice to one expert goes one route at a time).
+  std::vector<char> distinct_tokens(down_t ? groups : 0, 1);
+  for (int64_t g = 0; g < static_cast<int64_t>(distinct_tokens.size()); ++g) {
+    if (start[g + 1] - start[g] == 1) continue;
+    std::vector<int32_t> toks;
+    for (int64_t r = start[g]; r < start[g + 1]; ++r) toks.push_back(c.token_idx[order[r]]);
+    std::sort(toks.begin(), toks.end());
+    distinct_tokens[g] = std::adjacent_find(toks.begin(), toks.end()) == toks.end();
+  }
+  const auto axpy = [&](int64_t g, int64_t i0, int64_t i1, const float* const* coef, float* const* outs, int64_t h0,
+                        int64_t h1) {
+    const int64_t r0 = start[g], nr = start[g + 1] - r0;
+    const MatrixRef w = matrix_of(pool.down(), c.expert_ids[order[r0]]);
+    if (distinct_tokens[g]) return axpy_fn(w, i0, i1, coef, static_cast<int>(nr), h0, h1, outs);
+    for (int64_t j = 0; j < nr; ++j) axpy_fn(w, i0, i1, coef + j, 1, h0, h1, outs + j);
+  };
   // Layouts of the activations a group's kernels read (kernels.h): bf16 bits in bf16 mode (f32, for the tiers and
   // tails that multiply in f32, except for q15 groups, which read none); for int4 weights on the AVX-512 loops the
   // q15 layout (or its q8 form) for groups of up to int4_vnni_limit() tokens, the pair64 order for the others; for
@@ -256,7 +302,7 @@ void run_experts(WorkerPool& workers, const ExpertCall& c, Tier tier) {
     const bool q15_g = q15_x && q15_group(g);
     if (!q15_g)  // (the q15 loop reads no f32 copy: int4 rows leave no tail)
       for (int64_t h = 0; h < H; ++h) xf[h] = bf16_to_f32(xh[h]);
-    if (amx_group(g)) {
+    if (amx_group(g) && !down_t) {
       // the intermediate's pad positions [I, 2 PI) of this route stay zero (phase 1 writes [u, I))
       uint16_t* av = b.act_v_words() + 2 * r0 * PI;
       for (int64_t pos = I; pos < 2 * PI; ++pos) av[2 * ((pos / 2) * nr + (r - r0)) + (pos & 1)] = 0;
@@ -273,8 +319,11 @@ void run_experts(WorkerPool& workers, const ExpertCall& c, Tier tier) {
   const int64_t min_rows = any_amx ? 16 : q15_act ? 8 : 4;
   const int64_t rows1 = rows_per_item(I, groups, std::max(gate_up_item_rows(), min_rows), workers.n_threads(), min_rows);
   const int64_t blocks1 = (I + rows1 - 1) / rows1;
-  const int64_t item1_bytes = rows1 * static_cast<int64_t>(pool.gate_up().expert_bytes) / I;  // 2 rows1 of 2I rows
-  const RoundTiming t_phase1 = workers.parallel_for(groups * blocks1, [&](int64_t item, int) {
+  // 2 rows1 of gate/up's 2I rows (and rows1 of a transposed down's I rows, read in the same item when fused)
+  const int64_t item1_bytes =
+      rows1 * static_cast<int64_t>(pool.gate_up().expert_bytes + (fused ? pool.down().expert_bytes : 0)) / I;
+  if (fused) b.clear_partials(workers.n_threads(), c.T * H);
+  const RoundTiming t_phase1 = workers.parallel_for(groups * blocks1, [&](int64_t item, int thread) {
     const int64_t g = item / blocks1, r0 = start[g], nr = start[g + 1] - r0;
     const int64_t i1 = std::min(I, (item % blocks1 + 1) * rows1);
     const int64_t i0 = std::max((item % blocks1) * rows1, unit_of(order[r0]));  // the group's units only
@@ -286,7 +335,7 @@ void run_experts(WorkerPool& workers, const ExpertCall& c, Tier tier) {
                    static_cast<int>(nr),
                    pair_x && !vnni_act && !q15_g ? &b.xg_p[s0 * H] : nullptr, vnni_act ? &b.xg_v[r0 * PH] : nullptr,
                    q15_x && q15_g ? &b.xg_q[s0 * q15_bytes(H)] : nullptr, H / 2, q8};
-    uint16_t* act_v = vnni_act ? b.act_v_words() + 2 * r0 * PI : nullptr;
+    uint16_t* act_v = vnni_act && !down_t ? b.act_v_words() + 2 * r0 * PI : nullptr;
     std::vector<float>& buf = scratch(2 * rows1 * nr);
     float* gate = buf.data();
     float* up = buf.data() + rows1 * nr;
@@ -297,17 +346,33 @@ void run_experts(WorkerPool& workers, const ExpertCall& c, Tier tier) {
         float v = silu(gate[(i - i0) * nr + j]) * up[(i - i0) * nr + j];
         if (c.x_bf16) {
           const uint16_t h = f32_to_bf16(v);
+          v = bf16_to_f32(h);
+          if (down_t) {  // (the axpy pass reads only the f32 intermediate)
+            b.act[(r0 + j) * I + i] = c.weights[order[r0 + j]] * v;
+            continue;
+          }
           b.act_h[(r0 + j) * I + i] = h;
-          if (vnni_act) {  // one word of the pair dword: items never write the same word
+          if (act_v) {  // one word of the pair dword: items never write the same word
             const int64_t pos = int4_act ? amx_int4_position(i) : i;
             act_v[2 * ((pos / 2) * nr + j) + (pos & 1)] = h;
           } else if (pair_act && !q15_g) {
             b.act_p[(r0 + j) * I + pair64_index(i)] = h;
           }
-          v = bf16_to_f32(h);
         }
-        b.act[(r0 + j) * I + i] = v;
+        b.act[(r0 + j) * I + i] = down_t ? c.weights[order[r0 + j]] * v : v;
       }
+    }
+    if (fused) {  // the same units' down rows into this thread's partial sums, while they are warm in its caches
+      float* part = b.partial_of(thread, c.T * H);
+      thread_local std::vector<const float*> coef;
+      thread_local std::vector<float*> outs;
+      coef.resize(nr);
+      outs.resize(nr);
+      for (int64_t j = 0; j < nr; ++j) {
+        coef[j] = &b.act[(r0 + j) * I];
+        outs[j] = part + c.token_idx[order[r0 + j]] * H;
+      }
+      axpy(g, i0, i1, coef.data(), outs.data(), 0, H);
     }
     if (q15_act && q15_g)  // [i0, i1): whole lanes (multiples of 8: the unit start is one of 32)
       for (int64_t j = 0; j < nr; ++j) to_q(&b.act_h[(r0 + j) * I], i0, i1, &b.act_q[(r0 + j) * q15_bytes(I)], I / 2);
@@ -315,75 +380,117 @@ void run_experts(WorkerPool& workers, const ExpertCall& c, Tier tier) {
   record_round(1, groups * blocks1, t_phase1);
   prof.rows1 = rows1;
 
-  // Phase 2: y[t, h] += w_r * (down_e[h] . act_r); an item owns output rows [h0, h1) of every
-  // token, so no two threads write the same element.
-  const int64_t rows2 = rows_per_item(H, 1, std::max(down_item_rows(), min_rows), workers.n_threads(), min_rows);
-  const int64_t blocks2 = (H + rows2 - 1) / rows2;
-  const int64_t item2_bytes = groups * rows2 * static_cast<int64_t>(pool.down().expert_bytes) / H;  // of each down
-  // The down columns of group g's units and their activations' layouts.
-  const auto down_of = [&](int64_t g) -> std::pair<MatrixRef, ActRef> {
-    const int64_t r0 = start[g], nr = start[g + 1] - r0, u = unit_of(order[r0]);
-    // pair64 spans stay aligned only from a multiple of 64; the B layout of the window [u, I) from pair u / 2 on:
-    // whole 32-column steps only when u % 32 == 0
-    const bool vnni_act = amx_group(g), q15_g = q15_group(g);
-    return {column_window(matrix_of(pool.down(), c.expert_ids[order[r0]]), u, I - u),
-            ActRef{&b.act[r0 * I + u], c.x_bf16 ? &b.act_h[r0 * I + u] : nullptr, I, static_cast<int>(nr),
-                   pair_act && !vnni_act && !q15_g && u % 64 == 0 ? &b.act_p[r0 * I + u] : nullptr,
-                   vnni_act && u % 32 == 0 ? b.act_v() + r0 * PI + u / 2 * nr : nullptr,
-                   q15_act && q15_g ? &b.act_q[r0 * q15_bytes(I) + u / 2] : nullptr, I / 2, q8}};
-  };
-  // down_sum: the groups of one route (outside the AMX tiles) sum their rows per token in one pass (dot_rows_sum);
-  // sums[s0, s1) = such groups of one token, in group order (batch-1 decode: every expert of the call, one pass).
-  std::vector<int64_t> sums, sum_start{0};
-  if (down_sum() && tier >= Tier::kAvx512Bf16) {
-    for (int64_t g = 0; g < groups; ++g)
-      if (start[g + 1] - start[g] == 1 && !amx_group(g) && unit_of(order[start[g]]) < I) sums.push_back(g);
-    std::stable_sort(sums.begin(), sums.end(), [&](int64_t a, int64_t b2) {
-      return c.token_idx[order[start[a]]] < c.token_idx[order[start[b2]]];
-    });
-    for (size_t i = 1; i <= sums.size(); ++i)
-      if (i == sums.size() || c.token_idx[order[start[sums[i]]]] != c.token_idx[order[start[sums[i - 1]]]])
-        sum_start.push_back(static_cast<int64_t>(i));
-  }
-  std::vector<char> summed(groups, 0);
-  for (int64_t g : sums) summed[g] = 1;
-  const RoundTiming t_phase2 = workers.parallel_for(blocks2, [&](int64_t item, int) {
-    const int64_t h0 = item * rows2, h1 = std::min(H, h0 + rows2);
-    for (size_t p = 0; p + 1 < sum_start.size(); ++p) {
-      thread_local std::vector<MatrixRef> ws;
-      thread_local std::vector<ActRef> as;
-      thread_local std::vector<float> wts;
-      ws.clear();
-      as.clear();
-      wts.clear();
-      for (int64_t i = sum_start[p]; i < sum_start[p + 1]; ++i) {
-        const auto [w, a] = down_of(sums[i]);
-        ws.push_back(w);
-        as.push_back(a);
-        wts.push_back(c.weights[order[start[sums[i]]]]);
-      }
-      float* out = scratch(rows2).data();
-      dot_rows_sum(ws.data(), as.data(), wts.data(), static_cast<int>(ws.size()), h0, h1, out);
-      float* yt = c.y + c.token_idx[order[start[sums[sum_start[p]]]]] * H;
-      for (int64_t h = h0; h < h1; ++h) yt[h] += out[h - h0];
+  if (down_t) {  // a transposed down (DownLayout::kIH): each group's units [u, I) are whole rows
+    int64_t items2 = 0, cols2 = 0;
+    RoundTiming t_phase2;
+    if (fused) {  // phase 1 summed the rows per thread: y = the sum of the threads' partials, by column blocks
+      cols2 = kSumColumns;
+      const int64_t per_token = (H + cols2 - 1) / cols2;
+      items2 = c.T * per_token;
+      t_phase2 = workers.parallel_for(items2, [&](int64_t item, int) {
+        const int64_t t = item / per_token, h0 = (item % per_token) * cols2, h1 = std::min(H, h0 + cols2);
+        float* yt = c.y + t * H;
+        for (int k = 0; k < workers.n_threads(); ++k) {
+          const float* p = b.partial_if_touched(k, c.T * H);
+          if (!p) continue;
+          p += t * H;
+          for (int64_t h = h0; h < h1; ++h) yt[h] += p[h];
+        }
+      });
+    } else {  // y[t, h0:h1] += sum over the groups of t's routes of c_r[i] * down_e[i, h0:h1], i in [u, I)
+      cols2 = rows_per_item(H, 1, kAxpyColumns, workers.n_threads(), kMinAxpyColumns);
+      items2 = (H + cols2 - 1) / cols2;
+      const int64_t item2_bytes = groups * cols2 * static_cast<int64_t>(pool.down().expert_bytes) / H;
+      t_phase2 = workers.parallel_for(items2, [&](int64_t item, int) {
+        const int64_t h0 = item * cols2, h1 = std::min(H, h0 + cols2);
+        thread_local std::vector<const float*> coef;
+        thread_local std::vector<float*> outs;
+        for (int64_t g = 0; g < groups; ++g) {
+          const int64_t r0 = start[g], nr = start[g + 1] - r0, u = unit_of(order[r0]);
+          if (u == I) continue;
+          coef.resize(nr);
+          outs.resize(nr);
+          for (int64_t j = 0; j < nr; ++j) {
+            coef[j] = &b.act[(r0 + j) * I];
+            outs[j] = c.y + c.token_idx[order[r0 + j]] * H;
+          }
+          axpy(g, u, I, coef.data(), outs.data(), h0, h1);
+        }
+      }, min_chunk(item2_bytes));
     }
-    for (int64_t g = 0; g < groups; ++g) {
+    record_round(2, items2, t_phase2);
+    prof.rows2 = cols2;
+  } else {
+    // Phase 2: y[t, h] += w_r * (down_e[h] . act_r); an item owns output rows [h0, h1) of every
+    // token, so no two threads write the same element.
+    const int64_t rows2 = rows_per_item(H, 1, std::max(down_item_rows(), min_rows), workers.n_threads(), min_rows);
+    const int64_t blocks2 = (H + rows2 - 1) / rows2;
+    const int64_t item2_bytes = groups * rows2 * static_cast<int64_t>(pool.down().expert_bytes) / H;  // of each down
+    // The down columns of group g's units and their activations' layouts.
+    const auto down_of = [&](int64_t g) -> std::pair<MatrixRef, ActRef> {
       const int64_t r0 = start[g], nr = start[g + 1] - r0, u = unit_of(order[r0]);
-      if (u == I || summed[g]) continue;  // no unit of this expert here, or summed above
-      const auto [w, a] = down_of(g);
-      float* out = scratch(rows2 * nr).data();
-      dot(w, h0, h1, a, out);
-      for (int64_t j = 0; j < nr; ++j) {
-        const int64_t task = order[r0 + j];
-        float* yt = c.y + c.token_idx[task] * H;
-        const float wt = c.weights[task];
-        for (int64_t h = h0; h < h1; ++h) yt[h] += wt * out[(h - h0) * nr + j];
-      }
+      // pair64 spans stay aligned only from a multiple of 64; the B layout of the window [u, I) from pair u / 2 on:
+      // whole 32-column steps only when u % 32 == 0
+      const bool vnni_act = amx_group(g), q15_g = q15_group(g);
+      return {column_window(matrix_of(pool.down(), c.expert_ids[order[r0]]), u, I - u),
+              ActRef{&b.act[r0 * I + u], c.x_bf16 ? &b.act_h[r0 * I + u] : nullptr, I, static_cast<int>(nr),
+                     pair_act && !vnni_act && !q15_g && u % 64 == 0 ? &b.act_p[r0 * I + u] : nullptr,
+                     vnni_act && u % 32 == 0 ? b.act_v() + r0 * PI + u / 2 * nr : nullptr,
+                     q15_act && q15_g ? &b.act_q[r0 * q15_bytes(I) + u / 2] : nullptr, I / 2, q8}};
+    };
+    // down_sum: the groups of one route (outside the AMX tiles) sum their rows per token in one pass (dot_rows_sum);
+    // sums[s0, s1) = such groups of one token, in group order (batch-1 decode: every expert of the call, one pass).
+    std::vector<int64_t> sums, sum_start{0};
+    if (down_sum() && tier >= Tier::kAvx512Bf16) {
+      for (int64_t g = 0; g < groups; ++g)
+        if (start[g + 1] - start[g] == 1 && !amx_group(g) && unit_of(order[start[g]]) < I) sums.push_back(g);
+      std::stable_sort(sums.begin(), sums.end(), [&](int64_t a, int64_t b2) {
+        return c.token_idx[order[start[a]]] < c.token_idx[order[start[b2]]];
+      });
+      for (size_t i = 1; i <= sums.size(); ++i)
+        if (i == sums.size() || c.token_idx[order[start[sums[i]]]] != c.token_idx[order[start[sums[i - 1]]]])
+          sum_start.push_back(static_cast<int64_t>(i));
     }
-  }, min_chunk(item2_bytes));
-  record_round(2, blocks2, t_phase2);
+    std::vector<char> summed(groups, 0);
+    for (int64_t g : sums) summed[g] = 1;
+    const RoundTiming t_phase2 = workers.parallel_for(blocks2, [&](int64_t item, int) {
+      const int64_t h0 = item * rows2, h1 = std::min(H, h0 + rows2);
+      for (size_t p = 0; p + 1 < sum_start.size(); ++p) {
+        thread_local std::vector<MatrixRef> ws;
+        thread_local std::vector<ActRef> as;
+        thread_local std::vector<float> wts;
+        ws.clear();
+        as.clear();
+        wts.clear();
+        for (int64_t i = sum_start[p]; i < sum_start[p + 1]; ++i) {
+          const auto [w, a] = down_of(sums[i]);
+          ws.push_back(w);
+          as.push_back(a);
+          wts.push_back(c.weights[order[start[sums[i]]]]);
+        }
+        float* out = scratch(rows2).data();
+        dot_rows_sum(ws.data(), as.data(), wts.data(), static_cast<int>(ws.size()), h0, h1, out);
+        float* yt = c.y + c.token_idx[order[start[sums[sum_start[p]]]]] * H;
+        for (int64_t h = h0; h < h1; ++h) yt[h] += out[h - h0];
+      }
+      for (int64_t g = 0; g < groups; ++g) {
+        const int64_t r0 = start[g], nr = start[g + 1] - r0, u = unit_of(order[r0]);
+        if (u == I || summed[g]) continue;  // no unit of this expert here, or summed above
+        const auto [w, a] = down_of(g);
+        float* out = scratch(rows2 * nr).data();
+        dot(w, h0, h1, a, out);
+        for (int64_t j = 0; j < nr; ++j) {
+          const int64_t task = order[r0 + j];
+          float* yt = c.y + c.token_idx[task] * H;
+          const float wt = c.weights[task];
+          for (int64_t h = h0; h < h1; ++h) yt[h] += wt * out[(h - h0) * nr + j];
+        }
+      }
+    }, min_chunk(item2_bytes));
+    record_round(2, blocks2, t_phase2);
+    prof.rows2 = rows2;
+  }
   b.trim();
-  prof.rows2 = rows2;
   prof.total_us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t_start).count();
   std::lock_guard<std::mutex> lock(g_profile_mu);
   g_profile = prof;

@@ -52,6 +52,14 @@ const char* format_name(WeightFormat f) {
   return "?";
 }
 
+DownLayout parse_down_layout(const std::string& name) {
+  if (name == "hi") return DownLayout::kHI;
+  if (name == "ih") return DownLayout::kIH;
+  throw std::invalid_argument("down layout '" + name + "' unknown; valid: hi ([H, I], as torch), ih ([I, H])");
+}
+
+const char* down_layout_name(DownLayout d) { return d == DownLayout::kIH ? "ih" : "hi"; }
+
 size_t matrix_bytes(WeightFormat f, int64_t rows, int64_t cols) {
   const size_t r = static_cast<size_t>(rows), c = static_cast<size_t>(cols);
   switch (f) {
@@ -62,8 +70,8 @@ size_t matrix_bytes(WeightFormat f, int64_t rows, int64_t cols) {
   return 0;
 }
 
-ExpertPool::ExpertPool(int64_t n_experts, int64_t hidden, int64_t inter, WeightFormat format)
-    : id_(0), n_experts_(n_experts), hidden_(hidden), inter_(inter), format_(format) {
+ExpertPool::ExpertPool(int64_t n_experts, int64_t hidden, int64_t inter, WeightFormat format, DownLayout down_layout)
+    : id_(0), n_experts_(n_experts), hidden_(hidden), inter_(inter), format_(format), down_layout_(down_layout) {
   if (n_experts < 1 || hidden < 1 || inter < 1)
     throw std::invalid_argument("expert pool needs n_experts, hidden, inter >= 1; got " +
                                 std::to_string(n_experts) + ", " + std::to_string(hidden) + ", " +
@@ -71,8 +79,11 @@ ExpertPool::ExpertPool(int64_t n_experts, int64_t hidden, int64_t inter, WeightF
   if (format == WeightFormat::kInt4 && (hidden % 32 || inter % 32))
     throw std::invalid_argument("int4 experts need hidden and inter divisible by 32 (group size); got " +
                                 std::to_string(hidden) + ", " + std::to_string(inter));
+  if (format == WeightFormat::kInt4 && down_layout == DownLayout::kIH)
+    throw std::invalid_argument("int4 experts keep down as [H, I] (its groups of 32 run along I): down layout 'ih' "
+                                "needs an f32 or bf16 pool");
   banks_[0] = Bank{"gate_up", format, 2 * inter, hidden};
-  banks_[1] = Bank{"down", format, hidden, inter};
+  banks_[1] = down_layout == DownLayout::kIH ? Bank{"down", format, inter, hidden} : Bank{"down", format, hidden, inter};
   for (auto& b : banks_) {
     b.expert_bytes = matrix_bytes(format, b.rows, b.cols);
     b.data = map_aligned(b.expert_bytes * static_cast<size_t>(n_experts), &b.alloc_bytes);

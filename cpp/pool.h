@@ -21,7 +21,7 @@ size_t matrix_bytes(WeightFormat f, int64_t rows, int64_t cols);
 struct Bank {
   std::string name;
   WeightFormat format;
-  int64_t rows = 0, cols = 0;     // per expert, torch [out, in] orientation
+  int64_t rows = 0, cols = 0;     // per expert as stored: torch [out, in], except a transposed down ([I, H])
   size_t expert_bytes = 0;        // one row of the bank
   uint8_t* data = nullptr;        // 2 MiB aligned
   size_t alloc_bytes = 0;         // mapped length (multiple of 2 MiB)
@@ -32,10 +32,19 @@ struct Bank {
 class ExpertPool;
 uint64_t register_pool(std::shared_ptr<ExpertPool> pool);
 
-// The routed-expert pool of one model: banks gate_up [N, 2I, H] and down [N, H, I].
+// How the down bank stores an expert's [H, I] matrix: as it is (kHI, torch's [out, in]) or transposed (kIH: [I, H],
+// unit i's down column as row i), so that the unit split's CPU window [u, I) of an expert is I - u whole rows of
+// every matrix it reads and its gate/up and down rows can be read in one pass (moe.cc). f32/bf16 pools only (an int4
+// down's groups of 32 run along I). The GPU cache's slots keep [H, I] either way: the fills transpose (CUDA builds).
+enum class DownLayout : int { kHI = 0, kIH = 1 };
+DownLayout parse_down_layout(const std::string& name);  // "hi" | "ih"; throws otherwise
+const char* down_layout_name(DownLayout d);
+
+// The routed-expert pool of one model: banks gate_up [N, 2I, H] and down [N, H, I] (or [N, I, H]: DownLayout).
 class ExpertPool {
  public:
-  ExpertPool(int64_t n_experts, int64_t hidden, int64_t inter, WeightFormat format);
+  ExpertPool(int64_t n_experts, int64_t hidden, int64_t inter, WeightFormat format,
+             DownLayout down_layout = DownLayout::kHI);
   ~ExpertPool();
   ExpertPool(const ExpertPool&) = delete;
   ExpertPool& operator=(const ExpertPool&) = delete;
@@ -45,6 +54,8 @@ class ExpertPool {
   int64_t hidden() const { return hidden_; }
   int64_t inter() const { return inter_; }
   WeightFormat format() const { return format_; }
+  DownLayout down_layout() const { return down_layout_; }
+  bool down_transposed() const { return down_layout_ == DownLayout::kIH; }
   Bank& gate_up() { return banks_[0]; }
   Bank& down() { return banks_[1]; }
   const Bank& gate_up() const { return banks_[0]; }
@@ -59,6 +70,7 @@ class ExpertPool {
   uint64_t id_;
   int64_t n_experts_, hidden_, inter_;
   WeightFormat format_;
+  DownLayout down_layout_;
   Bank banks_[2];
   bool pinned_ = false;
 };

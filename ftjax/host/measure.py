@@ -35,11 +35,11 @@ def _fill_random(view: np.ndarray, rng: np.random.Generator, block_bytes: int = 
         flat[lo:lo + n] = block[:n]
 
 
-def make_pool(shape: ExpertShape, fmt: str, window_bytes: int, seed: int = 0) -> HostPool:
+def make_pool(shape: ExpertShape, fmt: str, window_bytes: int, seed: int = 0, down_layout: str = "hi") -> HostPool:
     """A pool of synthetic experts, at least ``window_bytes`` in total. bf16 values are kept finite
     and moderate (random exponent bytes could make infs/NaNs, which are not representative)."""
     n = max(2 * shape.top_k, -(-window_bytes // shape.expert_bytes(fmt)))
-    pool = HostPool(n, shape.hidden, shape.inter, fmt)
+    pool = HostPool(n, shape.hidden, shape.inter, fmt, down_layout)
     rng = np.random.default_rng(seed)
     for bank in ("gate_up", "down"):
         raw = pool.raw(bank)

@@ -4,6 +4,12 @@ One 2 MiB-aligned allocation per bank (``gate_up [N, 2I, H]``, ``down [N, H, I]`
 ``l*E + e``), exposed as numpy views that the FTW loader fills in place; after the fill the pool is
 pinned and device-mapped where a CUDA GPU is present, and never written again. FFI calls name the
 pool by its integer ``id``.
+
+``down_layout`` says how the down bank stores each expert's ``[H, I]`` matrix: ``"hi"`` as it is (torch's
+orientation), ``"ih"`` transposed, ``[N, I, H]`` in memory (unit ``i``'s down column as a row: the unit
+split's CPU window ``[u, I)`` is then whole rows, read in one pass with the same units' gate/up rows; f32 and
+bf16 pools only). Either way ``bank("down")`` is the ``[N, H, I]`` matrix (for ``"ih"`` a strided view of
+the transposed memory) and the GPU cache's slots hold ``[H, I]`` (the CUDA fills transpose).
 """
 from __future__ import annotations
 
@@ -18,6 +24,7 @@ from ftjax.host import quant
 log = logging.getLogger(__name__)
 
 FORMATS = ("f32", "bf16", "int4")
+DOWN_LAYOUTS = ("hi", "ih")
 _NP = {"f32": np.dtype(np.float32), "bf16": quant.BF16}
 _FORMAT_OF_DTYPE = {np.dtype(np.float32): "f32", quant.BF16: "bf16"}
 
@@ -30,13 +37,20 @@ def format_of(dtype) -> str:
 
 
 class HostPool:
-    """Expert banks of one model in host memory. ``format`` is "f32", "bf16" or "int4"."""
+    """Expert banks of one model in host memory. ``format`` is "f32", "bf16" or "int4"; ``down_layout``
+    "hi" or "ih" (the module's docstring)."""
 
-    def __init__(self, n_experts: int, hidden: int, inter: int, format: str = "bf16"):
+    def __init__(self, n_experts: int, hidden: int, inter: int, format: str = "bf16", down_layout: str = "hi"):
         if format not in FORMATS:
             raise ValueError(f"host pool format {format!r} unknown; valid: {FORMATS}")
-        self._h = _host.HostPool(int(n_experts), int(hidden), int(inter), format)
+        if down_layout not in DOWN_LAYOUTS:
+            raise ValueError(f"down layout {down_layout!r} unknown; valid: {DOWN_LAYOUTS}")
+        if format == "int4" and down_layout != "hi":
+            raise ValueError("int4 pools keep down as [H, I] (its groups of 32 run along I): down_layout='ih' needs "
+                             "an f32 or bf16 pool")
+        self._h = _host.HostPool(int(n_experts), int(hidden), int(inter), format, down_layout)
         self.format = format
+        self.down_layout = down_layout
         self.n_experts, self.hidden, self.inter = int(n_experts), int(hidden), int(inter)
 
     @property
@@ -61,16 +75,27 @@ class HostPool:
             return (self.n_experts, self.hidden, self.inter)
         raise KeyError(f"expert bank {bank!r} unknown; valid: gate_up, down")
 
+    def stored_shape(self, bank: str) -> tuple[int, int, int]:
+        """The bank's shape as it lies in memory: ``shape(bank)``, except a transposed down's ``[N, I, H]``."""
+        n, rows, cols = self.shape(bank)
+        return (n, cols, rows) if bank == "down" and self.down_layout == "ih" else (n, rows, cols)
+
     def raw(self, bank: str) -> np.ndarray:
         """Writable uint8 view ``[N, expert_bytes]`` (keeps the pool alive)."""
         self.shape(bank)
         return self._h.bank(bank)
 
     def bank(self, bank: str) -> np.ndarray:
-        """Typed view ``[N, rows, cols]`` of an f32/bf16 bank (the FTW loader fills these)."""
+        """Typed view ``[N, rows, cols]`` of an f32/bf16 bank (the FTW loader fills these); a transposed down's
+        is a strided view (``stored(bank)`` is the memory as it lies)."""
+        view = self.stored(bank)
+        return view.swapaxes(1, 2) if view.shape != self.shape(bank) else view
+
+    def stored(self, bank: str) -> np.ndarray:
+        """Typed, C-contiguous view ``stored_shape(bank)`` of an f32/bf16 bank."""
         if self.format == "int4":
             raise ValueError("int4 banks have no single typed view; use int4_parts(bank)")
-        return self.raw(bank).view(_NP[self.format]).reshape(self.shape(bank))
+        return self.raw(bank).view(_NP[self.format]).reshape(self.stored_shape(bank))
 
     def int4_parts(self, bank: str) -> tuple[np.ndarray, np.ndarray]:
         """Views ``(packed uint8 [N, rows, cols/2], scales bf16 [N, rows, cols/32])`` of an int4 bank."""
@@ -89,18 +114,27 @@ class HostPool:
                 packed, scales = self.int4_parts(name)
                 for lo in range(0, self.n_experts, 64):  # bounded temporaries
                     packed[lo:lo + 64], scales[lo:lo + 64] = quant.quantize_int4(src[lo:lo + 64])
+            elif self.stored_shape(name) != self.shape(name):
+                dst = self.stored(name)
+                for lo in range(0, self.n_experts, 64):  # a blocked transpose, bounded temporaries
+                    dst[lo:lo + 64] = src[lo:lo + 64].swapaxes(1, 2)
             else:
                 self.bank(name)[...] = src
         return self
 
     @classmethod
-    def from_banks(cls, banks: Mapping[str, np.ndarray], format: str | None = None) -> "HostPool":
+    def from_banks(cls, banks: Mapping[str, np.ndarray], format: str | None = None,
+                   down_layout: str = "hi") -> "HostPool":
         gu = np.asarray(banks["gate_up"])
         n, two_i, h = gu.shape
-        return cls(n, h, two_i // 2, format or format_of(gu.dtype)).fill(banks)
+        return cls(n, h, two_i // 2, format or format_of(gu.dtype), down_layout).fill(banks)
 
     def allocator(self):
         """``alloc(bank, shape, dtype) -> view`` for ``ftjax.ftw.load.load_store(bank_allocator=...)``."""
+        if self.down_layout != "hi":
+            raise ValueError("the FTW loader reads banks in place into pools of down_layout 'hi'; this pool's down "
+                             f"is {self.down_layout!r} (fill it with fill() or from_banks())")
+
         def alloc(name: str, shape, dtype) -> np.ndarray:
             if tuple(shape) != self.shape(name) or format_of(dtype) != self.format:
                 raise ValueError(f"bank {name!r} of the store is {np.dtype(dtype)}{tuple(shape)}, the pool "
@@ -135,7 +169,7 @@ class HostPool:
 
     def __repr__(self) -> str:
         return (f"HostPool(id={self.id}, n_experts={self.n_experts}, hidden={self.hidden}, inter={self.inter}, "
-                f"format={self.format!r}, {self.total_bytes / 2**30:.2f} GiB, pinned={self.pinned})")
+                f"format={self.format!r}, down_layout={self.down_layout!r}, {self.total_bytes / 2**30:.2f} GiB, pinned={self.pinned})")
 
 
 def smaps_backing(ranges, smaps: str = "/proc/self/smaps") -> dict:
