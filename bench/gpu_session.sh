@@ -277,6 +277,10 @@ for s in "${steps[@]}"; do
          --knob-variants int4_act_bits=8 --shared-tokens 8 --trace-tokens 8 --out "$OUT/cpu_int4.json"
        run int4_repack_again 120 /tmp/int4_repack --calls ${REPACK_CALLS:-200} --prefetch ${REPACK_PREFETCH:-0,2048} \
          --act-bits ${REPACK_BITS:-8,15} ;;
+    tests-down-ih)  # session 38: the transposed down's CUDA fills (whole, units, background) = the hi pool's, bit for
+       # bit, then the fill rate of both layouts against the cudaMemcpy ceiling (~1.5 min)
+       run gpu_tests_down_ih 200 python3 -m pytest -q -m gpu tests/host/test_cuda_down_ih.py tests/host/test_cuda.py
+       run fill_layout 120 python3 bench/fill_layout.py --out "$OUT/fill_layout.json" ;;
     down-layout)  # session 37: bench/down_layout.cc (a probe: the down matrix stored [I, H] for the unit split's CPU
        # window, the gate/up and down rows in one round; rows vs units vs interleaved), 15 and 16 threads, 1 and 2
        # tokens, prefetch 0 / 2048 B; then the runtime's own call on the same windows (bench/unit_windows.py) (~2 min)

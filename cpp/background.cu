@@ -86,7 +86,7 @@ __global__ void bg_fill(int32_t* entry, int64_t layers, int64_t F, const int64_t
                         int64_t n_experts, int64_t n_slots, int64_t hidden, int64_t inter, int64_t per16,
                         const uint4* __restrict__ src0, uint4* __restrict__ dst0, int64_t row0,
                         const uint4* __restrict__ src1, uint4* __restrict__ dst1, int64_t row1,
-                        const int32_t* words, int32_t yield_mask) {
+                        const int32_t* words, int32_t yield_mask, DownT dt) {
   YieldGate gate{words, yield_mask};
   const int64_t worker = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t workers = static_cast<int64_t>(gridDim.x) * blockDim.x;
@@ -103,9 +103,9 @@ __global__ void bg_fill(int32_t* entry, int64_t layers, int64_t F, const int64_t
       if (id < 0 || id >= n_experts || slot < 0 || slot >= n_slots) continue;  // masked entry
       if (u0 > 0)
         copy_units(id, slot, u0, inter, worker, workers, hidden, inter, per16, src0, dst0, row0, src1, dst1, row1,
-                   &gate);
+                   &gate, dt);
       else
-        copy_expert(id, slot, worker, workers, src0, dst0, row0, src1, dst1, row1, &gate);
+        copy_expert(id, slot, worker, workers, src0, dst0, row0, src1, dst1, row1, &gate, dt);
     }
     __syncthreads();
     if (threadIdx.x == 0) {
@@ -180,6 +180,7 @@ ffi::Error BgForkImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> ids, ffi::Buffe
   // units from u > 0 (unit split): bf16/f32 banks only; an int4 pool always copies whole experts
   const int64_t per16 = g.format == WeightFormat::kInt4 ? 0 : g.format == WeightFormat::kBF16 ? 8 : 4;
   try {
+    const DownT dt = down_t_of(*pool);
     std::lock_guard<std::mutex> lock(bg_mu);  // one fork at a time per process: the ring and the side stream
     cudaStream_t side = side_stream();
     const int e = b->next;
@@ -196,7 +197,7 @@ ffi::Error BgForkImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> ids, ffi::Buffe
         entry, L, F, seq_at_fork, b->done, pool->n_experts(), S, pool->hidden(), pool->inter(), per16,
         static_cast<const uint4*>(g.device_ptr),
         static_cast<uint4*>(gate_up.untyped_data()), g.expert_bytes / 16, static_cast<const uint4*>(d.device_ptr),
-        static_cast<uint4*>(down.untyped_data()), d.expert_bytes / 16, transfer_words(false), b->yield_mask);
+        static_cast<uint4*>(down.untyped_data()), d.expert_bytes / 16, transfer_words(false), b->yield_mask, dt);
     cuda_check(cudaGetLastError(), "bg_fork: fills");
     cuda_check(cudaEventRecord(b->ring_done[e], side), "bg_fork: ring event");
   } catch (const std::exception& e) {

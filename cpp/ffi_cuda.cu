@@ -23,14 +23,15 @@ namespace {
 __global__ void fill_kernel(const int32_t* __restrict__ ids, const int32_t* __restrict__ slots,
                             const int32_t* __restrict__ n_valid, int64_t n_experts, int64_t n_slots,
                             const uint4* __restrict__ src0, uint4* __restrict__ dst0, int64_t row0,
-                            const uint4* __restrict__ src1, uint4* __restrict__ dst1, int64_t row1, int32_t* words) {
+                            const uint4* __restrict__ src1, uint4* __restrict__ dst1, int64_t row1, int32_t* words,
+                            DownT dt) {
   const int q = blockIdx.y;
   if (q >= *n_valid) return;
   const int64_t id = ids[q], slot = slots[q];
   if (id < 0 || id >= n_experts || slot < 0 || slot >= n_slots) return;  // masked entry
   fill_block_enter(words);
   copy_expert(id, slot, static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x,
-              static_cast<int64_t>(gridDim.x) * blockDim.x, src0, dst0, row0, src1, dst1, row1);
+              static_cast<int64_t>(gridDim.x) * blockDim.x, src0, dst0, row0, src1, dst1, row1, nullptr, dt);
   fill_block_leave(words);
 }
 
@@ -39,7 +40,7 @@ __global__ void fill_loop_kernel(const int32_t* __restrict__ ids, const int32_t*
                                  const int32_t* __restrict__ n_valid, int64_t capacity, int64_t n_experts,
                                  int64_t n_slots, const uint4* __restrict__ src0, uint4* __restrict__ dst0,
                                  int64_t row0, const uint4* __restrict__ src1, uint4* __restrict__ dst1,
-                                 int64_t row1, int32_t* words) {
+                                 int64_t row1, int32_t* words, DownT dt) {
   const int64_t n = min(static_cast<int64_t>(*n_valid), capacity);
   if (n <= 0) return;
   const int64_t worker = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -48,7 +49,7 @@ __global__ void fill_loop_kernel(const int32_t* __restrict__ ids, const int32_t*
   for (int64_t q = 0; q < n; ++q) {
     const int64_t id = ids[q], slot = slots[q];
     if (id < 0 || id >= n_experts || slot < 0 || slot >= n_slots) continue;  // masked entry
-    copy_expert(id, slot, worker, workers, src0, dst0, row0, src1, dst1, row1);
+    copy_expert(id, slot, worker, workers, src0, dst0, row0, src1, dst1, row1, nullptr, dt);
   }
   fill_block_leave(words);
 }
@@ -62,7 +63,7 @@ __global__ void fill_units_kernel(const int32_t* __restrict__ ids, const int32_t
                                   int64_t n_experts, int64_t n_slots, int64_t hidden, int64_t inter, int64_t per16,
                                   const uint4* __restrict__ src0, uint4* __restrict__ dst0, int64_t row0,
                                   const uint4* __restrict__ src1, uint4* __restrict__ dst1, int64_t row1,
-                                  int32_t* words) {
+                                  int32_t* words, DownT dt) {
   const int q = blockIdx.y;
   if (q >= *n_valid) return;
   const int64_t id = ids[q], slot = slots[q];
@@ -71,7 +72,8 @@ __global__ void fill_units_kernel(const int32_t* __restrict__ ids, const int32_t
   if (u == 0) return;
   fill_block_enter(words);
   copy_units(id, slot, 0, u, static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x,
-             static_cast<int64_t>(gridDim.x) * blockDim.x, hidden, inter, per16, src0, dst0, row0, src1, dst1, row1);
+             static_cast<int64_t>(gridDim.x) * blockDim.x, hidden, inter, per16, src0, dst0, row0, src1, dst1, row1,
+             nullptr, dt);
   fill_block_leave(words);
 }
 
@@ -89,6 +91,7 @@ void launch_fill_units(cudaStream_t stream, const ExpertPool& pool, const int32_
   const int64_t per16 = g.format == WeightFormat::kBF16 ? 8 : 4;
   if (pool.hidden() % 8 || pool.inter() % 8)
     throw std::invalid_argument("the unit fill needs hidden and inter to be multiples of 8");
+  const DownT dt = down_t_of(pool);
   if (capacity == 0) return;
   const int64_t row0 = g.expert_bytes / 16, row1 = d.expert_bytes / 16;
   const int64_t per_row = std::max<int64_t>(1, std::min<int64_t>((row0 + row1 + kFillThreads - 1) / kFillThreads,
@@ -97,7 +100,7 @@ void launch_fill_units(cudaStream_t stream, const ExpertPool& pool, const int32_
   fill_units_kernel<<<grid, kFillThreads, 0, stream>>>(
       ids, slots, n_valid, units, pool.n_experts(), n_slots, pool.hidden(), pool.inter(), per16,
       static_cast<const uint4*>(g.device_ptr), static_cast<uint4*>(cache_gate_up), row0,
-      static_cast<const uint4*>(d.device_ptr), static_cast<uint4*>(cache_down), row1, words);
+      static_cast<const uint4*>(d.device_ptr), static_cast<uint4*>(cache_down), row1, words, dt);
   cuda_check(cudaGetLastError(), "expert_fill_units launch");
 }
 
@@ -111,6 +114,7 @@ void launch_fill(cudaStream_t stream, const ExpertPool& pool, const int32_t* ids
   if (g.expert_bytes % 16 || d.expert_bytes % 16)
     throw std::invalid_argument("expert rows must be multiples of 16 bytes for the fill kernel");
   if (max_blocks < 0) throw std::invalid_argument("max_blocks must be >= 0 (0: enough to fill the GPU)");
+  const DownT dt = down_t_of(pool);
   if (capacity == 0) return;
   const int64_t row0 = g.expert_bytes / 16, row1 = d.expert_bytes / 16;
   const auto* src0 = static_cast<const uint4*>(g.device_ptr);
@@ -119,13 +123,13 @@ void launch_fill(cudaStream_t stream, const ExpertPool& pool, const int32_t* ids
   auto* dst1 = static_cast<uint4*>(cache_down);
   if (max_blocks > 0) {  // `max_blocks` in all, walking the valid entries: leaves SMs to the work beside it
     fill_loop_kernel<<<static_cast<unsigned>(max_blocks), kFillThreads, 0, stream>>>(
-        ids, slots, n_valid, capacity, pool.n_experts(), n_slots, src0, dst0, row0, src1, dst1, row1, words);
+        ids, slots, n_valid, capacity, pool.n_experts(), n_slots, src0, dst0, row0, src1, dst1, row1, words, dt);
   } else {  // enough blocks per entry to fill the GPU when the list is short (1,056 = 132 SMs x 8 blocks)
     const int64_t per_row = std::max<int64_t>(1, std::min<int64_t>((row0 + row1 + kFillThreads - 1) / kFillThreads,
                                                                    (1056 + capacity - 1) / capacity));
     const dim3 grid(static_cast<unsigned>(per_row), static_cast<unsigned>(capacity));
     fill_kernel<<<grid, kFillThreads, 0, stream>>>(ids, slots, n_valid, pool.n_experts(), n_slots, src0, dst0, row0,
-                                               src1, dst1, row1, words);
+                                               src1, dst1, row1, words, dt);
   }
   cuda_check(cudaGetLastError(), "expert_fill launch");
 }
