@@ -318,6 +318,9 @@ def main(argv=None) -> int:
                     help="also lru-split with the host plan off and on (OffloadExperts host_plan: the CPU branch's "
                          "tasks decided on the host from the router's output, cpp/host_plan.h): two fresh backends, "
                          "round robin, each on its own copy of the trace")
+    ap.add_argument("--down-layout", choices=("hi", "ih"), default="hi",
+                    help="the host pool's down bank (HostPool down_layout): hi as torch's [H, I], ih stored transposed "
+                    "(the unit split's CPU window is whole rows, read with gate/up's in one pass)")
     ap.add_argument("--tokenizer", default=str(TOKENIZER), help="the real Qwen3 tokenizer (routing text)")
     ap.add_argument("--worker-variants", nargs="*", default=[], metavar="N:SPIN_US",
                     help="also run lru-split with the CPU worker pool reconfigured (N workers, -1 = default; "
@@ -348,11 +351,11 @@ def main(argv=None) -> int:
               "roofline) or run on a larger GPU (the H200)", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
-    pool = measure.make_pool(shape, "bf16", pool_bytes)
+    pool = measure.make_pool(shape, "bf16", pool_bytes, down_layout=args.down_layout)
     assert pool.n_experts == L * E
     pool.pin()
     backing, thp = pool.page_backing(), measure.thp_setting()
-    print(f"pool {pool.total_bytes / 2**30:.1f} GiB generated and pinned in {time.perf_counter() - t0:.0f}s; "
+    print(f"pool {pool.total_bytes / 2**30:.1f} GiB (down layout {pool.down_layout}) generated and pinned in {time.perf_counter() - t0:.0f}s; "
           f"on huge pages {backing['huge'] / max(backing['resident'], 1):.0%} (transparent_hugepage: {thp})",
           flush=True)
     # every logical CPU of the host (until session 33 the kernels' 15 threads: 3-16% below the 16-thread read)

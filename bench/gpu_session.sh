@@ -279,7 +279,8 @@ for s in "${steps[@]}"; do
          --act-bits ${REPACK_BITS:-8,15} ;;
     tests-down-ih)  # session 38: the transposed down's CUDA fills (whole, units, background) = the hi pool's, bit for
        # bit, then the fill rate of both layouts against the cudaMemcpy ceiling (~1.5 min)
-       run gpu_tests_down_ih 200 python3 -m pytest -q -m gpu tests/host/test_cuda_down_ih.py tests/host/test_cuda.py
+       run gpu_tests_down_ih 300 python3 -m pytest -q -m gpu tests/host/test_cuda_down_ih.py tests/host/test_cuda.py \
+         tests/experts/test_offload_cuda.py
        run fill_layout 120 python3 bench/fill_layout.py --out "$OUT/fill_layout.json" ;;
     down-layout)  # session 37: bench/down_layout.cc (a probe: the down matrix stored [I, H] for the unit split's CPU
        # window, the gate/up and down rows in one round; rows vs units vs interleaved), 15 and 16 threads, 1 and 2
@@ -321,6 +322,13 @@ for s in "${steps[@]}"; do
     tests-host-plan)  # session 35: the host plan's GPU tests (publish, checked collect, offload = resident) (~2 min)
        run tests_host_plan 300 python3 -m pytest -q -m gpu tests/experts/test_offload_cuda.py tests/host/test_cuda.py \
          ${HP_TESTS:+-k "$HP_TESTS"} ;;
+    decode-ih)  # session 38: b1 / 37%, 40 layers, trace: lru-split on a pool of each down layout, one process each
+       # ($IH_ORDER, default "ih hi"; $IH_STEPS; ~2.5 min a layout)
+       for dl in ${IH_ORDER:-ih hi}; do
+         run decode_ih 280 python3 bench/decode.py --layers 40 --batches ${IH_BATCHES:-1} --routing trace \
+           --fractions 0.37 --policies lru-split --no-sweep --no-online --steps ${IH_STEPS:-48} --warmup 24 \
+           --down-layout $dl --out "$OUT/decode_ih_$dl.json"
+       done ;;
     decode-host-plan)  # session 35: 40 layers, trace, 37%: lru-split with the host plan off and on, fresh backends
        # round robin ($HP_BATCHES, default 1; $HP_STEPS; ~4 min a batch)
        run decode_host_plan 560 python3 bench/decode.py --layers 40 --batches ${HP_BATCHES:-1} --routing trace \

@@ -85,6 +85,9 @@ def add_expert_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-unit-split", dest="unit_split", action="store_false", default=None,
                    help="lru-split on the GPU with background fills: defer whole experts (default with the jnp "
                    "kernel: a deferred call fills its experts' first units now and the CPU computes the rest)")
+    g.add_argument("--down-layout", choices=("hi", "ih"), default=None,
+                   help="the host expert pool's down bank: hi (torch's [H, I], default) or ih (stored transposed: "
+                   "the CPU's share of a split expert reads whole rows, gate/up and down in one pass)")
 
 
 def _sampling_params(args):
@@ -121,7 +124,8 @@ def _run_generation(model, args, prompt: str, echo_prompt: bool = False) -> None
         raise CLIError("the prompt is empty")
     gen = Generator(model, batch=1, max_len=args.max_len, policy=args.policy, vram_gib=args.vram_gib,
                     online_split=not args.fixed_split, expert_kernel=args.expert_kernel,
-                    background_fills=args.background_fills, unit_split=args.unit_split)
+                    background_fills=args.background_fills, unit_split=args.unit_split,
+                    down_layout=args.down_layout)
     text = _prompt_text(gen.tokenizer, args, prompt)
     ids = gen.encode_prompt(text)
     if len(ids) > gen.max_len:

@@ -58,6 +58,8 @@ class EngineConfig:
         on the GPU, off on the CPU.
     unit_split: with background fills, such a call fills its experts' first units now and the CPU computes
         the rest (``OffloadExperts.unit_split``); None = on the GPU with the jnp kernel (bf16/f32 pools).
+    down_layout: the host expert pool's down bank, "hi" (torch's [H, I]) or "ih" (stored transposed: the unit
+        split's CPU share reads whole rows, gate/up and down in one pass); None = "hi".
     """
 
     max_slots: int = 4
@@ -71,12 +73,14 @@ class EngineConfig:
     expert_kernel: str = "jnp"
     background_fills: bool | None = None
     unit_split: bool | None = None
+    down_layout: str | None = None
 
     def __post_init__(self):
         from ftjax.experts.runtime import OffloadConfig
 
         OffloadConfig(self.policy, self.vram_gib, kernel=self.expert_kernel,  # validates them
-                      background_fills=self.background_fills, unit_split=self.unit_split)
+                      background_fills=self.background_fills, unit_split=self.unit_split,
+                      down_layout=self.down_layout)
         _check_int("max_slots", self.max_slots, 1)
         if self.max_len is not None:
             _check_int("max_len", self.max_len, 2)

@@ -118,7 +118,8 @@ class Engine:
                                                               online=self.config.online_split,
                                                               kernel=self.config.expert_kernel,
                                                               background_fills=self.config.background_fills,
-                                                              unit_split=self.config.unit_split))
+                                                              unit_split=self.config.unit_split,
+                                                              down_layout=self.config.down_layout))
 
     def _attach(self, accelerator) -> None:
         if accelerator.max_slots != self.config.max_slots:

@@ -45,10 +45,10 @@ class Generator:
     def __init__(self, model, tokenizer: Tokenizer | None = None, *, batch: int = 1, max_len: int | None = None,
                  prefill_chunk: int = 256, policy: str | None = None, vram_gib: float | None = None,
                  online_split: bool = True, expert_kernel: str = "jnp", background_fills: bool | None = None,
-                 unit_split: bool | None = None):
+                 unit_split: bool | None = None, down_layout: str | None = None):
         config = EngineConfig(max_slots=batch, max_len=max_len, prefill_chunk=prefill_chunk, policy=policy,
                               vram_gib=vram_gib, online_split=online_split, expert_kernel=expert_kernel,
-                              background_fills=background_fills, unit_split=unit_split)
+                              background_fills=background_fills, unit_split=unit_split, down_layout=down_layout)
         self.engine = Engine(model, tokenizer, config)
         self.cfg, self.batch, self.max_len = model.config, batch, self.engine.max_len
         self.tokenizer = self.engine.tokenizer

@@ -28,7 +28,9 @@ class OffloadConfig:
     "jnp" or "pallas" (``ftjax.experts.kernels``); background_fills: lru-split decode calls may fill in
     the background (``OffloadExperts.defer_fills``; None: on the GPU, not on the CPU); unit_split: such a
     call fills its experts' first units now and the CPU computes the rest (``OffloadExperts.unit_split``;
-    None: ``default_unit_split``, on the GPU with the jnp kernel and bf16/f32 pools)."""
+    None: ``default_unit_split``, on the GPU with the jnp kernel and bf16/f32 pools); down_layout: the host
+    pool's down bank as built from ``banks`` (``HostPool`` down_layout: "hi" as torch's [H, I], "ih" stored
+    transposed so a unit window is whole rows; None: "hi")."""
 
     policy: str | None = None
     vram_gib: float | None = None
@@ -38,6 +40,7 @@ class OffloadConfig:
     kernel: str = "jnp"
     background_fills: bool | None = None
     unit_split: bool | None = None
+    down_layout: str | None = None
 
     def __post_init__(self):
         from ftjax.experts.kernels import check_kernel
@@ -47,6 +50,8 @@ class OffloadConfig:
             raise ValueError(f"background_fills must be None, True or False, got {self.background_fills!r}")
         if self.unit_split not in (None, True, False):
             raise ValueError(f"unit_split must be None, True or False, got {self.unit_split!r}")
+        if self.down_layout not in (None, "hi", "ih"):
+            raise ValueError(f"down_layout must be None, 'hi' or 'ih', got {self.down_layout!r}")
         if self.policy is not None and self.policy not in POLICIES:
             raise ValueError(f"policy={self.policy!r} unknown; valid: {sorted(POLICIES)}")
         if self.vram_gib is not None and not self.vram_gib >= 0:
@@ -83,7 +88,8 @@ def build_backend(cfg, banks=None, config: OffloadConfig | None = None, *, pool=
         return backend, state, {"policy": "resident-banks", "num_slots": None}
     policy = get_policy(config.policy or "lru-split")
     if pool is None:
-        pool = HostPool.from_banks({k: np.asarray(banks[k]) for k in ("gate_up", "down")})
+        pool = HostPool.from_banks({k: np.asarray(banks[k]) for k in ("gate_up", "down")},
+                                   down_layout=config.down_layout or "hi")
     L, E = cfg.num_layers, cfg.num_experts
     itemsize = np.dtype(cache_dtype(pool)).itemsize
     slot_bytes = 3 * pool.hidden * pool.inter * itemsize

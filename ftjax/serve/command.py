@@ -39,7 +39,7 @@ def engine_config(args):
                         max_queue=args.max_queue, dtype=args.dtype, policy=args.policy,
                         vram_gib=args.vram_gib, online_split=not args.fixed_split,
                         expert_kernel=args.expert_kernel, background_fills=args.background_fills,
-                        unit_split=args.unit_split)
+                        unit_split=args.unit_split, down_layout=args.down_layout)
 
 
 def model_dir(args) -> str:

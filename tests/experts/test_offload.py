@@ -148,6 +148,21 @@ def test_unit_split_equals_resident(model, reference, size, batch):
         assert stats["deferred"].sum() > 0
 
 
+
+@pytest.mark.parametrize("policy,size,batch,split", [("lru-split", "37%", 1, True), ("lru-split", "min", 3, True),
+                                                     ("lru-split", "37%", 3, False), ("cpu", None, 1, False),
+                                                     ("lru-fill", "layer", 3, False)])
+def test_ih_pool_equals_resident(model, reference, policy, size, batch, split):
+    """A pool whose down bank is stored transposed (``down_layout="ih"``): the CPU calls read its rows, the
+    CPU platform's fills gather from its strided views: the resident logits for every policy."""
+    cfg, params, banks, _ = model
+    pool = HostPool.from_banks(banks, down_layout="ih")
+    S = 0 if policy == "cpu" else SIZES[size]
+    backend = OffloadExperts(pool, L, E, S, policy, **(dict(defer_fills=True, unit_split=True) if split else {}))
+    got, _ = run(cfg, params, backend, backend.init_state(fill_fraction=0.4), batch, check=check_invariants)
+    want = reference[batch]
+    assert np.abs(got - want).max() / np.abs(want).max() < 1e-5
+
 def test_unit_split_is_checked(model):
     *_, pool = model
     with pytest.raises(ValueError, match="needs defer_fills"):

@@ -95,6 +95,30 @@ def test_cuda_unit_split_equals_resident(setup, size, batch, background_yield):
             np.testing.assert_array_equal(np.asarray(st[b][s]), pool.bank(b)[owner[s]].astype(np.float32))
 
 
+
+@pytest.mark.parametrize("policy,size,batch,unit_split", [("lru-split", "37%", 1, True), ("lru-split", "min", 3, True),
+                                                          ("lru-fill", "layer", 3, False), ("cpu", None, 3, False),
+                                                          ("lru-split", "37%", 3, False)])
+def test_cuda_ih_pool_equals_resident(setup, policy, size, batch, unit_split):
+    """A pool whose down bank is stored transposed (``down_layout="ih"``): the fills transpose into the slots
+    (whole, units [0, u), the background's rest), the CPU branch reads the rows: the resident logits, and after a
+    drain every slot holds its owner's [H, I]."""
+    from ftjax.host import HostPool
+
+    cfg, params, hi_pool, ref = setup
+    pool = HostPool.from_banks({b: hi_pool.bank(b) for b in ("gate_up", "down")}, down_layout="ih")
+    assert pool.pin_if_cuda()
+    S = 0 if policy == "cpu" else SIZES[size]
+    backend = OffloadExperts(pool, L, E, S, policy, platform="cuda", defer_fills=True, unit_split=unit_split)
+    got, st = run(cfg, params, backend, backend.init_state(fill_fraction=0.4), batch, check=check_invariants)
+    want = ref[batch]
+    assert np.abs(got - want).max() / np.abs(want).max() < 1e-4
+    backend.drain()
+    owner = np.asarray(st["owner_of"])
+    for s in np.flatnonzero(owner >= 0):
+        for b in ("gate_up", "down"):
+            np.testing.assert_array_equal(np.asarray(st[b][s]), pool.bank(b)[owner[s]].astype(np.float32))
+
 @pytest.mark.parametrize("batch", [1, 3])
 def test_decode_step_never_copies_a_bank(setup, batch):
     """A copy of a bank made while a background fill writes it would hold stale rows: the compiled decode
