@@ -292,9 +292,10 @@ for s in "${steps[@]}"; do
        done; done; done
        run unit_windows 150 python3 bench/unit_windows.py --calls 400 --starts 0 160 192 256 --out "$OUT/unit_windows.json" ;;
     down-ih)  # session 38: the transposed down bank (HostPool down_layout="ih"): the CPU kernel tests (every tier, AMX
-       # too), then the runtime's call on unit windows of an hi and an ih pool, round robin, 12 and 15 workers (~2 min)
+       # too), then the runtime's call on unit windows of an hi and an ih pool, round robin, $IH_WORKERS (12 15) workers
+       # (~1 min each)
        run cpu_tests_down_ih 150 python3 -m pytest -q tests/host/test_down_layout.py tests/host/test_kernels.py
-       for dw in 12 15; do
+       for dw in ${IH_WORKERS:-12 15}; do
          run unit_windows_ih 150 python3 bench/unit_windows.py --workers $dw --calls 400 --starts 0 128 160 192 256 \
            --down-layouts hi ih --out "$OUT/unit_windows_ih_$dw.json"
        done ;;
