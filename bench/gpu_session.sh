@@ -277,6 +277,14 @@ for s in "${steps[@]}"; do
          --knob-variants int4_act_bits=8 --shared-tokens 8 --trace-tokens 8 --out "$OUT/cpu_int4.json"
        run int4_repack_again 120 /tmp/int4_repack --calls ${REPACK_CALLS:-200} --prefetch ${REPACK_PREFETCH:-0,2048} \
          --act-bits ${REPACK_BITS:-8,15} ;;
+    ih-quick)  # session 38, for a short device budget: the ih pool's GPU tests (fills, offload = resident), its
+       # fill rate, the CPU tests of the transposed down (every tier, AMX too), the unit windows (12 workers) (~3 min)
+       run gpu_tests_down_ih 150 python3 -m pytest -q -m gpu tests/host/test_cuda_down_ih.py \
+         tests/experts/test_offload_cuda.py -k "ih or transposes"
+       run fill_layout 60 python3 bench/fill_layout.py --rows 1 8 --rounds 3 --out "$OUT/fill_layout.json"
+       run cpu_tests_down_ih 60 python3 -m pytest -q tests/host/test_down_layout.py
+       run unit_windows_ih 100 python3 bench/unit_windows.py --workers 12 --calls 200 --starts 0 160 192 256 \
+         --down-layouts hi ih --out "$OUT/unit_windows_ih_12.json" ;;
     tests-down-ih)  # session 38: the transposed down's CUDA fills (whole, units, background) = the hi pool's, bit for
        # bit, then the fill rate of both layouts against the cudaMemcpy ceiling (~1.5 min)
        run gpu_tests_down_ih 300 python3 -m pytest -q -m gpu tests/host/test_cuda_down_ih.py tests/host/test_cuda.py \
