@@ -264,14 +264,24 @@ def read_bank(root: Path, rel: str, out: np.ndarray, *, what: str, threads: int,
     copy. "auto" picks buffered if sampled chunks are in the page cache, else odirect if the chunks
     are block-aligned, else buffered; tensorstore for other layouts. With ``checksums`` every chunk is
     hashed after it lands and a mismatch names the expert. Returns the reader used.
+
+    ``out`` may also be the ``swapaxes(-1, -2)`` view of a C-contiguous array (a host pool's transposed
+    down bank, ``HostPool(down_layout="ih")``): each chunk then lands in a per-thread aligned scratch
+    buffer (checked there) and is copied transposed into its expert's rows.
     """
     if reader not in READERS:
         raise ValueError(f"reader {reader!r} unknown; valid: {', '.join(READERS)}")
     meta = array_meta(root, rel)
     n = out.shape[0]
     zeros = (0,) * (out.ndim - 1)
-    reader = _choose_reader(root, rel, meta, out, reader, what)
+    transposed = not out.flags.c_contiguous
+    if transposed and (out.ndim < 3 or not out.swapaxes(-1, -2).flags.c_contiguous):
+        raise ValueError("read_bank writes into a C-contiguous array or the swapaxes(-1, -2) view of one")
+    reader = _choose_reader(root, rel, meta, out.swapaxes(-1, -2) if transposed else out, reader, what)
     arr = open_array(root, rel, what) if reader == "tensorstore" else None
+    if transposed:
+        return _read_bank_transposed(root, rel, meta, out, arr, reader, what=what, threads=threads,
+                                     checksums=checksums, algorithm=algorithm, num_experts=num_experts)
 
     def check(i: int) -> None:
         if checksums is not None and checksum(out[i], algorithm) != checksums[i]:
@@ -291,6 +301,32 @@ def read_bank(root: Path, rel: str, out: np.ndarray, *, what: str, threads: int,
                 _read_file_into(chunk_path(root, rel, meta, (i, *zeros)), memoryview(flat[i]),
                                 f"{what}, {expert_label(i, num_experts)}", odirect=reader == "odirect")
             check(i)
+
+    _run_parallel(work, _split(n, threads), "ftw-read")
+    return reader
+
+
+def _read_bank_transposed(root: Path, rel: str, meta: dict[str, Any], out: np.ndarray, arr, reader: str, *,
+                          what: str, threads: int, checksums, algorithm, num_experts) -> str:
+    """read_bank into a transposed view ``out``: chunk by chunk through a per-thread scratch buffer."""
+    n, zeros = out.shape[0], (0,) * (out.ndim - 1)
+
+    def work(lo: int, hi: int) -> None:
+        scratch = alloc_aligned(out.shape[1:], out.dtype, DIRECT_IO_ALIGN)
+        flat = memoryview(scratch.reshape(-1).view(np.uint8))
+        for i in range(lo, hi):
+            label = f"{what}, {expert_label(i, num_experts)}"
+            path = chunk_path(root, rel, meta, (i, *zeros))
+            if reader == "tensorstore":
+                try:
+                    ts.array(scratch, copy=False, write=True).write(arr[i]).result()
+                except Exception as e:
+                    raise StoreError(f"{root / rel}: reading {label} failed: {e}") from e
+            else:
+                _read_file_into(path, flat, label, odirect=reader == "odirect")
+            if checksums is not None and checksum(scratch, algorithm) != checksums[i]:
+                raise StoreError(f"{path}: checksum mismatch in {label} (corrupt chunk)")
+            out[i] = scratch
 
     _run_parallel(work, _split(n, threads), "ftw-read")
     return reader

@@ -130,11 +130,8 @@ class HostPool:
         return cls(n, h, two_i // 2, format or format_of(gu.dtype), down_layout).fill(banks)
 
     def allocator(self):
-        """``alloc(bank, shape, dtype) -> view`` for ``ftjax.ftw.load.load_store(bank_allocator=...)``."""
-        if self.down_layout != "hi":
-            raise ValueError("the FTW loader reads banks in place into pools of down_layout 'hi'; this pool's down "
-                             f"is {self.down_layout!r} (fill it with fill() or from_banks())")
-
+        """``alloc(bank, shape, dtype) -> view`` for ``ftjax.ftw.load.load_store(bank_allocator=...)`` (a transposed
+        down's view is strided: the loader transposes each chunk into it)."""
         def alloc(name: str, shape, dtype) -> np.ndarray:
             if tuple(shape) != self.shape(name) or format_of(dtype) != self.format:
                 raise ValueError(f"bank {name!r} of the store is {np.dtype(dtype)}{tuple(shape)}, the pool "
@@ -193,8 +190,8 @@ def smaps_backing(ranges, smaps: str = "/proc/self/smaps") -> dict:
     return total
 
 
-def load_store_into_pool(path, *, pin: bool = True, **load_kwargs):
-    """``ftjax.ftw.load_store`` with the expert banks read straight into a new ``HostPool``.
+def load_store_into_pool(path, *, pin: bool = True, down_layout: str = "hi", **load_kwargs):
+    """``ftjax.ftw.load_store`` with the expert banks read straight into a new ``HostPool`` (of ``down_layout``).
 
     The pool is pinned after the fill where a CUDA GPU is present (``pin``). Returns
     ``(LoadedModel, HostPool)``; ``LoadedModel.experts`` are views into the pool.
@@ -206,7 +203,7 @@ def load_store_into_pool(path, *, pin: bool = True, **load_kwargs):
     if len(dtypes) != 1:
         raise ValueError(f"expert banks of {path} have different dtypes {sorted(dtypes)}; a host pool holds one")
     fmt = format_of(np.dtype(quant.BF16 if dtypes == {"bfloat16"} else dtypes.pop()))
-    pool = HostPool(cfg.num_layers * cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, fmt)
+    pool = HostPool(cfg.num_layers * cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, fmt, down_layout)
     model = load_store(path, bank_allocator=pool.allocator(), **load_kwargs)
     if pin:
         pool.pin_if_cuda()
