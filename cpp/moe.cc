@@ -22,11 +22,13 @@ constexpr int64_t kRowsPhase2 = 32;
 constexpr int64_t kMinItemsPerThread = 4;  // below it, items of half the rows (load balance)
 constexpr int64_t kMinClaimBytes = 32 << 10;  // weight bytes a thread claims at once, at least
 constexpr int64_t kVnniColumns = 512;
-// A transposed down: calls of up to this many T * H output floats per thread (8 tokens at H = 4096, 128 KiB) sum their
-// down rows in phase 1's items into per-thread partials (no barrier between a unit's gate/up rows and its down row;
-// the partials fit a core's L2); larger calls run down by column blocks of kAxpyColumns (halved for balance down to
-// kMinAxpyColumns: 128 bytes of a bf16 row). The partials are summed in blocks of kSumColumns outputs.
-constexpr int64_t kFusedPartialFloats = 32768, kAxpyColumns = 256, kMinAxpyColumns = 64, kSumColumns = 256;  // columns of a group's B-tile layout per layout item (a multiple of 32)
+// A transposed down: a call whose gate/up items' partial outputs (an item's routes x H floats each) take at most
+// kFusedPartialFloats in all (4 MiB: batch-1 decode of one Qwen3.6 expert is 64 items of 8 KiB) sums each item's down
+// rows into its own partial in phase 1 (no barrier between a unit's gate/up rows and its down row), then phase 2 adds
+// the partials token by token in item order (the same sums in the same order, whichever thread ran an item: results
+// do not depend on the schedule), in blocks of kSumColumns outputs. Larger calls run down by column blocks of
+// kAxpyColumns (halved for balance down to kMinAxpyColumns: 128 bytes of a bf16 row).
+constexpr int64_t kFusedPartialFloats = int64_t{1} << 20, kAxpyColumns = 256, kMinAxpyColumns = 64, kSumColumns = 256;  // columns of a group's B-tile layout per layout item (a multiple of 32)
 
 // Items per claim so that a claim covers kMinClaimBytes of weights: a contended claim costs ~0.1 us,
 // as long as reading a few KiB.
@@ -71,25 +73,7 @@ struct CallBuffers {
     if (q15_act) grow(act_q, n * q15_bytes(I));
   }
   const uint32_t* act_v() const { return act_v_.data(); }
-  // Per-thread partial outputs of a fused call over a transposed down: `len` floats per thread, zeroed by the
-  // thread on its first write in the call (partial_of), read back only where written (partial_if_touched).
-  std::vector<float> partial;
-  std::vector<uint8_t> touched;
-  void clear_partials(int threads, int64_t len) {
-    grow(partial, threads * len);
-    touched.assign(threads, 0);
-  }
-  float* partial_of(int thread, int64_t len) {
-    float* p = partial.data() + thread * len;
-    if (!touched[thread]) {
-      std::fill(p, p + len, 0.f);
-      touched[thread] = 1;
-    }
-    return p;
-  }
-  const float* partial_if_touched(int thread, int64_t len) const {
-    return touched[thread] ? partial.data() + thread * len : nullptr;
-  }
+  std::vector<float> partial;  // a fused call over a transposed down: each phase-1 item's partial outputs
   // phase 1 writes the intermediate's B layout a word at a time (the kernels read it as dwords)
   uint16_t* act_v_words() { return reinterpret_cast<uint16_t*>(act_v_.data()); }
   template <class T>
@@ -191,9 +175,9 @@ void run_experts(WorkerPool& workers, const ExpertCall& c, Tier tier) {
 
   const DotRowsFn dot = dot_rows_for(tier);
   // A transposed down (f32/bf16 pools only): phase 1 stores each route's intermediate times its gate weight, and a
-  // call of few tokens (fused) sums the same units' down rows into per-thread partials in phase 1's items; phase 2
-  // then adds the partials (fused) or runs the down rows by column blocks (many tokens).
-  const bool down_t = pool.down_transposed(), fused = down_t && c.T * H <= kFusedPartialFloats;
+  // call of few tokens (fused) sums the same units' down rows into a partial per phase-1 item; phase 2 then adds the
+  // partials (fused) or runs the down rows by column blocks (many tokens).
+  const bool down_t = pool.down_transposed();
   const AxpyRowsFn axpy_fn = axpy_rows_for(tier);
   // Group g's routes' down rows [i0, i1), columns [h0, h1), into outs[j] (the kernel's vectors must not alias: a token
   // routed twice to one expert goes one route at a time).
@@ -319,11 +303,43 @@ void run_experts(WorkerPool& workers, const ExpertCall& c, Tier tier) {
   const int64_t min_rows = any_amx ? 16 : q15_act ? 8 : 4;
   const int64_t rows1 = rows_per_item(I, groups, std::max(gate_up_item_rows(), min_rows), workers.n_threads(), min_rows);
   const int64_t blocks1 = (I + rows1 - 1) / rows1;
+  // The fused form (a transposed down, few tokens): item k's partial [nr, H] at part_off[k] (-1: an item with no units
+  // of its group), and per token t the offsets of its partial rows in item order, tok_parts[tok_start[t], ..).
+  std::vector<int64_t> part_off, tok_start, tok_parts;
+  bool fused = false;
+  if (down_t) {
+    int64_t total = 0;
+    part_off.assign(groups * blocks1, -1);
+    for (int64_t item = 0; item < groups * blocks1; ++item) {
+      const int64_t g = item / blocks1, r0 = start[g];
+      if (std::max((item % blocks1) * rows1, unit_of(order[r0])) >= std::min(I, (item % blocks1 + 1) * rows1)) continue;
+      part_off[item] = total;
+      total += (start[g + 1] - r0) * H;
+    }
+    fused = total <= kFusedPartialFloats;
+    if (fused) {
+      CallBuffers::grow(b.partial, total);
+      tok_start.assign(c.T + 1, 0);
+      for (int pass = 0; pass < 2; ++pass) {  // count, then place (in item order)
+        std::vector<int64_t> at(tok_start.begin(), tok_start.end() - 1);
+        if (pass) tok_parts.resize(tok_start.back());
+        for (int64_t item = 0; item < groups * blocks1; ++item) {
+          if (part_off[item] < 0) continue;
+          const int64_t g = item / blocks1;
+          for (int64_t r = start[g]; r < start[g + 1]; ++r) {
+            const int64_t t = c.token_idx[order[r]];
+            if (pass) tok_parts[at[t]++] = part_off[item] + (r - start[g]) * H;
+            else ++tok_start[t + 1];
+          }
+        }
+        if (!pass) std::partial_sum(tok_start.begin(), tok_start.end(), tok_start.begin());
+      }
+    }
+  }
   // 2 rows1 of gate/up's 2I rows (and rows1 of a transposed down's I rows, read in the same item when fused)
   const int64_t item1_bytes =
       rows1 * static_cast<int64_t>(pool.gate_up().expert_bytes + (fused ? pool.down().expert_bytes : 0)) / I;
-  if (fused) b.clear_partials(workers.n_threads(), c.T * H);
-  const RoundTiming t_phase1 = workers.parallel_for(groups * blocks1, [&](int64_t item, int thread) {
+  const RoundTiming t_phase1 = workers.parallel_for(groups * blocks1, [&](int64_t item, int) {
     const int64_t g = item / blocks1, r0 = start[g], nr = start[g + 1] - r0;
     const int64_t i1 = std::min(I, (item % blocks1 + 1) * rows1);
     const int64_t i0 = std::max((item % blocks1) * rows1, unit_of(order[r0]));  // the group's units only
@@ -362,17 +378,19 @@ void run_experts(WorkerPool& workers, const ExpertCall& c, Tier tier) {
         b.act[(r0 + j) * I + i] = down_t ? c.weights[order[r0 + j]] * v : v;
       }
     }
-    if (fused) {  // the same units' down rows into this thread's partial sums, while they are warm in its caches
-      float* part = b.partial_of(thread, c.T * H);
+    if (fused) {  // the same units' down rows into this item's partial, while they are warm in its core's caches
+      float* part = b.partial.data() + part_off[item];
+      std::fill(part, part + nr * H, 0.f);
       thread_local std::vector<const float*> coef;
       thread_local std::vector<float*> outs;
       coef.resize(nr);
       outs.resize(nr);
       for (int64_t j = 0; j < nr; ++j) {
         coef[j] = &b.act[(r0 + j) * I];
-        outs[j] = part + c.token_idx[order[r0 + j]] * H;
+        outs[j] = part + j * H;
       }
-      axpy(g, i0, i1, coef.data(), outs.data(), 0, H);
+      axpy_fn(matrix_of(pool.down(), c.expert_ids[order[r0]]), i0, i1, coef.data(), static_cast<int>(nr), 0, H,
+              outs.data());
     }
     if (q15_act && q15_g)  // [i0, i1): whole lanes (multiples of 8: the unit start is one of 32)
       for (int64_t j = 0; j < nr; ++j) to_q(&b.act_h[(r0 + j) * I], i0, i1, &b.act_q[(r0 + j) * q15_bytes(I)], I / 2);
@@ -383,17 +401,15 @@ void run_experts(WorkerPool& workers, const ExpertCall& c, Tier tier) {
   if (down_t) {  // a transposed down (DownLayout::kIH): each group's units [u, I) are whole rows
     int64_t items2 = 0, cols2 = 0;
     RoundTiming t_phase2;
-    if (fused) {  // phase 1 summed the rows per thread: y = the sum of the threads' partials, by column blocks
+    if (fused) {  // phase 1 summed the rows per item: y[t] = the sum of t's partial rows in item order, by column blocks
       cols2 = kSumColumns;
       const int64_t per_token = (H + cols2 - 1) / cols2;
       items2 = c.T * per_token;
       t_phase2 = workers.parallel_for(items2, [&](int64_t item, int) {
         const int64_t t = item / per_token, h0 = (item % per_token) * cols2, h1 = std::min(H, h0 + cols2);
         float* yt = c.y + t * H;
-        for (int k = 0; k < workers.n_threads(); ++k) {
-          const float* p = b.partial_if_touched(k, c.T * H);
-          if (!p) continue;
-          p += t * H;
+        for (int64_t k = tok_start[t]; k < tok_start[t + 1]; ++k) {
+          const float* p = b.partial.data() + tok_parts[k];
           for (int64_t h = h0; h < h1; ++h) yt[h] += p[h];
         }
       });

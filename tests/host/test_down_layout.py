@@ -133,3 +133,20 @@ def test_ih_prefetch_changes_no_bits(tier):
         set_kernel_knobs(**saved)
     for o in outs[1:]:
         np.testing.assert_array_equal(o, outs[0])
+
+
+@pytest.mark.parametrize("T,n_tasks", [(1, 3), (4, 12)])
+def test_ih_fused_call_is_deterministic(T, n_tasks):
+    """The fused pass sums each item's partial in item order, whichever thread ran it: repeated calls with more
+    workers than cores (items land on different threads every time) give the same bits."""
+    rng = np.random.default_rng(9)
+    pool = HostPool.from_banks(banks(rng, "bf16", 6, 256, 128), down_layout="ih")
+    x = rng.standard_normal((T, 256)).astype(BF16)
+    tok, eid, w = tasks(rng, T, n_tasks, 6)
+    try:
+        _host.configure_workers(5, 0, False)
+        first = run(pool, x, tok, eid, w, n_tasks)
+        for _ in range(30):
+            np.testing.assert_array_equal(run(pool, x, tok, eid, w, n_tasks), first)
+    finally:
+        _host.configure_workers(-1, 100, True)
