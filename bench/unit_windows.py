@@ -10,7 +10,7 @@ Each call takes a fresh expert of a pool larger than the caches (synthetic, no r
 the starts (and the CPU kernel knobs of --knob-variants, ftjax.host.kernel_knobs, against the defaults) run round
 robin, call after call, so every case sees the same stretch of the machine.
 --down-layouts runs each case on a pool of each down layout (HostPool down_layout: "ih" stores down transposed,
-so the window is whole rows, read in round 1 with gate/up's; its round 2 sums the threads' partials): compare the
+so the window is whole rows, read in round 1 with gate/up's; its round 2 sums the items' partials): compare the
 call columns. The question: does a window starting mid cache line (u * 2 bytes not a multiple of 64: u = 176) read slower
 than one on a line (160, 192)? (OffloadExperts' unit_granule.) Prints a table; writes bench/out/unit_windows.json.
 """

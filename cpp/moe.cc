@@ -21,14 +21,14 @@ constexpr int64_t kRowsPhase1 = 16;  // gate rows (and as many up rows) per work
 constexpr int64_t kRowsPhase2 = 32;
 constexpr int64_t kMinItemsPerThread = 4;  // below it, items of half the rows (load balance)
 constexpr int64_t kMinClaimBytes = 32 << 10;  // weight bytes a thread claims at once, at least
-constexpr int64_t kVnniColumns = 512;
+constexpr int64_t kVnniColumns = 512;  // columns of a group's B-tile layout per layout item (a multiple of 32)
 // A transposed down: a call whose gate/up items' partial outputs (an item's routes x H floats each) take at most
 // kFusedPartialFloats in all (4 MiB: batch-1 decode of one Qwen3.6 expert is 64 items of 8 KiB) sums each item's down
 // rows into its own partial in phase 1 (no barrier between a unit's gate/up rows and its down row), then phase 2 adds
 // the partials token by token in item order (the same sums in the same order, whichever thread ran an item: results
 // do not depend on the schedule), in blocks of kSumColumns outputs. Larger calls run down by column blocks of
 // kAxpyColumns (halved for balance down to kMinAxpyColumns: 128 bytes of a bf16 row).
-constexpr int64_t kFusedPartialFloats = int64_t{1} << 20, kAxpyColumns = 256, kMinAxpyColumns = 64, kSumColumns = 256;  // columns of a group's B-tile layout per layout item (a multiple of 32)
+constexpr int64_t kFusedPartialFloats = int64_t{1} << 20, kAxpyColumns = 256, kMinAxpyColumns = 64, kSumColumns = 256;
 
 // Items per claim so that a claim covers kMinClaimBytes of weights: a contended claim costs ~0.1 us,
 // as long as reading a few KiB.
@@ -178,24 +178,7 @@ void run_experts(WorkerPool& workers, const ExpertCall& c, Tier tier) {
   // call of few tokens (fused) sums the same units' down rows into a partial per phase-1 item; phase 2 then adds the
   // partials (fused) or runs the down rows by column blocks (many tokens).
   const bool down_t = pool.down_transposed();
-  const AxpyRowsFn axpy_fn = axpy_rows_for(tier);
-  // Group g's routes' down rows [i0, i1), columns [h0, h1), into outs[j] (the kernel's vectors must not alias: a token
-  // routed twice to one expert goes one route at a time).
-  std::vector<char> distinct_tokens(down_t ? groups : 0, 1);
-  for (int64_t g = 0; g < static_cast<int64_t>(distinct_tokens.size()); ++g) {
-    if (start[g + 1] - start[g] == 1) continue;
-    std::vector<int32_t> toks;
-    for (int64_t r = start[g]; r < start[g + 1]; ++r) toks.push_back(c.token_idx[order[r]]);
-    std::sort(toks.begin(), toks.end());
-    distinct_tokens[g] = std::adjacent_find(toks.begin(), toks.end()) == toks.end();
-  }
-  const auto axpy = [&](int64_t g, int64_t i0, int64_t i1, const float* const* coef, float* const* outs, int64_t h0,
-                        int64_t h1) {
-    const int64_t r0 = start[g], nr = start[g + 1] - r0;
-    const MatrixRef w = matrix_of(pool.down(), c.expert_ids[order[r0]]);
-    if (distinct_tokens[g]) return axpy_fn(w, i0, i1, coef, static_cast<int>(nr), h0, h1, outs);
-    for (int64_t j = 0; j < nr; ++j) axpy_fn(w, i0, i1, coef + j, 1, h0, h1, outs + j);
-  };
+  const AxpyRowsFn axpy = axpy_rows_for(tier);
   // Layouts of the activations a group's kernels read (kernels.h): bf16 bits in bf16 mode (f32, for the tiers and
   // tails that multiply in f32, except for q15 groups, which read none); for int4 weights on the AVX-512 loops the
   // q15 layout (or its q8 form) for groups of up to int4_vnni_limit() tokens, the pair64 order for the others; for
@@ -303,6 +286,11 @@ void run_experts(WorkerPool& workers, const ExpertCall& c, Tier tier) {
   const int64_t min_rows = any_amx ? 16 : q15_act ? 8 : 4;
   const int64_t rows1 = rows_per_item(I, groups, std::max(gate_up_item_rows(), min_rows), workers.n_threads(), min_rows);
   const int64_t blocks1 = (I + rows1 - 1) / rows1;
+  // Phase 1's item: group item / blocks1, its units [i0, i1) (empty below the group's unit start).
+  const auto item_units = [&](int64_t item) -> std::pair<int64_t, int64_t> {
+    const int64_t k = item % blocks1;
+    return {std::max(k * rows1, unit_of(order[start[item / blocks1]])), std::min(I, (k + 1) * rows1)};
+  };
   // The fused form (a transposed down, few tokens): item k's partial [nr, H] at part_off[k] (-1: an item with no units
   // of its group), and per token t the offsets of its partial rows in item order, tok_parts[tok_start[t], ..).
   std::vector<int64_t> part_off, tok_start, tok_parts;
@@ -311,10 +299,11 @@ void run_experts(WorkerPool& workers, const ExpertCall& c, Tier tier) {
     int64_t total = 0;
     part_off.assign(groups * blocks1, -1);
     for (int64_t item = 0; item < groups * blocks1; ++item) {
-      const int64_t g = item / blocks1, r0 = start[g];
-      if (std::max((item % blocks1) * rows1, unit_of(order[r0])) >= std::min(I, (item % blocks1 + 1) * rows1)) continue;
+      const auto [i0, i1] = item_units(item);
+      if (i0 >= i1) continue;
+      const int64_t g = item / blocks1;
       part_off[item] = total;
-      total += (start[g + 1] - r0) * H;
+      total += (start[g + 1] - start[g]) * H;
     }
     fused = total <= kFusedPartialFloats;
     if (fused) {
@@ -341,8 +330,7 @@ void run_experts(WorkerPool& workers, const ExpertCall& c, Tier tier) {
       rows1 * static_cast<int64_t>(pool.gate_up().expert_bytes + (fused ? pool.down().expert_bytes : 0)) / I;
   const RoundTiming t_phase1 = workers.parallel_for(groups * blocks1, [&](int64_t item, int) {
     const int64_t g = item / blocks1, r0 = start[g], nr = start[g + 1] - r0;
-    const int64_t i1 = std::min(I, (item % blocks1 + 1) * rows1);
-    const int64_t i0 = std::max((item % blocks1) * rows1, unit_of(order[r0]));  // the group's units only
+    const auto [i0, i1] = item_units(item);  // the group's units only
     if (i0 >= i1) return;
     const MatrixRef w = matrix_of(pool.gate_up(), c.expert_ids[order[r0]]);
     const bool vnni_act = amx_group(g), q15_g = q15_group(g);
@@ -363,16 +351,14 @@ void run_experts(WorkerPool& workers, const ExpertCall& c, Tier tier) {
         if (c.x_bf16) {
           const uint16_t h = f32_to_bf16(v);
           v = bf16_to_f32(h);
-          if (down_t) {  // (the axpy pass reads only the f32 intermediate)
-            b.act[(r0 + j) * I + i] = c.weights[order[r0 + j]] * v;
-            continue;
-          }
-          b.act_h[(r0 + j) * I + i] = h;
-          if (act_v) {  // one word of the pair dword: items never write the same word
-            const int64_t pos = int4_act ? amx_int4_position(i) : i;
-            act_v[2 * ((pos / 2) * nr + j) + (pos & 1)] = h;
-          } else if (pair_act && !q15_g) {
-            b.act_p[(r0 + j) * I + pair64_index(i)] = h;
+          if (!down_t) {  // (the axpy pass reads only the f32 intermediate)
+            b.act_h[(r0 + j) * I + i] = h;
+            if (act_v) {  // one word of the pair dword: items never write the same word
+              const int64_t pos = int4_act ? amx_int4_position(i) : i;
+              act_v[2 * ((pos / 2) * nr + j) + (pos & 1)] = h;
+            } else if (pair_act && !q15_g) {
+              b.act_p[(r0 + j) * I + pair64_index(i)] = h;
+            }
           }
         }
         b.act[(r0 + j) * I + i] = down_t ? c.weights[order[r0 + j]] * v : v;
@@ -389,8 +375,8 @@ void run_experts(WorkerPool& workers, const ExpertCall& c, Tier tier) {
         coef[j] = &b.act[(r0 + j) * I];
         outs[j] = part + j * H;
       }
-      axpy_fn(matrix_of(pool.down(), c.expert_ids[order[r0]]), i0, i1, coef.data(), static_cast<int>(nr), 0, H,
-              outs.data());
+      axpy(matrix_of(pool.down(), c.expert_ids[order[r0]]), i0, i1, coef.data(), static_cast<int>(nr), 0, H,
+           outs.data());
     }
     if (q15_act && q15_g)  // [i0, i1): whole lanes (multiples of 8: the unit start is one of 32)
       for (int64_t j = 0; j < nr; ++j) to_q(&b.act_h[(r0 + j) * I], i0, i1, &b.act_q[(r0 + j) * q15_bytes(I)], I / 2);
@@ -417,6 +403,15 @@ void run_experts(WorkerPool& workers, const ExpertCall& c, Tier tier) {
       cols2 = rows_per_item(H, 1, kAxpyColumns, workers.n_threads(), kMinAxpyColumns);
       items2 = (H + cols2 - 1) / cols2;
       const int64_t item2_bytes = groups * cols2 * static_cast<int64_t>(pool.down().expert_bytes) / H;
+      // the kernel's vectors must not alias: a group with a token routed twice to its expert goes route by route
+      std::vector<char> distinct_tokens(groups, 1);
+      for (int64_t g = 0; g < groups; ++g) {
+        if (start[g + 1] - start[g] == 1) continue;
+        std::vector<int32_t> toks;
+        for (int64_t r = start[g]; r < start[g + 1]; ++r) toks.push_back(c.token_idx[order[r]]);
+        std::sort(toks.begin(), toks.end());
+        distinct_tokens[g] = std::adjacent_find(toks.begin(), toks.end()) == toks.end();
+      }
       t_phase2 = workers.parallel_for(items2, [&](int64_t item, int) {
         const int64_t h0 = item * cols2, h1 = std::min(H, h0 + cols2);
         thread_local std::vector<const float*> coef;
@@ -430,7 +425,12 @@ void run_experts(WorkerPool& workers, const ExpertCall& c, Tier tier) {
             coef[j] = &b.act[(r0 + j) * I];
             outs[j] = c.y + c.token_idx[order[r0 + j]] * H;
           }
-          axpy(g, u, I, coef.data(), outs.data(), h0, h1);
+          const MatrixRef w = matrix_of(pool.down(), c.expert_ids[order[r0]]);
+          if (distinct_tokens[g]) {
+            axpy(w, u, I, coef.data(), static_cast<int>(nr), h0, h1, outs.data());
+          } else {
+            for (int64_t j = 0; j < nr; ++j) axpy(w, u, I, coef.data() + j, 1, h0, h1, outs.data() + j);
+          }
         }
       }, min_chunk(item2_bytes));
     }

@@ -78,7 +78,10 @@ class HostPool:
     def stored_shape(self, bank: str) -> tuple[int, int, int]:
         """The bank's shape as it lies in memory: ``shape(bank)``, except a transposed down's ``[N, I, H]``."""
         n, rows, cols = self.shape(bank)
-        return (n, cols, rows) if bank == "down" and self.down_layout == "ih" else (n, rows, cols)
+        return (n, cols, rows) if self._transposed(bank) else (n, rows, cols)
+
+    def _transposed(self, bank: str) -> bool:
+        return bank == "down" and self.down_layout == "ih"
 
     def raw(self, bank: str) -> np.ndarray:
         """Writable uint8 view ``[N, expert_bytes]`` (keeps the pool alive)."""
@@ -89,7 +92,7 @@ class HostPool:
         """Typed view ``[N, rows, cols]`` of an f32/bf16 bank (the FTW loader fills these); a transposed down's
         is a strided view (``stored(bank)`` is the memory as it lies)."""
         view = self.stored(bank)
-        return view.swapaxes(1, 2) if view.shape != self.shape(bank) else view
+        return view.swapaxes(1, 2) if self._transposed(bank) else view
 
     def stored(self, bank: str) -> np.ndarray:
         """Typed, C-contiguous view ``stored_shape(bank)`` of an f32/bf16 bank."""
@@ -114,7 +117,7 @@ class HostPool:
                 packed, scales = self.int4_parts(name)
                 for lo in range(0, self.n_experts, 64):  # bounded temporaries
                     packed[lo:lo + 64], scales[lo:lo + 64] = quant.quantize_int4(src[lo:lo + 64])
-            elif self.stored_shape(name) != self.shape(name):
+            elif self._transposed(name):
                 dst = self.stored(name)
                 for lo in range(0, self.n_experts, 64):  # a blocked transpose, bounded temporaries
                     dst[lo:lo + 64] = src[lo:lo + 64].swapaxes(1, 2)

@@ -38,6 +38,15 @@ def test_ih_pool_views(fmt):
     assert pool.expert_bytes("down") == HostPool(3, 40, 24, fmt).expert_bytes("down")
 
 
+def test_ih_pool_views_square():
+    """H == I: the stored and logical shapes agree, the views must still transpose."""
+    rng = np.random.default_rng(2)
+    b = banks(rng, "bf16", 2, 32, 32)
+    pool = HostPool.from_banks(b, down_layout="ih")
+    np.testing.assert_array_equal(pool.bank("down"), b["down"])
+    np.testing.assert_array_equal(pool.stored("down"), b["down"].swapaxes(1, 2))
+
+
 def test_ih_pool_refuses_what_it_cannot_hold():
     with pytest.raises(ValueError, match="int4 pools keep down"):
         HostPool(2, 64, 32, "int4", down_layout="ih")
