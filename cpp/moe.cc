@@ -26,9 +26,11 @@ constexpr int64_t kVnniColumns = 512;  // columns of a group's B-tile layout per
 // kFusedPartialFloats in all (4 MiB: batch-1 decode of one Qwen3.6 expert is 64 items of 8 KiB) sums each item's down
 // rows into its own partial in phase 1 (no barrier between a unit's gate/up rows and its down row), then phase 2 adds
 // the partials token by token in item order (the same sums in the same order, whichever thread ran an item: results
-// do not depend on the schedule), in blocks of kSumColumns outputs. Larger calls run down by column blocks of
-// kAxpyColumns (halved for balance down to kMinAxpyColumns: 128 bytes of a bf16 row).
+// do not depend on the schedule), in blocks of at most kSumColumns outputs (fewer for balance, down to one 64-byte
+// line: the partials are read from the other cores' caches, so every thread should take a share). Larger calls run
+// down by column blocks of kAxpyColumns (halved for balance down to kMinAxpyColumns: 128 bytes of a bf16 row).
 constexpr int64_t kFusedPartialFloats = int64_t{1} << 20, kAxpyColumns = 256, kMinAxpyColumns = 64, kSumColumns = 256;
+constexpr int64_t kSumLine = 16;  // floats of a 64-byte line: the sum's register block
 
 // Items per claim so that a claim covers kMinClaimBytes of weights: a contended claim costs ~0.1 us,
 // as long as reading a few KiB.
@@ -41,6 +43,28 @@ int64_t min_chunk(int64_t item_bytes) { return (kMinClaimBytes + item_bytes - 1)
 int64_t rows_per_item(int64_t rows, int64_t groups, int64_t k_rows, int threads, int64_t min_rows) {
   while (k_rows > min_rows && groups * ((rows + k_rows - 1) / k_rows) < kMinItemsPerThread * threads) k_rows /= 2;
   return k_rows;
+}
+
+// The fused call's sum blocks: kSumColumns, halved while the T tokens' blocks would not give every thread two, down to
+// one line.
+int64_t sum_columns(int64_t H, int64_t T, int threads) {
+  int64_t cols = kSumColumns;
+  while (cols > kSumLine && T * ((H + cols - 1) / cols) < 2 * int64_t{threads}) cols /= 2;
+  return cols;
+}
+
+// y[h0:h1] += the n partial rows at parts[0..n) (offsets into base), added in that order; four rows per pass over
+// y (the same additions in the same order as adding row after row into y, a quarter of y's loads and stores).
+void sum_partials(float* y, const float* base, const int64_t* parts, int64_t n, int64_t h0, int64_t h1) {
+  int64_t k = 0;
+  for (; k + 4 <= n; k += 4) {
+    const float *p0 = base + parts[k], *p1 = base + parts[k + 1], *p2 = base + parts[k + 2], *p3 = base + parts[k + 3];
+    for (int64_t h = h0; h < h1; ++h) y[h] = (((y[h] + p0[h]) + p1[h]) + p2[h]) + p3[h];
+  }
+  for (; k < n; ++k) {
+    const float* p = base + parts[k];
+    for (int64_t h = h0; h < h1; ++h) y[h] += p[h];
+  }
 }
 
 inline float silu(float v) { return v / (1.f + std::exp(-v)); }
@@ -388,16 +412,12 @@ void run_experts(WorkerPool& workers, const ExpertCall& c, Tier tier) {
     int64_t items2 = 0, cols2 = 0;
     RoundTiming t_phase2;
     if (fused) {  // phase 1 summed the rows per item: y[t] = the sum of t's partial rows in item order, by column blocks
-      cols2 = kSumColumns;
+      cols2 = sum_columns(H, c.T, workers.n_threads());
       const int64_t per_token = (H + cols2 - 1) / cols2;
       items2 = c.T * per_token;
       t_phase2 = workers.parallel_for(items2, [&](int64_t item, int) {
         const int64_t t = item / per_token, h0 = (item % per_token) * cols2, h1 = std::min(H, h0 + cols2);
-        float* yt = c.y + t * H;
-        for (int64_t k = tok_start[t]; k < tok_start[t + 1]; ++k) {
-          const float* p = b.partial.data() + tok_parts[k];
-          for (int64_t h = h0; h < h1; ++h) yt[h] += p[h];
-        }
+        sum_partials(c.y + t * H, b.partial.data(), &tok_parts[tok_start[t]], tok_start[t + 1] - tok_start[t], h0, h1);
       });
     } else {  // y[t, h0:h1] += sum over the groups of t's routes of c_r[i] * down_e[i, h0:h1], i in [u, I)
       cols2 = rows_per_item(H, 1, kAxpyColumns, workers.n_threads(), kMinAxpyColumns);
