@@ -332,11 +332,11 @@ for s in "${steps[@]}"; do
        run tests_host_plan 300 python3 -m pytest -q -m gpu tests/experts/test_offload_cuda.py tests/host/test_cuda.py \
          ${HP_TESTS:+-k "$HP_TESTS"} ;;
     decode-ih)  # session 38: b1 / 37%, 40 layers, trace: lru-split on a pool of each down layout, one process each
-       # ($IH_ORDER, default "ih hi"; $IH_STEPS; ~2.5 min a layout)
+       # ($IH_ORDER, default "ih hi"; $IH_STEPS; $IH_ARGS, e.g. --no-resident on an H100; ~2.5 min a layout)
        for dl in ${IH_ORDER:-ih hi}; do
          run decode_ih 280 python3 bench/decode.py --layers 40 --batches ${IH_BATCHES:-1} --routing trace \
            --fractions 0.37 --policies lru-split --no-sweep --no-online --steps ${IH_STEPS:-48} --warmup 24 \
-           --down-layout $dl --out "$OUT/decode_ih_$dl.json"
+           --down-layout $dl ${IH_ARGS:-} --out "$OUT/decode_ih_$dl.json"
        done ;;
     decode-host-plan)  # session 35: 40 layers, trace, 37%: lru-split with the host plan off and on, fresh backends
        # round robin ($HP_BATCHES, default 1; $HP_STEPS; ~4 min a batch)
