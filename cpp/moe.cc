@@ -30,7 +30,7 @@ constexpr int64_t kVnniColumns = 512;  // columns of a group's B-tile layout per
 // line: the partials are read from the other cores' caches, so every thread should take a share). Larger calls run
 // down by column blocks of kAxpyColumns (halved for balance down to kMinAxpyColumns: 128 bytes of a bf16 row).
 constexpr int64_t kFusedPartialFloats = int64_t{1} << 20, kAxpyColumns = 256, kMinAxpyColumns = 64, kSumColumns = 256;
-constexpr int64_t kSumLine = 16;  // floats of a 64-byte line: the sum's register block
+constexpr int64_t kSumLine = 16;  // floats of a 64-byte line: the smallest sum block
 
 // Items per claim so that a claim covers kMinClaimBytes of weights: a contended claim costs ~0.1 us,
 // as long as reading a few KiB.

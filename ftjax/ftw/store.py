@@ -279,54 +279,30 @@ def read_bank(root: Path, rel: str, out: np.ndarray, *, what: str, threads: int,
         raise ValueError("read_bank writes into a C-contiguous array or the swapaxes(-1, -2) view of one")
     reader = _choose_reader(root, rel, meta, out.swapaxes(-1, -2) if transposed else out, reader, what)
     arr = open_array(root, rel, what) if reader == "tensorstore" else None
-    if transposed:
-        return _read_bank_transposed(root, rel, meta, out, arr, reader, what=what, threads=threads,
-                                     checksums=checksums, algorithm=algorithm, num_experts=num_experts)
-
-    def check(i: int) -> None:
-        if checksums is not None and checksum(out[i], algorithm) != checksums[i]:
-            path = chunk_path(root, rel, meta, (i, *zeros))
-            raise StoreError(f"{path}: checksum mismatch in {what}, {expert_label(i, num_experts)} "
-                             "(corrupt chunk)")
 
     def work(lo: int, hi: int) -> None:
-        if reader == "tensorstore":
+        if reader == "tensorstore" and not transposed:
             try:
                 ts.array(out[lo:hi], copy=False, write=True).write(arr[lo:hi]).result()
             except Exception as e:
                 raise StoreError(f"{root / rel}: reading {what} experts {lo}..{hi - 1} failed: {e}") from e
-        flat = out.reshape(n, -1).view(np.uint8)
-        for i in range(lo, hi):
-            if reader != "tensorstore":
-                _read_file_into(chunk_path(root, rel, meta, (i, *zeros)), memoryview(flat[i]),
-                                f"{what}, {expert_label(i, num_experts)}", odirect=reader == "odirect")
-            check(i)
-
-    _run_parallel(work, _split(n, threads), "ftw-read")
-    return reader
-
-
-def _read_bank_transposed(root: Path, rel: str, meta: dict[str, Any], out: np.ndarray, arr, reader: str, *,
-                          what: str, threads: int, checksums, algorithm, num_experts) -> str:
-    """read_bank into a transposed view ``out``: chunk by chunk through a per-thread scratch buffer."""
-    n, zeros = out.shape[0], (0,) * (out.ndim - 1)
-
-    def work(lo: int, hi: int) -> None:
-        scratch = alloc_aligned(out.shape[1:], out.dtype, DIRECT_IO_ALIGN)
-        flat = memoryview(scratch.reshape(-1).view(np.uint8))
+        # a transposed view: each chunk lands in this thread's scratch (checked there), then goes into its rows
+        scratch = alloc_aligned(out.shape[1:], out.dtype, DIRECT_IO_ALIGN) if transposed else None
         for i in range(lo, hi):
             label = f"{what}, {expert_label(i, num_experts)}"
             path = chunk_path(root, rel, meta, (i, *zeros))
-            if reader == "tensorstore":
+            dst = scratch if transposed else out[i]
+            if reader != "tensorstore":
+                _read_file_into(path, memoryview(dst.reshape(-1).view(np.uint8)), label, odirect=reader == "odirect")
+            elif transposed:
                 try:
                     ts.array(scratch, copy=False, write=True).write(arr[i]).result()
                 except Exception as e:
                     raise StoreError(f"{root / rel}: reading {label} failed: {e}") from e
-            else:
-                _read_file_into(path, flat, label, odirect=reader == "odirect")
-            if checksums is not None and checksum(scratch, algorithm) != checksums[i]:
+            if checksums is not None and checksum(dst, algorithm) != checksums[i]:
                 raise StoreError(f"{path}: checksum mismatch in {label} (corrupt chunk)")
-            out[i] = scratch
+            if transposed:
+                out[i] = scratch
 
     _run_parallel(work, _split(n, threads), "ftw-read")
     return reader
