@@ -318,6 +318,10 @@ def main(argv=None) -> int:
                     help="also lru-split with the host plan off and on (OffloadExperts host_plan: the CPU branch's "
                          "tasks decided on the host from the router's output, cpp/host_plan.h): two fresh backends, "
                          "round robin, each on its own copy of the trace")
+    ap.add_argument("--plan-publish-ablation", action="store_true",
+                    help="also lru-split with the CPU branch submitted by a submit kernel after the plan kernel and "
+                         "by the plan kernel itself before its victims (OffloadExperts plan_publish): two fresh "
+                         "backends, round robin, each on its own copy of the trace")
     ap.add_argument("--down-layout", choices=("hi", "ih"), default="hi",
                     help="the host pool's down bank (HostPool down_layout): hi as torch's [H, I], ih stored transposed "
                     "(the unit split's CPU window is whole rows, read with gate/up's in one pass)")
@@ -380,7 +384,7 @@ def main(argv=None) -> int:
                + (0 if args.no_sweep else len(SWEEP) * (8 + args.steps)) + (4 if args.profile else 0)
                + (len(BACKGROUND_YIELD_MODES) * (ROUNDS * (2 + max(1, args.steps // ROUNDS)) + (4 if args.profile else 0))
                   if args.yield_ablation else 0)
-               + (1 if args.granule_ablation or args.host_plan_ablation else 0))  # fresh runs: warm-up, 1 step,
+               + (1 if args.granule_ablation or args.host_plan_ablation or args.plan_publish_ablation else 0))  # fresh runs: warm-up, 1 step,
     # the rounds (each on its own copy of the trace)
     plan_kw = dict(plan_impl=args.plan_impl, victims_by=args.victims_by)
     results = {"sync": args.sync, "stable_io": args.stable_io, **plan_kw,
@@ -441,7 +445,8 @@ def main(argv=None) -> int:
                     for name, r in round_robin({n: (rr, lambda: None) for n, rr in runs.items()}, ROUNDS,
                                                args.steps, 2).items():
                         rows[name] = dict(r, unit_granule=runs[name].backend.unit_granule,
-                                          host_plan=runs[name].backend.host_plan)
+                                          host_plan=runs[name].backend.host_plan,
+                                          plan_publish=runs[name].backend.plan_publish)
                         progress(f"{routing} b{B} lru-split, {name[6:]} ({what(runs[name].backend)}) "
                                  f"{frac:.0%} ({ROUNDS} rounds)", r)
                     for name, rr in runs.items():
@@ -465,6 +470,7 @@ def main(argv=None) -> int:
                     rows[pol]["unit_granule"] = run.backend.unit_granule
                     rows[pol]["background_yield"] = run.backend.background_yield
                     rows[pol]["host_plan"] = run.backend.host_plan
+                    rows[pol]["plan_publish"] = run.backend.plan_publish
                     progress(f"{routing} b{B} {pol}{' (units: the default)' if run.backend.unit_split else ''} "
                              f"{frac:.0%}", rows[pol])
                     if args.hlo_stats:
@@ -525,6 +531,10 @@ def main(argv=None) -> int:
                         backends_round_robin({"split host plan off": {"host_plan": False},
                                               "split host plan on": {"host_plan": True}},
                                              lambda b: f"host plan {'on' if b.host_plan else 'off'}")
+                    if args.plan_publish_ablation:  # the CPU branch submitted by the plan kernel or after it
+                        backends_round_robin({"split submit kernel": {"plan_publish": False},
+                                              "split plan publish": {"plan_publish": True}},
+                                             lambda b: f"plan publish {'on' if b.plan_publish else 'off'}")
 
                     def variant(name, what, **plan_extra):  # lru-split again, another backend configuration
                         run = Run(cfg, params, pool, pol, S, B, routing, trace, max_len, band.fill_fraction, tokens,

@@ -26,6 +26,8 @@
 # Session 26 steps: decode-b1-granule (the unit split's step: the default 8 units vs $GRANULES, fresh backends round
 # robin, b1 / 37%); bench/unit_windows.py (the CPU call on unit windows [u, I), standalone) runs without a step.
 # Session 35 steps: tests-host-plan, decode-host-plan (OffloadExperts.host_plan: the CPU branch planned on the host).
+# Session 40 steps: tests-plan-publish, decode-plan-publish (OffloadExperts.plan_publish: the fused plan kernel submits the
+# CPU branch itself, before it picks victims).
 # Session 28 steps: cpu-int4 (kernel tests; the int4 table, the q15 / VPDPBUSD loop against the bf16 one, AMX and
 # AVX-512 tiers, and per core).
 # Session 27 steps: unit-windows (kernel tests, then bench/unit_windows.py under the CPU kernel knobs $WINDOW_KNOBS,
@@ -346,6 +348,18 @@ for s in "${steps[@]}"; do
        if [ -n "${HP_PROFILE:-}" ]; then  # each run's kernels, and its layer call phase by phase
          run decode_host_plan 60 python3 bench/trace_summary.py /tmp/hp_prof --top 16
          run decode_host_plan 60 python3 bench/layer_timeline.py /tmp/hp_prof
+       fi ;;
+    tests-plan-publish)  # session 40: the fused plan's GPU tests (staged lists, publish) + offload = resident (~2.5 min)
+       run tests_plan_publish 300 python3 -m pytest -q -m gpu tests/experts/test_plan_fused.py \
+         tests/experts/test_offload_cuda.py ${PP_TESTS:+-k "$PP_TESTS"} ;;
+    decode-plan-publish)  # session 40: 40 layers, trace, 37%: lru-split with the submit kernel vs the plan publishing,
+       # fresh backends round robin ($PP_BATCHES, default 1; $PP_STEPS; $PP_ARGS, e.g. --no-resident on an H100)
+       run decode_plan_publish 560 python3 bench/decode.py --layers 40 --batches ${PP_BATCHES:-1} --routing trace \
+         --fractions 0.37 --policies lru-split --no-sweep --no-online --steps ${PP_STEPS:-48} --warmup 24 \
+         --plan-publish-ablation ${PP_ARGS:-} ${PP_PROFILE:+--profile /tmp/pp_prof} --out "$OUT/decode_plan_publish.json"
+       if [ -n "${PP_PROFILE:-}" ]; then  # each run's kernels, and its layer call phase by phase
+         run decode_plan_publish 60 python3 bench/trace_summary.py /tmp/pp_prof --top 16
+         run decode_plan_publish 60 python3 bench/layer_timeline.py /tmp/pp_prof
        fi ;;
     decode-b1-granule)  # session 26: the unit split's step, the default (8 units) against $GRANULES (default 32: a
        # cache line of a bf16 down row), fresh backends round robin, b1 / 37% ($GRANULE_BATCHES; ~5 min a batch)

@@ -57,6 +57,21 @@ struct PlanArgs {
   int32_t* bg_n;
   int32_t* bg_from;
   int64_t bg_cols;
+  // optional (nullptr: not asked for; needs the task arrays): the CPU branch's staged copy of its task list,
+  // in the task arrays' order with each task's unit start, written as soon as it is known: before the
+  // victims are chosen (the CPU's tasks never depend on which slots the fills evict), or, when a valid
+  // route's router id lies outside [0, E) (its slot after the call is read after the evictions), after the
+  // routes; then the team's `publish(n)`. plan_cuda.cu points these into a channel's mapped staging (the
+  // CPU branch starts from inside the plan kernel: no submit kernel); the check form (tests) into results.
+  int32_t* stage_token;
+  int32_t* stage_flat;
+  float* stage_weight;
+  int32_t* stage_units;
+  int32_t* staged_n;      // optional: the staged count
+  int32_t* staged_early;  // optional: 1 if staged before the victims
+  const uint32_t* x_words;  // optional: x, copied into stage_x in the first pass
+  uint32_t* stage_x;
+  int64_t x_word_count;
   // static
   int64_t tokens, top_k, n_experts, layer, n_ids, n_slots, fill_capacity;
   int32_t rule, update, defer_horizon;
@@ -65,7 +80,7 @@ struct PlanArgs {
   int32_t all_units;                   // plan.py ALL_UNITS
 };
 
-// Scratch of one call (shared memory on the GPU): 3 E + 4 x min(T*k, E) + 3 x F int32, then optionally
+// Scratch of one call (shared memory on the GPU): 3 E + 4 x min(T*k, E) + 3 x F + 1 int32, then optionally
 // the per-route copies (4 R more: the router ids, the gate weights, each route's slot and units) and the
 // per-slot copies (2 S more: last_use and owner_of). The GPU makes the per-route copies where they fit
 // (the routes' phases then read shared memory only) and the per-slot ones where they fit and the call can
@@ -84,6 +99,7 @@ struct PlanScratch {
   int32_t* fill_list;  // [F] flat ids to fill, in fill order
   int32_t* fill_u;     // [F] their index in uniq
   int32_t* victims;    // [F]
+  int32_t* odd;        // [1] nonzero: a valid route's router id lies outside [0, E)
   int32_t* ids_copy;   // [R] or nullptr: the per-route arrays are read and written in place
   float* gw;           // [R] the gate weights (per-route copies only)
   int32_t* rs;         // [R] each route's slot after the call (per-route copies only)
@@ -96,7 +112,7 @@ struct PlanScratch {
 inline int64_t plan_scratch_ints(int64_t routes, int64_t n_experts, int64_t fill_capacity, int64_t slots,
                                  bool ids_copy, bool lu_copy) {
   const int64_t U = routes < n_experts ? routes : n_experts;
-  return 3 * n_experts + 4 * U + 3 * fill_capacity + (ids_copy ? 4 * routes : 0) + (lu_copy ? 2 * slots : 0);
+  return 3 * n_experts + 4 * U + 3 * fill_capacity + 1 + (ids_copy ? 4 * routes : 0) + (lu_copy ? 2 * slots : 0);
 }
 
 FTJAX_PLAN_FN inline PlanScratch plan_scratch(int32_t* base, int64_t routes, int64_t n_experts, int64_t F,
@@ -114,7 +130,8 @@ FTJAX_PLAN_FN inline PlanScratch plan_scratch(int32_t* base, int64_t routes, int
   s.fill_list = s.slot_new + U;
   s.fill_u = s.fill_list + F;
   s.victims = s.fill_u + F;
-  int32_t* next = s.victims + F;
+  s.odd = s.victims + F;
+  int32_t* next = s.odd + 1;
   s.ids_copy = s.rs = s.ru = nullptr;
   s.gw = nullptr;
   if (ids_copy) {
@@ -175,6 +192,8 @@ FTJAX_PLAN_FN inline int32_t plan_split_units(int32_t m, int32_t n_fill, float f
 }
 
 // The LRU order of slots: older last_use first, ties to the lower slot (a total order).
+constexpr int32_t kPendingSlot = 0x7fffffff;  // a fill's slot until its victim is chosen
+
 FTJAX_PLAN_FN inline uint64_t lru_key(int32_t last_use, int64_t slot) {
   return (static_cast<uint64_t>(static_cast<uint32_t>(last_use) ^ 0x80000000u) << 32) | static_cast<uint64_t>(slot);
 }
@@ -202,7 +221,9 @@ FTJAX_PLAN_FN void plan_core(const Team& t, const PlanArgs& a, const PlanScratch
   // One pass issues every global load the plan depends on: the router ids (kept), the gate weights, the
   // layer's routed experts with their slots and recency, the histogram, and last_use / owner_of (into the
   // copies, last_use rebased). (The recency read here follows the rebase: a barrier lies between.)
+  const bool staging = a.stage_token != nullptr;
   t.each(E, [&](int64_t e) { s.pos[e] = 0; });
+  t.each(1, [&](int64_t) { *s.odd = 0; });
   t.sync();
   t.each(R, [&](int64_t r) {
     const int32_t id = a.ids[r];
@@ -215,26 +236,36 @@ FTJAX_PLAN_FN void plan_core(const Team& t, const PlanArgs& a, const PlanScratch
       s.slot_e[id] = a.slot_of[f];
       s.rec_e[id] = a.recency[f];
     }
-    if (v && (id < 0 || id >= E)) a.cpu_units[r] = a.slot_of[clamp_flat(f)];  // its slot before the call
+    if (v && (id < 0 || id >= E)) {
+      a.cpu_units[r] = a.slot_of[clamp_flat(f)];  // its slot before the call
+      if (staging) t.add_i32(s.odd, 1);
+    }
     if (v && f >= 0 && f < N) t.add_i32(&a.hist[f], 1);
   });
   // (eight entries per thread and pass, their loads issued together: a plain strided loop waits for each
-  // load in turn, ~0.7 us a pass on the GPU, 8 passes for 3,788 slots)
+  // load in turn, ~0.7 us a pass on the GPU, 8 passes for 3,788 slots; x's staged copy rides along)
   constexpr int kChunk = 8;
-  if (s.lu_copy || shift)
-    t.each((S + kChunk - 1) / kChunk, [&](int64_t c) {
-      int32_t v[kChunk], o[kChunk];
-      const int64_t i0 = c * kChunk, n = S - i0 < kChunk ? S - i0 : kChunk;
-      for (int q = 0; q < kChunk; ++q) {
-        v[q] = q < n ? a.last_use[i0 + q] : 0;
-        o[q] = (s.lu_copy && q < n) ? a.owner_of[i0 + q] : 0;
+  const int64_t lu_chunks = (s.lu_copy || shift) ? (S + kChunk - 1) / kChunk : 0;
+  const int64_t x_chunks = a.stage_x ? (a.x_word_count + kChunk - 1) / kChunk : 0;
+  t.each(lu_chunks > x_chunks ? lu_chunks : x_chunks, [&](int64_t c) {
+    int32_t v[kChunk], o[kChunk];
+    uint32_t xw[kChunk];
+    const int64_t i0 = c * kChunk;
+    const int64_t n = c < lu_chunks ? (S - i0 < kChunk ? S - i0 : kChunk) : 0;
+    const int64_t nx = c < x_chunks ? (a.x_word_count - i0 < kChunk ? a.x_word_count - i0 : kChunk) : 0;
+    for (int q = 0; q < kChunk; ++q) {
+      v[q] = q < n ? a.last_use[i0 + q] : 0;
+      o[q] = (s.lu_copy && q < n) ? a.owner_of[i0 + q] : 0;
+      xw[q] = q < nx ? a.x_words[i0 + q] : 0u;
+    }
+    for (int q = 0; q < kChunk; ++q) {
+      if (q < n) {
+        lu[i0 + q] = back(v[q]);
+        if (s.lu_copy) s.own[i0 + q] = o[q];
       }
-      for (int q = 0; q < kChunk; ++q)
-        if (q < n) {
-          lu[i0 + q] = back(v[q]);
-          if (s.lu_copy) s.own[i0 + q] = o[q];
-        }
-    });
+      if (q < nx) a.stage_x[i0 + q] = xw[q];
+    }
+  });
   t.sync();
   const int64_t n_uniq = t.compact(E, [&](int64_t e) { return s.pos[e] != 0; },
                                    [&](int64_t q, int64_t e) { s.uniq[q] = static_cast<int32_t>(e); });
@@ -271,17 +302,6 @@ FTJAX_PLAN_FN void plan_core(const Team& t, const PlanArgs& a, const PlanScratch
     } else if (defer) {
       deferred = plan_defer_fills(m, n_fill, ff);
     }
-    // Victims: the n_fill least recently used slots, in LRU order (one reduction each).
-    uint64_t prev = 0;
-    for (int32_t j = 0; j < n_fill; ++j) {
-      const bool first = j == 0;
-      const uint64_t key = t.min_u64(S, [&](int64_t i) {
-        const uint64_t k = lru_key(lu[i], i);
-        return (first || k > prev) ? k : ~uint64_t{0};
-      });
-      t.each(1, [&](int64_t) { s.victims[j] = static_cast<int32_t>(key & 0xffffffffu); });
-      prev = key;
-    }
     // The misses to fill: most recently routed first, ties to the lower id (plan.rank_misses).
     t.each(U, [&](int64_t i) {
       if (!(s.uniq[i] < E && s.slot_u[i] < 0)) return;
@@ -293,8 +313,81 @@ FTJAX_PLAN_FN void plan_core(const Team& t, const PlanArgs& a, const PlanScratch
       if (rank < n_fill) {
         s.fill_list[rank] = static_cast<int32_t>(base + s.uniq[i]);
         s.fill_u[rank] = static_cast<int32_t>(i);
+        s.slot_new[i] = kPendingSlot;  // (its victim is chosen below; the CPU's tasks need only the sign)
       }
     });
+    t.sync();
+  }
+
+  // Routes: slot after the updates; the unit split's units; a deferred call's misses to the CPU. A
+  // routed expert's slots come from the per-expert arrays; a router id outside [0, E) reads slot_of at
+  // the clamped flat id, before and after the updates (the jnp plan's gather), like the reference.
+  const bool split_call = defer && split && F > 0;
+  auto slots_of = [&](int64_t r, int32_t* before, int32_t* after) {
+    const int32_t id = route_id(r);
+    if (!route_valid(r)) {
+      *before = -1;
+      *after = -1;
+    } else if (id >= 0 && id < E) {  // a valid route's expert is in uniq
+      *before = s.slot_u[s.pos[id] - 1];
+      *after = s.slot_new[s.pos[id] - 1];
+    } else {
+      *before = a.cpu_units[r];
+      *after = a.slot_of[clamp_flat(base + id)];
+    }
+  };
+  auto route_plan = [&](int64_t r, int32_t* slot, int32_t* ru) {
+    int32_t before;
+    slots_of(r, &before, slot);
+    *ru = num_units;
+    const bool missed = before < 0;
+    if (split_call) {
+      if (deferred && missed && *slot >= 0) *ru = units;
+    } else if (defer && deferred && missed) {
+      *slot = -1;
+    }
+  };
+  auto stage = [&](int64_t j, int64_t r, int32_t slot, int32_t ru) {
+    a.stage_token[j] = static_cast<int32_t>(r / a.top_k);
+    a.stage_flat[j] = static_cast<int32_t>(base) + route_id(r);
+    a.stage_weight[j] = s.gw ? s.gw[r] : a.gate_weights[r];
+    a.stage_units[j] = slot >= 0 ? ru : 0;
+  };
+  auto staged = [&](int64_t n, int32_t early) {
+    t.each(1, [&](int64_t) {
+      if (a.staged_n) *a.staged_n = static_cast<int32_t>(n);
+      if (a.staged_early) *a.staged_early = early;
+    });
+    t.publish(n);
+  };
+  // The CPU branch's tasks, staged before the victims (the fills' victims change no task).
+  const bool stage_early = staging && *s.odd == 0;
+  if (stage_early) {
+    auto on_cpu = [&](int64_t r) {
+      int32_t slot, ru;
+      route_plan(r, &slot, &ru);
+      return route_valid(r) && (slot < 0 || ru < num_units);
+    };
+    const int64_t n = t.compact(R, on_cpu, [&](int64_t j, int64_t r) {
+      int32_t slot, ru;
+      route_plan(r, &slot, &ru);
+      stage(j, r, slot, ru);
+    });
+    staged(n, 1);
+  }
+
+  if (F > 0) {
+    // Victims: the n_fill least recently used slots, in LRU order (one reduction each).
+    uint64_t prev = 0;
+    for (int32_t j = 0; j < n_fill; ++j) {
+      const bool first = j == 0;
+      const uint64_t key = t.min_u64(S, [&](int64_t i) {
+        const uint64_t k = lru_key(lu[i], i);
+        return (first || k > prev) ? k : ~uint64_t{0};
+      });
+      t.each(1, [&](int64_t) { s.victims[j] = static_cast<int32_t>(key & 0xffffffffu); });
+      prev = key;
+    }
     t.sync();
     const int32_t stamp = (defer && deferred) ? step + a.defer_horizon : step;
     t.each(F, [&](int64_t j) {
@@ -321,33 +414,9 @@ FTJAX_PLAN_FN void plan_core(const Team& t, const PlanArgs& a, const PlanScratch
     t.sync();
   }
 
-  // Routes: slot after the updates; the unit split's units; a deferred call's misses to the CPU. A
-  // routed expert's slots come from the per-expert arrays; a router id outside [0, E) reads slot_of at
-  // the clamped flat id, before and after the updates (the jnp plan's gather), like the reference.
-  const bool split_call = defer && split && F > 0;
-  auto slots_of = [&](int64_t r, int32_t* before, int32_t* after) {
-    const int32_t id = route_id(r);
-    if (!route_valid(r)) {
-      *before = -1;
-      *after = -1;
-    } else if (id >= 0 && id < E) {  // a valid route's expert is in uniq
-      *before = s.slot_u[s.pos[id] - 1];
-      *after = s.slot_new[s.pos[id] - 1];
-    } else {
-      *before = a.cpu_units[r];
-      *after = a.slot_of[clamp_flat(base + id)];
-    }
-  };
   t.each(R, [&](int64_t r) {
-    int32_t before, slot;
-    slots_of(r, &before, &slot);
-    int32_t ru = num_units;
-    const bool missed = before < 0;
-    if (split_call) {
-      if (deferred && missed && slot >= 0) ru = units;
-    } else if (defer && deferred && missed) {
-      slot = -1;
-    }
+    int32_t slot, ru;
+    route_plan(r, &slot, &ru);
     a.route_slot[r] = slot;
     a.route_units[r] = ru;
     if (s.rs) {
@@ -371,8 +440,12 @@ FTJAX_PLAN_FN void plan_core(const Team& t, const PlanArgs& a, const PlanScratch
       a.task_weight[j] = s.gw ? s.gw[r] : a.gate_weights[r];
     }
   };
-  const int64_t n_cpu = t.compact(R, on_cpu, emit);
+  const int64_t n_cpu = t.compact(R, on_cpu, [&](int64_t j, int64_t r) {
+    emit(j, r);
+    if (staging && !stage_early) stage(j, r, slot_at(r), units_at(r));
+  });
   t.compact(R, [&](int64_t r) { return !on_cpu(r); }, [&](int64_t q, int64_t r) { emit(n_cpu + q, r); });
+  if (staging && !stage_early) staged(n_cpu, 0);
   // Recency of the routed experts; last_use back from the copy; counters; the clock (stores and atomic
   // adds: nothing in the call waits for them).
   t.each(U, [&](int64_t i) {

@@ -27,6 +27,7 @@ namespace {
 // The team of one: every phase a plain loop.
 struct SerialTeam {
   void sync() const {}
+  void publish(int64_t) const {}  // (the CPU platform has no channel: staging is the check form only)
   void add_i32(int32_t* p, int32_t v) const { *p += v; }
   template <class F>
   void each(int64_t n, F f) const {
@@ -78,6 +79,7 @@ struct ThreadTeam {
     }
   }
   void add_i32(int32_t* p, int32_t v) const { __atomic_fetch_add(p, v, __ATOMIC_RELAXED); }
+  void publish(int64_t) const {}
   template <class F>
   void each(int64_t n, F f) const {
     for (int64_t i = tid; i < n; i += st->n) f(i);
@@ -131,8 +133,11 @@ struct ThreadTeam {
 
 ffi::Error PlanCpuImpl(ffi::RemainingArgs args, ffi::RemainingRets rets, FTJAX_PLAN_ATTR_PARAMS) {
   PlanArgs a;
-  ffi::Error err = plan_ffi::bind(args, rets, FTJAX_PLAN_ATTR_VALUES, &a);
+  plan_ffi::PublishOperands pub;
+  ffi::Error err = plan_ffi::bind(args, rets, FTJAX_PLAN_ATTR_VALUES, &a, &pub);
   if (err.failure()) return err;
+  if (publish == plan_ffi::kPublishChannel)
+    return ffi::Error::InvalidArgument("plan_layer: publishing to a CPU-branch channel is the CUDA platform's");
   const int64_t R = a.tokens * a.top_k;
   // One thread gains nothing from the copies the GPU makes, but CI then runs the code paths the GPU runs:
   // the per-route copies unless there are more routes than experts, the per-slot copies when the call can

@@ -3,6 +3,9 @@
 // 8-13 us in session 13, bound by the latency of its phases' global-memory round trips; 6.8 us without
 // misses and 13.4 with lru-split's fills in session 22, its loads all in the first pass). The state is
 // read and written on the device; nothing waits on the host (command-buffer compatible).
+// publish=kPublishChannel: the kernel also stages x and the CPU branch's task list in a channel's mapped
+// staging and publishes the request (cpu_experts_submit's kTaskRequest) as soon as the list is known, before
+// the victims: the CPU call starts from inside the plan kernel and no submit kernel runs.
 #define FTJAX_PLAN_FN __device__
 #include "plan_core.h"
 
@@ -10,6 +13,7 @@
 
 #include "cuda_common.h"
 #include "ffi_cuda.h"
+#include "handshake_device.cuh"
 #include "plan_ffi.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -25,8 +29,25 @@ constexpr size_t kPlanMaxSmem = 200 * 1024;  // the scratch without copies: 10 E
 // warp votes and shuffles and a 32-entry shared array (`red`), every thread getting the result.
 struct BlockTeam {
   long long* red;
+  HandshakeCtrl* ctrl;  // the channel's request (nullptr: the plan publishes nothing)
+  int32_t* token;       // the submit token (cpu_experts_collect's)
+  int32_t* words;
+  int32_t n_tokens, x_bf16, capacity;
   __device__ int tid() const { return static_cast<int>(threadIdx.x); }
   __device__ void sync() const { __syncthreads(); }
+  // The staged x and tasks (every thread's stores, each thread's system fence) before the request; an empty
+  // list is not published (kSkipped: collect writes zeros without waiting).
+  __device__ void publish(int64_t n) const {
+    if (!ctrl) return;
+    __threadfence_system();
+    __syncthreads();
+    if (tid() == 0) {
+      if (n <= 0)
+        *token = static_cast<int32_t>(kSkipped);
+      else
+        publish_now(ctrl, kTaskRequest, static_cast<int32_t>(n), n_tokens, x_bf16, capacity, token, words, false);
+    }
+  }
   __device__ void add_i32(int32_t* p, int32_t v) const { atomicAdd(p, v); }
   template <class F>
   __device__ void each(int64_t n, F f) const {
@@ -89,19 +110,43 @@ struct BlockTeam {
   }
 };
 
-__global__ void __launch_bounds__(kPlanThreads) plan_kernel(PlanArgs a, bool ids_copy, bool lu_copy) {
+__global__ void __launch_bounds__(kPlanThreads) plan_kernel(PlanArgs a, BlockTeam team, bool ids_copy, bool lu_copy) {
   extern __shared__ int32_t smem[];
   __shared__ long long red[32];
   const int64_t R = a.tokens * a.top_k;
-  plan_core(BlockTeam{red}, a, plan_scratch(smem, R, a.n_experts, a.fill_capacity, a.n_slots, a.last_use, a.owner_of,
+  team.red = red;
+  plan_core(team, a, plan_scratch(smem, R, a.n_experts, a.fill_capacity, a.n_slots, a.last_use, a.owner_of,
                                                  ids_copy, lu_copy));
 }
 
 ffi::Error PlanCudaImpl(cudaStream_t stream, ffi::RemainingArgs args, ffi::RemainingRets rets, FTJAX_PLAN_ATTR_PARAMS) {
   PlanArgs a;
-  ffi::Error err = plan_ffi::bind(args, rets, FTJAX_PLAN_ATTR_VALUES, &a);
+  plan_ffi::PublishOperands pub;
+  ffi::Error err = plan_ffi::bind(args, rets, FTJAX_PLAN_ATTR_VALUES, &a, &pub);
   if (err.failure()) return err;
   const int64_t R = a.tokens * a.top_k;
+  BlockTeam team{nullptr, nullptr, nullptr, nullptr, 0, 0, 0};
+  if (publish == plan_ffi::kPublishChannel) {
+    ChannelView ch;
+    if (!channel_view(channel, &ch))
+      return ffi::Error::InvalidArgument("plan_layer: channel " + std::to_string(channel) +
+                                         " was not created (ftjax.host.cuda.create_channel)");
+    if (pub.hidden != ch.hidden || pub.tokens > ch.max_tokens || R > ch.max_tasks)
+      return ffi::Error::InvalidArgument("plan_layer: x [" + std::to_string(pub.tokens) + ", " +
+                                         std::to_string(pub.hidden) + "] and " + std::to_string(R) +
+                                         " routes do not fit channel " + std::to_string(channel) + " ([<= " +
+                                         std::to_string(ch.max_tokens) + ", " + std::to_string(ch.hidden) +
+                                         "], <= " + std::to_string(ch.max_tasks) + " tasks)");
+    a.x_words = static_cast<const uint32_t*>(pub.x);
+    a.x_word_count = pub.x_bytes / 4;
+    a.stage_x = reinterpret_cast<uint32_t*>(ch.stage_dev + ch.x_off);
+    a.stage_token = reinterpret_cast<int32_t*>(ch.stage_dev + ch.tok_off);
+    a.stage_flat = reinterpret_cast<int32_t*>(ch.stage_dev + ch.eid_off);
+    a.stage_weight = reinterpret_cast<float*>(ch.stage_dev + ch.w_off);
+    a.stage_units = reinterpret_cast<int32_t*>(ch.stage_dev + ch.u_off);
+    team = BlockTeam{nullptr, ch.ctrl_dev, pub.token, transfer_words(false), static_cast<int32_t>(pub.tokens),
+                     pub.x_bf16 ? 1 : 0, static_cast<int32_t>(R)};
+  }
   // The per-route copies, then the per-slot ones (last_use, owner_of), in shared memory where they fit
   // (plan_core.h PlanScratch); otherwise read in place.
   const auto bytes = [&](bool ids, bool lu) {
@@ -118,7 +163,7 @@ ffi::Error PlanCudaImpl(cudaStream_t stream, ffi::RemainingArgs args, ffi::Remai
   if (smem > 48 * 1024)  // above the default limit of dynamic shared memory: opt in (every Hopper has 227 KiB)
     e = cudaFuncSetAttribute(plan_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
   if (e == cudaSuccess) {
-    plan_kernel<<<1, kPlanThreads, smem, stream>>>(a, ids_copy, lu_copy);
+    plan_kernel<<<1, kPlanThreads, smem, stream>>>(a, team, ids_copy, lu_copy);
     e = cudaGetLastError();
   }
   if (e != cudaSuccess) return ffi::Error::Internal(std::string("plan_layer launch: ") + cudaGetErrorString(e));

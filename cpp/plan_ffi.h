@@ -15,13 +15,16 @@ namespace plan_ffi {
 namespace ffi = xla::ffi;
 
 // Operands: ids [T, k], token_valid [T] (i32), fill_fraction [] (f32), gate_weights [T, k] (f32; with
-// tasks only), then the state (aliased to results 0..11): slot_of, owner_of, last_use, step, recency, six
+// tasks only), x [T, H] (f32 or bf16; with a publishing plan only), then the state (aliased to results 0..11): slot_of, owner_of, last_use, step, recency, six
 // [L] counters, hist; then (with background only) bg_ids, bg_slots [L, C], bg_n, bg_from [L] (aliased
 // to results 12..15).
-constexpr int kStateCount = 12, kBgCount = 4, kPlanOuts = 13, kTaskOuts = 3;
+constexpr int kStateCount = 12, kBgCount = 4, kPlanOuts = 13, kTaskOuts = 3, kCheckOuts = 6;
 // Results: the state, [the background rows,] then route_slot, cpu_routes, route_units, cpu_units [R],
 // fill_ids, fill_slots [F], n_cpu_routes, n_fill, hits, misses, cpu_experts, deferred, fill_units [],
-// [then task_token, task_flat (i32), task_weight (f32) [R]].
+// [then task_token, task_flat (i32), task_weight (f32) [R]], [then (kPublishChannel) the CPU branch's
+// submit token [], or (kPublishCheck) the staged task_token, task_flat, task_weight, units [R], count and
+// early flag []].
+enum PlanPublish : int64_t { kPublishNone = 0, kPublishChannel = 1, kPublishCheck = 2 };
 
 inline std::string tag(const char* what) { return std::string("plan_layer: ") + what; }
 
@@ -69,18 +72,32 @@ struct PlanAttrs {
   int64_t layer, n_experts, fill_capacity, rule, update, defer_horizon, split_inter, split_granule, rebase_at,
       rebase_by, all_units, with_tasks, with_background, bg_units;
   int64_t team_threads;  // CPU handler only (tests): run plan_core on this many threads, the GPU block's form
+  int64_t publish;       // PlanPublish (needs the tasks)
+  int64_t channel;       // kPublishChannel: the CPU branch's channel (cuda.create_channel)
+};
+
+// A publishing plan's x operand and token result (kPublishChannel; the CUDA handler stages into the channel).
+struct PublishOperands {
+  const void* x = nullptr;
+  int64_t x_bytes = 0, tokens = 0, hidden = 0;
+  bool x_bf16 = false;
+  int32_t* token = nullptr;
 };
 
 // Fills `a` (pointers of XLA's buffers: device pointers for the CUDA handler) and checks every shape.
 inline ffi::Error bind(const ffi::RemainingArgs& args, const ffi::RemainingRets& rets, const PlanAttrs& at,
-                       PlanArgs* a) {
+                       PlanArgs* a, PublishOperands* pub) {
   const bool tasks = at.with_tasks != 0, bg = at.with_background != 0;
-  const int n_args = 3 + tasks + kStateCount + (bg ? kBgCount : 0);
-  const int n_rets = kStateCount + (bg ? kBgCount : 0) + kPlanOuts + (tasks ? kTaskOuts : 0);
+  if (at.publish < kPublishNone || at.publish > kPublishCheck || (at.publish != kPublishNone && !tasks))
+    return ffi::Error::InvalidArgument(tag("publish must be 0, 1 or 2, and needs the task arrays"));
+  const bool publishes = at.publish != kPublishNone;
+  const int n_args = 3 + tasks + publishes + kStateCount + (bg ? kBgCount : 0);
+  const int n_rets = kStateCount + (bg ? kBgCount : 0) + kPlanOuts + (tasks ? kTaskOuts : 0) +
+                     (at.publish == kPublishChannel ? 1 : at.publish == kPublishCheck ? kCheckOuts : 0);
   if (static_cast<int>(args.size()) != n_args || static_cast<int>(rets.size()) != n_rets)
     return ffi::Error::InvalidArgument(tag("expected ") + std::to_string(n_args) + " operands and " +
                                        std::to_string(n_rets) + " results");
-  const int state0 = 3 + tasks;  // the first state operand
+  const int state0 = 3 + tasks + publishes;  // the first state operand
   const int64_t layer = at.layer, n_experts = at.n_experts, fill_capacity = at.fill_capacity;
   Operand ids, valid, ff, gw, slot_of, owner_of;
   FTJAX_PLAN_TRY(get_arg<ffi::S32>(args, 0, &ids));
@@ -146,6 +163,36 @@ inline ffi::Error bind(const ffi::RemainingArgs& args, const ffi::RemainingRets&
     FTJAX_PLAN_TRY(ret_of<ffi::S32>(rets, ret, R, &a->task_token));
     FTJAX_PLAN_TRY(ret_of<ffi::S32>(rets, ret + 1, R, &a->task_flat));
     FTJAX_PLAN_TRY(ret_of<ffi::F32>(rets, ret + 2, R, &a->task_weight));
+    ret += kTaskOuts;
+  }
+  a->stage_token = a->stage_flat = a->stage_units = a->staged_n = a->staged_early = nullptr;
+  a->stage_weight = nullptr;
+  a->x_words = nullptr;
+  a->stage_x = nullptr;
+  a->x_word_count = 0;
+  *pub = PublishOperands{};
+  if (publishes) {
+    auto x = args.get<ffi::AnyBuffer>(3 + tasks);
+    if (!x.has_value()) return ffi::Error::InvalidArgument(tag("x must be a buffer"));
+    const auto xd = x->dimensions();
+    const bool bf16 = x->element_type() == ffi::DataType::BF16;
+    if (xd.size() != 2 || xd[0] != T || (!bf16 && x->element_type() != ffi::DataType::F32) || x->size_bytes() % 4)
+      return ffi::Error::InvalidArgument(tag("x must be f32 or bf16 [T, H] with T the ids' T (and 4-byte rows)"));
+    pub->x = x->untyped_data();
+    pub->x_bytes = static_cast<int64_t>(x->size_bytes());
+    pub->tokens = T;
+    pub->hidden = xd[1];
+    pub->x_bf16 = bf16;
+  }
+  if (at.publish == kPublishChannel) {
+    FTJAX_PLAN_TRY(ret_of<ffi::S32>(rets, ret, 1, &pub->token));
+  } else if (at.publish == kPublishCheck) {
+    FTJAX_PLAN_TRY(ret_of<ffi::S32>(rets, ret, R, &a->stage_token));
+    FTJAX_PLAN_TRY(ret_of<ffi::S32>(rets, ret + 1, R, &a->stage_flat));
+    FTJAX_PLAN_TRY(ret_of<ffi::F32>(rets, ret + 2, R, &a->stage_weight));
+    FTJAX_PLAN_TRY(ret_of<ffi::S32>(rets, ret + 3, R, &a->stage_units));
+    FTJAX_PLAN_TRY(ret_of<ffi::S32>(rets, ret + 4, 1, &a->staged_n));
+    FTJAX_PLAN_TRY(ret_of<ffi::S32>(rets, ret + 5, 1, &a->staged_early));
   }
   a->tokens = T;
   a->top_k = k;
@@ -175,14 +222,16 @@ inline ffi::Error bind(const ffi::RemainingArgs& args, const ffi::RemainingRets&
       .Attr<int64_t>("defer_horizon").Attr<int64_t>("split_inter").Attr<int64_t>("split_granule")      \
       .Attr<int64_t>("rebase_at").Attr<int64_t>("rebase_by").Attr<int64_t>("all_units")                \
       .Attr<int64_t>("with_tasks").Attr<int64_t>("with_background").Attr<int64_t>("bg_units")          \
-      .Attr<int64_t>("team_threads")
+      .Attr<int64_t>("team_threads").Attr<int64_t>("publish").Attr<int64_t>("channel")
 #define FTJAX_PLAN_ATTR_PARAMS                                                                          \
   int64_t layer, int64_t n_experts, int64_t fill_capacity, int64_t rule, int64_t update, int64_t defer_horizon, \
       int64_t split_inter, int64_t split_granule, int64_t rebase_at, int64_t rebase_by, int64_t all_units,      \
-      int64_t with_tasks, int64_t with_background, int64_t bg_units, int64_t team_threads
+      int64_t with_tasks, int64_t with_background, int64_t bg_units, int64_t team_threads, int64_t publish,         \
+      int64_t channel
 #define FTJAX_PLAN_ATTR_VALUES                                                                          \
   plan_ffi::PlanAttrs { layer, n_experts, fill_capacity, rule, update, defer_horizon, split_inter, split_granule, \
-                        rebase_at, rebase_by, all_units, with_tasks, with_background, bg_units, team_threads }
+                        rebase_at, rebase_by, all_units, with_tasks, with_background, bg_units, team_threads,  \
+                        publish, channel }
 
 }  // namespace plan_ffi
 }  // namespace ftjax

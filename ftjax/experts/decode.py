@@ -76,6 +76,10 @@ BACKGROUND_YIELD_MODES = ("off", "fills", "cpu", "fills+cpu")
 DEFAULT_BACKGROUND_YIELD = "off"
 # OffloadExperts.host_plan's default (off until measured faster on the GPU machine: bench/RESULTS.md).
 DEFAULT_HOST_PLAN = False
+# OffloadExperts.plan_publish's default (off until measured faster on the GPU machine: bench/RESULTS.md), and
+# the largest x it stages (one thread block copies x into the mapped staging: decode batches, not prefill).
+DEFAULT_PLAN_PUBLISH = False
+PLAN_PUBLISH_MAX_X_BYTES = 32 << 10
 
 
 def _check_yield(mode) -> None:
@@ -154,6 +158,10 @@ class OffloadExperts:
     `cuda.cpu_experts_publish` before the plan kernel (``cpp/host_plan.h``), so the CPU call starts without
     waiting for the plan kernel and the submit kernel; the collect checks the host's tasks against the device
     plan's (a mismatch fails the call: NaN, never a silent error). None (default): DEFAULT_HOST_PLAN.
+    ``plan_publish`` (CUDA decode calls with a CPU branch, the fused plan, x up to PLAN_PUBLISH_MAX_X_BYTES):
+    the plan kernel itself stages x and the CPU branch's tasks and publishes the request once the task list
+    is known, before it chooses the victims (`plan_layer_fused(publish_x=, channel=)`): no submit kernel, and
+    the CPU call starts inside the plan kernel. None (default): DEFAULT_PLAN_PUBLISH. Not with host_plan.
     Call `drain` before dropping a state on the GPU (a background fill may still be writing its banks).
     """
 
@@ -175,6 +183,7 @@ class OffloadExperts:
     unit_granule: int | None = None
     background_yield: str | None = None
     host_plan: bool | None = None
+    plan_publish: bool | None = None
     channel_base: int = -1
     background_id: int = -1
 
@@ -225,6 +234,14 @@ class OffloadExperts:
         if self.host_plan and self.plan_impl != "fused":
             raise ValueError("host_plan checks the host's CPU tasks against the fused plan's: it needs "
                              "plan_impl='fused'")
+        if self.plan_publish is None:
+            object.__setattr__(self, "plan_publish", DEFAULT_PLAN_PUBLISH and self.plan_impl == "fused"
+                               and not self.host_plan)
+        if self.plan_publish not in (True, False):
+            raise ValueError(f"plan_publish must be None, True or False, got {self.plan_publish!r}")
+        if self.plan_publish and (self.plan_impl != "fused" or self.host_plan):
+            raise ValueError("plan_publish is the fused plan kernel's (plan_impl='fused'), and the host plan "
+                             "publishes its own request: not both")
         _check_yield(self.background_yield)
         check_kernel(self.kernel, self.pool.hidden, self.pool.inter, cache_dtype(self.pool) if self.num_slots else None)
         if self.plan_impl not in PLAN_IMPLS:
@@ -258,6 +275,12 @@ class OffloadExperts:
     def uses_host_plan(self, decode: bool) -> bool:
         """Whether a call takes the host plan's CPU branch (``host_plan``): CUDA decode calls with a CPU branch."""
         return bool(self.host_plan) and self.platform == "cuda" and self.cpu_branch and decode
+
+    def uses_plan_publish(self, decode: bool, x) -> bool:
+        """Whether the plan kernel publishes the call's CPU branch (``plan_publish``): CUDA decode calls with a
+        CPU branch whose x fits PLAN_PUBLISH_MAX_X_BYTES."""
+        return (bool(self.plan_publish) and self.platform == "cuda" and self.cpu_branch and decode
+                and x.size * x.dtype.itemsize <= PLAN_PUBLISH_MAX_X_BYTES)
 
     def set_background_yield(self, mode: str) -> None:
         """``background_yield`` from the next step on (the compiled step is unchanged: the fork reads it)."""
@@ -394,12 +417,17 @@ class OffloadExperts:
                                                     state["slot_of"], state["recency"], state["last_use"],
                                                     state["step"], self.channel_base + layer, statics)
             state = dict(state, **dict(zip(("slot_of", "recency", "last_use", "step"), kept)))
+        publishing = self.uses_plan_publish(decode, x)
         if self.plan_impl == "fused" and (self.cpu_branch or bg_decode):
-            # the CPU branch's task arrays and the background row in the plan's own call (no XLA glue)
-            plan, state, tasks, bg = plan_layer_fused(
+            # the CPU branch's task arrays and the background row in the plan's own call (no XLA glue); with
+            # plan_publish the call also submits the CPU branch (its token)
+            plan, state, tasks, bg, *published = plan_layer_fused(
                 state, layer, expert_ids, token_valid, **plan_args,
                 gate_weights=gate_weights if self.cpu_branch else None,
-                background={key: state[key] for key in BACKGROUND_KEYS} if bg_decode else None)
+                background={key: state[key] for key in BACKGROUND_KEYS} if bg_decode else None,
+                **(dict(publish_x=x, channel=self.channel_base + layer) if publishing else {}))
+            if publishing:
+                token = published[0]
             if bg is not None:
                 state, recorded = dict(state, **bg), True
         else:
@@ -408,8 +436,8 @@ class OffloadExperts:
             tasks = cpu_tasks(plan, layer, expert_ids, gate_weights, E) if self.cpu_branch else None
         cpu_args = (x, *tasks, plan.n_cpu_routes) if tasks is not None else None
         y_cpu = jnp.zeros(x.shape, jnp.float32)
-        if not self.cpu_branch or host_plan:
-            pass  # every expert is in the cache: nothing can miss; or the host plan's call is on its way
+        if not self.cpu_branch or host_plan or publishing:
+            pass  # every expert is in the cache: nothing can miss; or the call is on its way (host or plan kernel)
         elif self.platform == "cuda":
             from ftjax.host import cuda
 

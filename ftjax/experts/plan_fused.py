@@ -38,7 +38,8 @@ def plan_statics(layer: int, num_routes: int, num_experts: int, num_slots: int, 
 def plan_layer_fused(cache: dict, layer: int, expert_ids: jax.Array, token_valid: jax.Array, *, num_experts: int,
                      rule: str, fill_cap: int | None, update: bool, defer_horizon: int,
                      unit_split: tuple[int, int] | None, gate_weights: jax.Array | None = None,
-                     background: dict | None = None, team_threads: int = 1):
+                     background: dict | None = None, team_threads: int = 1, publish_x: jax.Array | None = None,
+                     channel: int | None = None, check_staging: bool = False):
     """``plan.plan_layer``'s result through the ``ftjax_plan_layer`` FFI target (arguments checked there).
 
     Returns ``(plan, cache)``, or ``(plan, cache, tasks, background)`` when ``gate_weights`` ([T, k]) or
@@ -46,7 +47,15 @@ def plan_layer_fused(cache: dict, layer: int, expert_ids: jax.Array, token_valid
     ``plan.record_background`` would (``tasks`` None without gate weights; ``background``, the arrays
     ``bg_ids``/``bg_slots`` [L, C >= F], ``bg_n``/``bg_from`` [L] updated in place at row ``layer``, None
     without it; ``bg_from`` is written only under the unit split). ``team_threads`` > 1 (tests, CPU backend):
-    the CPU handler runs the plan on that many threads in the GPU thread block's form."""
+    the CPU handler runs the plan on that many threads in the GPU thread block's form.
+
+    ``publish_x`` ([T, H] f32/bf16) with ``channel`` (CUDA): the plan kernel itself stages x and the CPU
+    branch's task list in that CPU-branch channel and publishes the request as soon as the list is known
+    (before the victims are chosen), as ``cuda.cpu_experts_submit`` would after it; the result then has a
+    fifth element, the submit token for ``cuda.cpu_experts_collect``. ``check_staging`` (tests, either
+    platform): the staged list goes into results instead, the fifth element a dict ``token, flat, weight,
+    units`` [R], ``n`` and ``early`` [] (1: staged before the victims; 0: after the routes, as for a router id
+    outside [0, E)). Both need the gate weights."""
     from ftjax.experts.plan import BACKGROUND_KEYS, LayerPlan
 
     register_targets()
@@ -70,6 +79,16 @@ def plan_layer_fused(cache: dict, layer: int, expert_ids: jax.Array, token_valid
     with_tasks = gate_weights is not None
     if with_tasks and gate_weights.shape != expert_ids.shape:
         raise ValueError(f"gate weights {gate_weights.shape} must match the expert ids {expert_ids.shape}")
+    if (publish_x is None) != (channel is None):
+        raise ValueError("a publishing plan needs both publish_x and channel")
+    if channel is not None and check_staging:
+        raise ValueError("check_staging stages into results, not into a channel: give one of them")
+    publish = 1 if channel is not None else 2 if check_staging else 0
+    if publish and not with_tasks:
+        raise ValueError("a publishing plan (channel or check_staging) needs the gate weights")
+    if publish == 1 and (publish_x.ndim != 2 or publish_x.shape[0] != T
+                         or publish_x.dtype not in (jnp.float32, jnp.bfloat16)):
+        raise ValueError(f"publish_x must be f32/bf16 [T={T}, H], got {publish_x.dtype}{list(publish_x.shape)}")
 
     def i32(*shape):
         return jax.ShapeDtypeStruct(shape, jnp.int32)
@@ -78,16 +97,25 @@ def plan_layer_fused(cache: dict, layer: int, expert_ids: jax.Array, token_valid
     results += [i32(R)] * 4 + [i32(F)] * 2 + [i32()] * 7
     if with_tasks:
         results += [i32(R), i32(R), jax.ShapeDtypeStruct((R,), jnp.float32)]
-    first_state = 4 if with_tasks else 3
+    if publish == 1:
+        results += [i32()]
+    elif publish == 2:
+        results += [i32(R), i32(R), jax.ShapeDtypeStruct((R,), jnp.float32), i32(R), i32(), i32()]
+    first_state = 3 + with_tasks + (publish != 0)
     call = jax.ffi.ffi_call("ftjax_plan_layer", results,
                             input_output_aliases={first_state + i: i for i in range(len(state) + len(bg))})
     head = [expert_ids.astype(jnp.int32), token_valid.astype(jnp.int32),
             jnp.asarray(cache["fill_fraction"], jnp.float32).reshape(())]
     if with_tasks:
         head.append(gate_weights.astype(jnp.float32))
+    if publish == 1:
+        head.append(publish_x)
+    elif publish == 2:  # (x is not staged in the check form: a stand-in in its place)
+        head.append(jnp.zeros((T, 2), jnp.float32))
     out = call(*head, *state, *bg, **statics, with_tasks=np.int64(with_tasks),
                with_background=np.int64(background is not None), bg_units=np.int64(unit_split is not None),
-               team_threads=np.int64(team_threads))
+               team_threads=np.int64(team_threads), publish=np.int64(publish),
+               channel=np.int64(-1 if channel is None else channel))
     n = len(state)
     slot_of, owner_of, last_use, step, recency = out[:5]
     new_stats = dict(zip(STAT_KEYS, out[5:5 + len(STAT_KEYS)]), hist=out[n - 1])
@@ -103,4 +131,8 @@ def plan_layer_fused(cache: dict, layer: int, expert_ids: jax.Array, token_valid
     if gate_weights is None and background is None:
         return plan, new
     tasks = tuple(out[p + 13:p + 16]) if with_tasks else None
+    if publish == 1:
+        return plan, new, tasks, new_bg, out[p + 16]
+    if publish == 2:
+        return plan, new, tasks, new_bg, dict(zip(("token", "flat", "weight", "units", "n", "early"), out[p + 16:]))
     return plan, new, tasks, new_bg

@@ -154,22 +154,27 @@ def test_dropped_backend_frees_its_staging(setup):
     assert np.abs(got - ref[1]).max() / np.abs(ref[1]).max() < 1e-4
 
 
+@pytest.mark.parametrize("mode", ["host_plan", "plan_publish"])
 @pytest.mark.parametrize("policy,size,batch,defer,unit_split", [
     ("lru-split", "37%", 1, True, True), ("lru-split", "min", 3, True, True), ("lru-split", "37%", 3, True, False),
     ("lru-split", "layer", 1, False, False), ("lru-fill", "layer", 3, True, False), ("static", "37%", 3, True, False),
     ("cpu", None, 3, True, False)])
-def test_cuda_host_plan_equals_resident(setup, policy, size, batch, defer, unit_split):
-    """The host plan (``host_plan=True``: the CPU branch's tasks decided by the coordinator from what
-    `cuda.cpu_experts_publish` stages before the plan kernel; the checked collect compares them with the
-    device plan's, a mismatch would be NaN): the resident logits, one published request per decode layer call,
-    jobs for the calls with CPU work."""
+def test_cuda_early_cpu_branch_equals_resident(setup, policy, size, batch, defer, unit_split, mode):
+    """The CPU branch submitted before the plan kernel ends, without the submit kernel: the host plan
+    (``host_plan=True``: the tasks decided by the coordinator from what `cuda.cpu_experts_publish` stages before
+    the plan kernel; the checked collect compares them with the device plan's, a mismatch would be NaN) or the
+    publishing plan (``plan_publish=True``: the plan kernel stages the tasks and publishes the request before it
+    chooses the victims): the resident logits, jobs for the calls with CPU work, the transfer words back at 0."""
     cfg, params, pool, ref = setup
     S = 0 if policy == "cpu" else SIZES[size]
     backend = OffloadExperts(pool, L, E, S, policy, platform="cuda", defer_fills=defer,
-                             unit_split=unit_split if defer and policy == "lru-split" else False, host_plan=True)
+                             unit_split=unit_split if defer and policy == "lru-split" else False, **{mode: True})
     state = backend.init_state(fill_fraction=0.4)
     hlo = decode_hlo(cfg, params, backend, state, batch)
-    assert "ftjax_cpu_experts_publish" in hlo and "ftjax_cpu_experts_collect_checked" in hlo
+    if mode == "host_plan":
+        assert "ftjax_cpu_experts_publish" in hlo and "ftjax_cpu_experts_collect_checked" in hlo
+    else:
+        assert "ftjax_cpu_experts_publish" not in hlo and "ftjax_cpu_experts_collect" in hlo
     assert "ftjax_cpu_experts_submit" not in hlo
     got, st = run(cfg, params, backend, state, batch, check=check_invariants, freeze=backend.freeze_hot_set)
     want = ref[batch]

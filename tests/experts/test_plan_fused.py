@@ -55,7 +55,7 @@ def _steppers(rule, E, update, defer, unit_split, fill_cap, team_threads=1):
         return (plans, tasks), cache
 
     def fused(cache, ids, valid, gw):
-        plans, tasks = [], []
+        plans, tasks, staging = [], [], []
         for layer in range(L):
             if layer == 0 and team_threads == 1:
                 p, cache = plan_layer(cache, layer, ids[layer], valid, impl="fused", **kw)
@@ -63,19 +63,35 @@ def _steppers(rule, E, update, defer, unit_split, fill_cap, team_threads=1):
             elif layer == 0:
                 p, cache = plan_layer_fused(cache, layer, ids[layer], valid, team_threads=team_threads, **kw)
                 t = cpu_tasks(p, layer, ids[layer], gw[layer], E)
-            else:
-                bg = {key: cache[key] for key in BACKGROUND_KEYS} if layer == 2 else None
-                p, cache, t, bg = plan_layer_fused(cache, layer, ids[layer], valid, gate_weights=gw[layer],
-                                                   background=bg, team_threads=team_threads, **kw)
-                if bg is not None:
-                    cache = dict(cache, **bg)
+            elif layer == 1:
+                p, cache, t, _ = plan_layer_fused(cache, layer, ids[layer], valid, gate_weights=gw[layer],
+                                                  team_threads=team_threads, **kw)
+            else:  # with the background rows, and the CPU branch's list staged as a publishing plan stages it
+                bg = {key: cache[key] for key in BACKGROUND_KEYS}
+                p, cache, t, bg, staged = plan_layer_fused(cache, layer, ids[layer], valid, gate_weights=gw[layer],
+                                                           background=bg, team_threads=team_threads,
+                                                           check_staging=True, **kw)
+                cache = dict(cache, **bg)
+                staging.append((p, t, staged))
             if layer != 2 and p.fill_ids.shape[0]:
                 cache = record_background(cache, p, layer, unit_split is not None)
             plans.append(p)
             tasks.append(t)
-        return (plans, tasks), cache
+        return (plans, tasks), cache, staging
 
     return jax.jit(ref, donate_argnums=0), jax.jit(fused, donate_argnums=0)
+
+
+def assert_staged(plan, tasks, staged, what, early=True):
+    """The staged list (``check_staging``) is the call's CPU task list: its count, each task's token, flat id,
+    gate weight and unit start (cpu_units), in the task arrays' order; staged before the victims (``early``)."""
+    n = int(plan.n_cpu_routes)
+    assert int(staged["n"]) == n, f"{what}: staged {int(staged['n'])} tasks, the plan has {n}"
+    assert int(staged["early"]) == int(early), f"{what}: staged early={int(staged['early'])}"
+    for name, ref in zip(("token", "flat", "weight"), tasks):
+        np.testing.assert_array_equal(np.asarray(staged[name])[:n], np.asarray(ref)[:n], f"{what}: staged {name}")
+    np.testing.assert_array_equal(np.asarray(staged["units"])[:n], np.asarray(plan.cpu_units)[:n],
+                                  f"{what}: staged units")
 
 
 def _routing(rng, T, k, E):
@@ -120,13 +136,19 @@ def run_lockstep(case, device, steps=30, seed=0, clock=None, team_threads=1):
         for key, shape in zip(BACKGROUND_KEYS, [(L, C), (L, C), (L,), (L,)]):
             cache[key] = jnp.asarray(rng.integers(-5, 50, shape), jnp.int32)
         ref = jax.tree.map(jnp.copy, cache)
+        n_staged = 0
         for i in range(steps):
             ids, valid, gw = _routing(rng, T, k, E)
             out_ref = ref_step(ref, ids, valid, gw)
-            out_fused = fused_step(cache, ids, valid, gw)
+            *out_fused, staging = fused_step(cache, ids, valid, gw)
             _assert_same(out_ref, out_fused, f"step {i}")
+            for p, t, staged in staging:
+                assert_staged(p, t, staged, f"step {i}")
+                n_staged += int(staged["n"])
             ref, cache = out_ref[1], out_fused[1]
     check_invariants(cache)
+    if not update or S < T * k:  # (where misses must reach the CPU, the staged lists are not all empty)
+        assert n_staged > 0 or rule == "all"
     return cache
 
 
@@ -223,3 +245,54 @@ def test_fused_plan_equals_the_jnp_plan_on_the_gpu(case, gpu):
 @pytest.mark.gpu
 def test_fused_plan_rebases_the_clock_on_the_gpu(gpu):
     run_lockstep(("balance", 6, 2, 2, 8, True, True, None, None), gpu, steps=12, clock=REBASE_AT - 4 * L)
+
+
+@pytest.mark.parametrize("layer", [0, L - 1])
+def test_fused_plan_stages_after_the_routes_for_a_router_id_out_of_range(layer, cpu):
+    """A valid route whose router id lies outside [0, E) reads slot_of at the clamped flat id after the
+    evictions (the jnp plan's gather): such a call stages its CPU list after the routes (early 0), still the
+    plan's list; layers 0 and L-1, where the clamped id falls in the call's own layer."""
+    E, S, T, k = 8, 5, 2, 3
+    kw = dict(num_experts=E, rule="balance", update=True, defer_horizon=0, unit_split=None, fill_cap=None)
+    geom = CacheGeometry(num_layers=L, num_experts=E, num_slots=S, hidden=4, inter=2)
+    rng = np.random.default_rng(3)
+    with jax.default_device(cpu):
+        cache = init_cache_state(geom, jnp.float32, fill_fraction=0.5)
+        cache.pop("gate_up"), cache.pop("down")
+        valid = jnp.ones((T,), bool)
+        for _ in range(4):  # slots held, so the clamped ids can be resident or evicted
+            ids = jnp.asarray(np.stack([rng.choice(E, k, replace=False) for _ in range(T)]), jnp.int32)
+            _, cache = plan_layer(cache, layer, ids, valid, impl="scatter", victims_by="rank", **kw)
+        ids = jnp.asarray([[1, -1, 3], [E + 1, 2, 5]], jnp.int32)
+        gw = jnp.asarray(rng.random((T, k)), jnp.float32)
+        ref_plan, ref_cache = plan_layer(jax.tree.map(jnp.copy, cache), layer, ids, valid, impl="scatter",
+                                         victims_by="rank", **kw)
+        ref_tasks = cpu_tasks(ref_plan, layer, ids, gw, E)
+        plan, new, tasks, _, staged = plan_layer_fused(cache, layer, ids, valid, gate_weights=gw,
+                                                       check_staging=True, **kw)
+        # (the CPU branch's list and the routes' slots as the reference's; the hit count is not compared: the
+        # jnp plan counts an out-of-range route's clamped expert, the fused plan does not)
+        for name in ("route_slot", "cpu_routes", "n_cpu_routes", "cpu_units", "fill_ids", "fill_slots", "n_fill"):
+            np.testing.assert_array_equal(np.asarray(getattr(plan, name)), np.asarray(getattr(ref_plan, name)), name)
+        for name, x, y in zip(("token", "flat", "weight"), ref_tasks, tasks):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y), f"task {name}")
+        assert_staged(plan, tasks, staged, f"layer {layer}", early=False)
+        assert int(plan.n_cpu_routes) > 0
+
+
+def test_publishing_plan_checks_its_arguments(cpu):
+    geom = CacheGeometry(num_layers=1, num_experts=4, num_slots=2, hidden=4, inter=2)
+    kw = dict(num_experts=4, rule="balance", fill_cap=None, update=True, defer_horizon=0, unit_split=None)
+    with jax.default_device(cpu):
+        cache = init_cache_state(geom, jnp.float32)
+        ids, valid, gw = jnp.zeros((1, 2), jnp.int32), jnp.ones((1,), bool), jnp.ones((1, 2), jnp.float32)
+        x = jnp.zeros((1, 4), jnp.float32)
+        with pytest.raises(ValueError, match="needs the gate weights"):
+            plan_layer_fused(cache, 0, ids, valid, check_staging=True, **kw)
+        with pytest.raises(ValueError, match="both publish_x and channel"):
+            plan_layer_fused(cache, 0, ids, valid, gate_weights=gw, publish_x=x, **kw)
+        with pytest.raises(ValueError, match="publish_x must be"):
+            plan_layer_fused(cache, 0, ids, valid, gate_weights=gw, publish_x=x[0], channel=0, **kw)
+        with pytest.raises(Exception, match="CUDA platform"):  # the CPU platform has no CPU-branch channel
+            jax.block_until_ready(plan_layer_fused(cache, 0, ids, valid, gate_weights=gw, publish_x=x, channel=0,
+                                                   **kw))
