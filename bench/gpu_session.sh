@@ -349,9 +349,9 @@ for s in "${steps[@]}"; do
          run decode_host_plan 60 python3 bench/trace_summary.py /tmp/hp_prof --top 16
          run decode_host_plan 60 python3 bench/layer_timeline.py /tmp/hp_prof
        fi ;;
-    tests-plan-publish)  # session 40: the fused plan's GPU tests (staged lists, publish) + offload = resident (~2.5 min)
+    tests-plan-publish)  # session 40: the fused plan's GPU tests (staged lists, publish), offload = resident, handshake
        run tests_plan_publish 300 python3 -m pytest -q -m gpu tests/experts/test_plan_fused.py \
-         tests/experts/test_offload_cuda.py ${PP_TESTS:+-k "$PP_TESTS"} ;;
+         tests/experts/test_offload_cuda.py tests/host/test_cuda.py ${PP_TESTS:+-k "$PP_TESTS"} ;;
     decode-plan-publish)  # session 40: 40 layers, trace, 37%: lru-split with the submit kernel vs the plan publishing,
        # fresh backends round robin ($PP_BATCHES, default 1; $PP_STEPS; $PP_ARGS, e.g. --no-resident on an H100)
        run decode_plan_publish 560 python3 bench/decode.py --layers 40 --batches ${PP_BATCHES:-1} --routing trace \

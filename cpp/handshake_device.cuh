@@ -46,9 +46,11 @@ __device__ inline void cpu_branch_left(const int32_t* token, int32_t* words) {
   if (words && static_cast<uint32_t>(*token) != kSkipped) atomicSub(words + kWordCpu, 1);
 }
 
-// The request (its fields and the staged data written before) under the next sequence number.
-__device__ inline void publish_now(HandshakeCtrl* ctrl, int32_t kind, int32_t n_valid, int32_t n_tokens, int32_t x_bf16,
-                                   int32_t capacity, int32_t* token, int32_t* words, bool trailing_fence = true) {
+// A request in two halves, for a block that stages data: thread 0 writes the fields (and reads the channel's
+// last sequence number, a PCIe round trip) before the block's system fence, so that one fence orders the
+// staged data and the fields before the seq, the read overlapping it; after the barrier thread 0 publishes.
+__device__ inline uint32_t request_fields(HandshakeCtrl* ctrl, int32_t kind, int32_t n_valid, int32_t n_tokens,
+                                          int32_t x_bf16, int32_t capacity) {
   uint32_t seq = ctrl->submit_seq + 1;
   if (seq == kSkipped) seq = 1;
   ctrl->kind = kind;
@@ -56,11 +58,23 @@ __device__ inline void publish_now(HandshakeCtrl* ctrl, int32_t kind, int32_t n_
   ctrl->n_tokens = n_tokens;
   ctrl->x_bf16 = x_bf16;
   ctrl->task_capacity = capacity;
-  __threadfence_system();  // the request fields (and the staged data) precede the seq
+  return seq;
+}
+
+// The seq (after a system fence that follows the fields and the staged data), the token, the in-flight count.
+__device__ inline void request_publish(HandshakeCtrl* ctrl, uint32_t seq, int32_t* token, int32_t* words) {
   ctrl->submit_seq = seq;
-  if (trailing_fence) __threadfence_system();
   *token = static_cast<int32_t>(seq);
   if (words) atomicAdd(words + kWordCpu, 1);  // in flight until its collect
+}
+
+// The request (its fields and the staged data written before) under the next sequence number.
+__device__ inline void publish_now(HandshakeCtrl* ctrl, int32_t kind, int32_t n_valid, int32_t n_tokens, int32_t x_bf16,
+                                   int32_t capacity, int32_t* token, int32_t* words, bool trailing_fence = true) {
+  const uint32_t seq = request_fields(ctrl, kind, n_valid, n_tokens, x_bf16, capacity);
+  __threadfence_system();  // the request fields (and the staged data) precede the seq
+  request_publish(ctrl, seq, token, words);
+  if (trailing_fence) __threadfence_system();
 }
 
 }  // namespace ftjax

@@ -252,18 +252,21 @@ FTJAX_PLAN_FN void plan_core(const Team& t, const PlanArgs& a, const PlanScratch
     uint32_t xw[kChunk];
     const int64_t i0 = c * kChunk;
     const int64_t n = c < lu_chunks ? (S - i0 < kChunk ? S - i0 : kChunk) : 0;
-    const int64_t nx = c < x_chunks ? (a.x_word_count - i0 < kChunk ? a.x_word_count - i0 : kChunk) : 0;
+    // (x's words interleaved, word q * x_chunks + c: on the GPU a warp's stores to the mapped staging are
+    // then 32 consecutive words, one PCIe write each, not 32 scattered ones)
+    const auto xi = [&](int q) { return q * x_chunks + c; };
+    const bool xc = c < x_chunks;
     for (int q = 0; q < kChunk; ++q) {
       v[q] = q < n ? a.last_use[i0 + q] : 0;
       o[q] = (s.lu_copy && q < n) ? a.owner_of[i0 + q] : 0;
-      xw[q] = q < nx ? a.x_words[i0 + q] : 0u;
+      xw[q] = (xc && xi(q) < a.x_word_count) ? a.x_words[xi(q)] : 0u;
     }
     for (int q = 0; q < kChunk; ++q) {
       if (q < n) {
         lu[i0 + q] = back(v[q]);
         if (s.lu_copy) s.own[i0 + q] = o[q];
       }
-      if (q < nx) a.stage_x[i0 + q] = xw[q];
+      if (xc && xi(q) < a.x_word_count) a.stage_x[xi(q)] = xw[q];
     }
   });
   t.sync();

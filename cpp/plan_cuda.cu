@@ -35,18 +35,20 @@ struct BlockTeam {
   int32_t n_tokens, x_bf16, capacity;
   __device__ int tid() const { return static_cast<int>(threadIdx.x); }
   __device__ void sync() const { __syncthreads(); }
-  // The staged x and tasks (every thread's stores, each thread's system fence) before the request; an empty
-  // list is not published (kSkipped: collect writes zeros without waiting).
+  // The staged x and tasks (every thread's stores) and the request's fields (thread 0, its read of the last
+  // seq overlapping the fence) before the seq: one system fence; an empty list is not published (kSkipped:
+  // collect writes zeros without waiting). n is the same in every thread.
   __device__ void publish(int64_t n) const {
     if (!ctrl) return;
+    if (n <= 0) {
+      if (tid() == 0) *token = static_cast<int32_t>(kSkipped);
+      return;
+    }
+    uint32_t seq = 0;
+    if (tid() == 0) seq = request_fields(ctrl, kTaskRequest, static_cast<int32_t>(n), n_tokens, x_bf16, capacity);
     __threadfence_system();
     __syncthreads();
-    if (tid() == 0) {
-      if (n <= 0)
-        *token = static_cast<int32_t>(kSkipped);
-      else
-        publish_now(ctrl, kTaskRequest, static_cast<int32_t>(n), n_tokens, x_bf16, capacity, token, words, false);
-    }
+    if (tid() == 0) request_publish(ctrl, seq, token, words);
   }
   __device__ void add_i32(int32_t* p, int32_t v) const { atomicAdd(p, v); }
   template <class F>
