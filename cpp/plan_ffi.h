@@ -18,12 +18,12 @@ namespace ffi = xla::ffi;
 // tasks only), x [T, H] (f32 or bf16; with a publishing plan only), then the state (aliased to results 0..11): slot_of, owner_of, last_use, step, recency, six
 // [L] counters, hist; then (with background only) bg_ids, bg_slots [L, C], bg_n, bg_from [L] (aliased
 // to results 12..15).
-constexpr int kStateCount = 12, kBgCount = 4, kPlanOuts = 13, kTaskOuts = 3, kCheckOuts = 6;
+constexpr int kStateCount = 12, kBgCount = 4, kPlanOuts = 13, kTaskOuts = 3, kCheckOuts = 7;
 // Results: the state, [the background rows,] then route_slot, cpu_routes, route_units, cpu_units [R],
 // fill_ids, fill_slots [F], n_cpu_routes, n_fill, hits, misses, cpu_experts, deferred, fill_units [],
 // [then task_token, task_flat (i32), task_weight (f32) [R]], [then (kPublishChannel) the CPU branch's
 // submit token [], or (kPublishCheck) the staged task_token, task_flat, task_weight, units [R], count and
-// early flag []].
+// early flag [], and x's staged copy (x's shape and type)].
 enum PlanPublish : int64_t { kPublishNone = 0, kPublishChannel = 1, kPublishCheck = 2 };
 
 inline std::string tag(const char* what) { return std::string("plan_layer: ") + what; }
@@ -193,6 +193,12 @@ inline ffi::Error bind(const ffi::RemainingArgs& args, const ffi::RemainingRets&
     FTJAX_PLAN_TRY(ret_of<ffi::S32>(rets, ret + 3, R, &a->stage_units));
     FTJAX_PLAN_TRY(ret_of<ffi::S32>(rets, ret + 4, 1, &a->staged_n));
     FTJAX_PLAN_TRY(ret_of<ffi::S32>(rets, ret + 5, 1, &a->staged_early));
+    auto xs = rets.get<ffi::AnyBuffer>(ret + 6);
+    if (!xs.has_value() || static_cast<int64_t>((*xs)->size_bytes()) != pub->x_bytes)
+      return ffi::Error::InvalidArgument(tag("the staged x must have x's size"));
+    a->x_words = static_cast<const uint32_t*>(pub->x);  // x staged as a publishing plan stages it
+    a->stage_x = static_cast<uint32_t*>((*xs)->untyped_data());
+    a->x_word_count = pub->x_bytes / 4;
   }
   a->tokens = T;
   a->top_k = k;

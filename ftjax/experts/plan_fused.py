@@ -55,7 +55,8 @@ def plan_layer_fused(cache: dict, layer: int, expert_ids: jax.Array, token_valid
     fifth element, the submit token for ``cuda.cpu_experts_collect``. ``check_staging`` (tests, either
     platform): the staged list goes into results instead, the fifth element a dict ``token, flat, weight,
     units`` [R], ``n`` and ``early`` [] (1: staged before the victims; 0: after the routes, as for a router id
-    outside [0, E)). Both need the gate weights."""
+    outside [0, E)), and ``x``, the staged copy of ``publish_x`` (given without a channel; None without it).
+    Both need the gate weights."""
     from ftjax.experts.plan import BACKGROUND_KEYS, LayerPlan
 
     register_targets()
@@ -79,16 +80,19 @@ def plan_layer_fused(cache: dict, layer: int, expert_ids: jax.Array, token_valid
     with_tasks = gate_weights is not None
     if with_tasks and gate_weights.shape != expert_ids.shape:
         raise ValueError(f"gate weights {gate_weights.shape} must match the expert ids {expert_ids.shape}")
-    if (publish_x is None) != (channel is None):
-        raise ValueError("a publishing plan needs both publish_x and channel")
     if channel is not None and check_staging:
         raise ValueError("check_staging stages into results, not into a channel: give one of them")
+    if channel is not None and publish_x is None or publish_x is not None and channel is None and not check_staging:
+        raise ValueError("a publishing plan needs both publish_x and channel (or publish_x with check_staging)")
     publish = 1 if channel is not None else 2 if check_staging else 0
     if publish and not with_tasks:
         raise ValueError("a publishing plan (channel or check_staging) needs the gate weights")
-    if publish == 1 and (publish_x.ndim != 2 or publish_x.shape[0] != T
-                         or publish_x.dtype not in (jnp.float32, jnp.bfloat16)):
-        raise ValueError(f"publish_x must be f32/bf16 [T={T}, H], got {publish_x.dtype}{list(publish_x.shape)}")
+    if publish_x is not None and (publish_x.ndim != 2 or publish_x.shape[0] != T
+                                  or publish_x.dtype not in (jnp.float32, jnp.bfloat16)
+                                  or publish_x.size * publish_x.dtype.itemsize % 4):
+        raise ValueError(f"publish_x must be f32/bf16 [T={T}, H] (whole 4-byte words), got "
+                         f"{publish_x.dtype}{list(publish_x.shape)}")
+    x_in = publish_x if publish_x is not None else jnp.zeros((T, 2), jnp.float32)  # (check form: a stand-in)
 
     def i32(*shape):
         return jax.ShapeDtypeStruct(shape, jnp.int32)
@@ -100,7 +104,8 @@ def plan_layer_fused(cache: dict, layer: int, expert_ids: jax.Array, token_valid
     if publish == 1:
         results += [i32()]
     elif publish == 2:
-        results += [i32(R), i32(R), jax.ShapeDtypeStruct((R,), jnp.float32), i32(R), i32(), i32()]
+        results += [i32(R), i32(R), jax.ShapeDtypeStruct((R,), jnp.float32), i32(R), i32(), i32(),
+                    jax.ShapeDtypeStruct(x_in.shape, x_in.dtype)]
     first_state = 3 + with_tasks + (publish != 0)
     call = jax.ffi.ffi_call("ftjax_plan_layer", results,
                             input_output_aliases={first_state + i: i for i in range(len(state) + len(bg))})
@@ -108,10 +113,8 @@ def plan_layer_fused(cache: dict, layer: int, expert_ids: jax.Array, token_valid
             jnp.asarray(cache["fill_fraction"], jnp.float32).reshape(())]
     if with_tasks:
         head.append(gate_weights.astype(jnp.float32))
-    if publish == 1:
-        head.append(publish_x)
-    elif publish == 2:  # (x is not staged in the check form: a stand-in in its place)
-        head.append(jnp.zeros((T, 2), jnp.float32))
+    if publish:
+        head.append(x_in)
     out = call(*head, *state, *bg, **statics, with_tasks=np.int64(with_tasks),
                with_background=np.int64(background is not None), bg_units=np.int64(unit_split is not None),
                team_threads=np.int64(team_threads), publish=np.int64(publish),
@@ -134,5 +137,6 @@ def plan_layer_fused(cache: dict, layer: int, expert_ids: jax.Array, token_valid
     if publish == 1:
         return plan, new, tasks, new_bg, out[p + 16]
     if publish == 2:
-        return plan, new, tasks, new_bg, dict(zip(("token", "flat", "weight", "units", "n", "early"), out[p + 16:]))
+        staged = dict(zip(("token", "flat", "weight", "units", "n", "early", "x"), out[p + 16:]))
+        return plan, new, tasks, new_bg, dict(staged, x=staged["x"] if publish_x is not None else None)
     return plan, new, tasks, new_bg

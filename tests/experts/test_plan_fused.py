@@ -68,11 +68,12 @@ def _steppers(rule, E, update, defer, unit_split, fill_cap, team_threads=1):
                                                   team_threads=team_threads, **kw)
             else:  # with the background rows, and the CPU branch's list staged as a publishing plan stages it
                 bg = {key: cache[key] for key in BACKGROUND_KEYS}
+                x = staged_x(gw[layer])
                 p, cache, t, bg, staged = plan_layer_fused(cache, layer, ids[layer], valid, gate_weights=gw[layer],
                                                            background=bg, team_threads=team_threads,
-                                                           check_staging=True, **kw)
+                                                           check_staging=True, publish_x=x, **kw)
                 cache = dict(cache, **bg)
-                staging.append((p, t, staged))
+                staging.append((p, t, staged, x))
             if layer != 2 and p.fill_ids.shape[0]:
                 cache = record_background(cache, p, layer, unit_split is not None)
             plans.append(p)
@@ -82,9 +83,19 @@ def _steppers(rule, E, update, defer, unit_split, fill_cap, team_threads=1):
     return jax.jit(ref, donate_argnums=0), jax.jit(fused, donate_argnums=0)
 
 
-def assert_staged(plan, tasks, staged, what, early=True):
+def staged_x(gw, hidden=37):
+    """An x [T, hidden] f32 of distinct values (37 words a row: the staged copy's chunks end mid-chunk)."""
+    T = gw.shape[0]
+    return jnp.arange(T * hidden, dtype=jnp.float32).reshape(T, hidden) + gw.sum()
+
+
+def assert_staged(plan, tasks, staged, what, early=True, x=None):
     """The staged list (``check_staging``) is the call's CPU task list: its count, each task's token, flat id,
-    gate weight and unit start (cpu_units), in the task arrays' order; staged before the victims (``early``)."""
+    gate weight and unit start (cpu_units), in the task arrays' order; staged before the victims (``early``);
+    x's staged copy bit for bit ``x``."""
+    if x is not None:
+        np.testing.assert_array_equal(np.asarray(staged["x"]).view(np.uint8), np.asarray(x).view(np.uint8),
+                                      f"{what}: staged x")
     n = int(plan.n_cpu_routes)
     assert int(staged["n"]) == n, f"{what}: staged {int(staged['n'])} tasks, the plan has {n}"
     assert int(staged["early"]) == int(early), f"{what}: staged early={int(staged['early'])}"
@@ -142,8 +153,8 @@ def run_lockstep(case, device, steps=30, seed=0, clock=None, team_threads=1):
             out_ref = ref_step(ref, ids, valid, gw)
             *out_fused, staging = fused_step(cache, ids, valid, gw)
             _assert_same(out_ref, out_fused, f"step {i}")
-            for p, t, staged in staging:
-                assert_staged(p, t, staged, f"step {i}")
+            for p, t, staged, x in staging:
+                assert_staged(p, t, staged, f"step {i}", x=x)
                 n_staged += int(staged["n"])
             ref, cache = out_ref[1], out_fused[1]
     check_invariants(cache)
@@ -268,15 +279,16 @@ def test_fused_plan_stages_after_the_routes_for_a_router_id_out_of_range(layer, 
         ref_plan, ref_cache = plan_layer(jax.tree.map(jnp.copy, cache), layer, ids, valid, impl="scatter",
                                          victims_by="rank", **kw)
         ref_tasks = cpu_tasks(ref_plan, layer, ids, gw, E)
+        x_in = jnp.asarray(rng.standard_normal((T, 6)), jnp.bfloat16)  # (3 words a row)
         plan, new, tasks, _, staged = plan_layer_fused(cache, layer, ids, valid, gate_weights=gw,
-                                                       check_staging=True, **kw)
+                                                       check_staging=True, publish_x=x_in, **kw)
         # (the CPU branch's list and the routes' slots as the reference's; the hit count is not compared: the
         # jnp plan counts an out-of-range route's clamped expert, the fused plan does not)
         for name in ("route_slot", "cpu_routes", "n_cpu_routes", "cpu_units", "fill_ids", "fill_slots", "n_fill"):
             np.testing.assert_array_equal(np.asarray(getattr(plan, name)), np.asarray(getattr(ref_plan, name)), name)
         for name, x, y in zip(("token", "flat", "weight"), ref_tasks, tasks):
             np.testing.assert_array_equal(np.asarray(x), np.asarray(y), f"task {name}")
-        assert_staged(plan, tasks, staged, f"layer {layer}", early=False)
+        assert_staged(plan, tasks, staged, f"layer {layer}", early=False, x=x_in)
         assert int(plan.n_cpu_routes) > 0
 
 
@@ -291,6 +303,11 @@ def test_publishing_plan_checks_its_arguments(cpu):
             plan_layer_fused(cache, 0, ids, valid, check_staging=True, **kw)
         with pytest.raises(ValueError, match="both publish_x and channel"):
             plan_layer_fused(cache, 0, ids, valid, gate_weights=gw, publish_x=x, **kw)
+        with pytest.raises(ValueError, match="both publish_x and channel"):
+            plan_layer_fused(cache, 0, ids, valid, gate_weights=gw, channel=0, **kw)
+        with pytest.raises(ValueError, match="whole 4-byte words"):
+            plan_layer_fused(cache, 0, ids, valid, gate_weights=gw, publish_x=jnp.zeros((1, 3), jnp.bfloat16),
+                             check_staging=True, **kw)
         with pytest.raises(ValueError, match="publish_x must be"):
             plan_layer_fused(cache, 0, ids, valid, gate_weights=gw, publish_x=x[0], channel=0, **kw)
         with pytest.raises(Exception, match="CUDA platform"):  # the CPU platform has no CPU-branch channel
