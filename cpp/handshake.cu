@@ -248,9 +248,8 @@ __global__ void ring_kernel(HandshakeCtrl* ctrl, const int32_t* n_valid, int32_t
   publish(ctrl, n_valid, n_tokens, x_bf16, capacity, token, words);
 }
 
-// One block: x and the first n_valid tasks into the mapped staging (zero-copy stores over PCIe) while thread 0
-// writes the request's fields, then every thread's system fence, the block barrier, and thread 0's seq (no
-// fence after it: the kernel ends, and the store reaches the host as it would behind a fence).
+// One block: x and the first n_valid tasks into the mapped staging (zero-copy stores over PCIe), then
+// every thread's system fence, the block barrier, and the publication by thread 0.
 __global__ void submit_fused_kernel(HandshakeCtrl* ctrl, uint8_t* stage, int64_t x_off, int64_t tok_off,
                                     int64_t eid_off, int64_t w_off, int64_t u_off, const uint8_t* __restrict__ x,
                                     int64_t x_bytes, const int32_t* __restrict__ tok, const int32_t* __restrict__ eid,
@@ -261,8 +260,6 @@ __global__ void submit_fused_kernel(HandshakeCtrl* ctrl, uint8_t* stage, int64_t
     if (threadIdx.x == 0) *token = kSkipped;
     return;
   }
-  uint32_t seq = 0;  // thread 0: the request's fields now, its seq after the block's one fence
-  if (threadIdx.x == 0) seq = request_fields(ctrl, kTaskRequest, *n_valid, n_tokens, x_bf16, capacity);
   const int64_t n16 = x_bytes / 16;  // x_bytes and both ends are 16-byte aligned (checked by the host)
   const int4* xs = reinterpret_cast<const int4*>(x);
   int4* xd = reinterpret_cast<int4*>(stage + x_off);
@@ -278,9 +275,9 @@ __global__ void submit_fused_kernel(HandshakeCtrl* ctrl, uint8_t* stage, int64_t
     wd[i] = w[i];
     ud[i] = units[i];
   }
-  __threadfence_system();  // this thread's staging stores (thread 0's: and the fields) before the seq
+  __threadfence_system();
   __syncthreads();
-  if (threadIdx.x == 0) request_publish(ctrl, seq, token, words);
+  if (threadIdx.x == 0) publish(ctrl, n_valid, n_tokens, x_bf16, capacity, token, words);
 }
 
 // Every block's thread 0 waits (wait_done: one poll per block), then the block copies its share of y
