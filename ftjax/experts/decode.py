@@ -418,6 +418,8 @@ class OffloadExperts:
                                                     state["step"], self.channel_base + layer, statics)
             state = dict(state, **dict(zip(("slot_of", "recency", "last_use", "step"), kept)))
         publishing = self.uses_plan_publish(decode, x)
+        if publishing:
+            from ftjax.host import cuda  # (its collect below)
         if self.plan_impl == "fused" and (self.cpu_branch or bg_decode):
             # the CPU branch's task arrays and the background row in the plan's own call (no XLA glue); with
             # plan_publish the call also submits the CPU branch (its token)
