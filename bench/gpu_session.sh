@@ -340,27 +340,25 @@ for s in "${steps[@]}"; do
            --fractions 0.37 --policies lru-split --no-sweep --no-online --steps ${IH_STEPS:-48} --warmup 24 \
            --down-layout $dl ${IH_ARGS:-} --out "$OUT/decode_ih_$dl.json"
        done ;;
-    decode-host-plan)  # session 35: 40 layers, trace, 37%: lru-split with the host plan off and on, fresh backends
-       # round robin ($HP_BATCHES, default 1; $HP_STEPS; ~4 min a batch)
-       run decode_host_plan 560 python3 bench/decode.py --layers 40 --batches ${HP_BATCHES:-1} --routing trace \
-         --fractions 0.37 --policies lru-split --no-sweep --no-online --steps ${HP_STEPS:-48} --warmup 24 \
-         --host-plan-ablation ${HP_ARGS:-} ${HP_PROFILE:+--profile /tmp/hp_prof} --out "$OUT/decode_host_plan.json"
-       if [ -n "${HP_PROFILE:-}" ]; then  # each run's kernels, and its layer call phase by phase
-         run decode_host_plan 60 python3 bench/trace_summary.py /tmp/hp_prof --top 16
-         run decode_host_plan 60 python3 bench/layer_timeline.py /tmp/hp_prof
+    decode-host-plan|decode-plan-publish)  # sessions 35 / 40: 40 layers, trace, 37%: lru-split with the host plan off and
+       # on / with the submit kernel vs the plan kernel publishing, fresh backends round robin ($HP_ or $PP_ BATCHES,
+       # default 1; STEPS; ARGS, e.g. --no-resident on an H100; PROFILE=1 adds the kernels and the layer phases; ~4 min
+       # a batch)
+       if [ "$s" = decode-host-plan ]; then
+         n=decode_host_plan abl=--host-plan-ablation b=${HP_BATCHES:-1} st=${HP_STEPS:-48} ex=${HP_ARGS:-} pr=${HP_PROFILE:-}
+       else
+         n=decode_plan_publish abl=--plan-publish-ablation b=${PP_BATCHES:-1} st=${PP_STEPS:-48} ex=${PP_ARGS:-} \
+           pr=${PP_PROFILE:-}
+       fi
+       run $n 560 python3 bench/decode.py --layers 40 --batches $b --routing trace --fractions 0.37 --policies lru-split \
+         --no-sweep --no-online --steps $st --warmup 24 $abl $ex ${pr:+--profile /tmp/${n}_prof} --out "$OUT/$n.json"
+       if [ -n "$pr" ]; then  # each run's kernels, and its layer call phase by phase
+         run $n 60 python3 bench/trace_summary.py /tmp/${n}_prof --top 16
+         run $n 60 python3 bench/layer_timeline.py /tmp/${n}_prof
        fi ;;
     tests-plan-publish)  # session 40: the fused plan's GPU tests (staged lists, publish), offload = resident, handshake
        run tests_plan_publish 300 python3 -m pytest -q -m gpu tests/experts/test_plan_fused.py \
          tests/experts/test_offload_cuda.py tests/host/test_cuda.py ${PP_TESTS:+-k "$PP_TESTS"} ;;
-    decode-plan-publish)  # session 40: 40 layers, trace, 37%: lru-split with the submit kernel vs the plan publishing,
-       # fresh backends round robin ($PP_BATCHES, default 1; $PP_STEPS; $PP_ARGS, e.g. --no-resident on an H100)
-       run decode_plan_publish 560 python3 bench/decode.py --layers 40 --batches ${PP_BATCHES:-1} --routing trace \
-         --fractions 0.37 --policies lru-split --no-sweep --no-online --steps ${PP_STEPS:-48} --warmup 24 \
-         --plan-publish-ablation ${PP_ARGS:-} ${PP_PROFILE:+--profile /tmp/pp_prof} --out "$OUT/decode_plan_publish.json"
-       if [ -n "${PP_PROFILE:-}" ]; then  # each run's kernels, and its layer call phase by phase
-         run decode_plan_publish 60 python3 bench/trace_summary.py /tmp/pp_prof --top 16
-         run decode_plan_publish 60 python3 bench/layer_timeline.py /tmp/pp_prof
-       fi ;;
     decode-b1-granule)  # session 26: the unit split's step, the default (8 units) against $GRANULES (default 32: a
        # cache line of a bf16 down row), fresh backends round robin, b1 / 37% ($GRANULE_BATCHES; ~5 min a batch)
        run decode_b1_granule 560 python3 bench/decode.py --layers 40 --batches ${GRANULE_BATCHES:-1} --routing trace \

@@ -391,12 +391,12 @@ class OffloadExperts:
         E = self.num_experts
         if not 0 <= layer < self.num_layers:
             raise ValueError(f"layer {layer} outside the pool's {self.num_layers} layers")
+        if self.platform == "cuda":  # (the CUDA calls of the step: submit or publish, collect, background)
+            from ftjax.host import cuda
         rule = self.policy.rule(decode)
         background = self._gpu_background
         bg_decode = background and decode  # this call may defer; the last layer forks the step's fills
         if background:  # this layer's background fill of its last call lands before anything reads the banks
-            from ftjax.host import cuda
-
             gu, dn = cuda.background_wait(state["gate_up"], state["down"], self.background_id, layer)
             state = dict(state, gate_up=gu, down=dn)
         plan_args = dict(num_experts=E, rule=rule, fill_cap=self.fill_cap, update=self.policy.update,
@@ -408,8 +408,6 @@ class OffloadExperts:
         token = None
         host_plan = self.uses_host_plan(decode)
         if host_plan:  # the CPU branch starts from the router's output; the plan below decides the same tasks
-            from ftjax.host import cuda
-
             statics = plan_statics(layer, T * k, E, state["owner_of"].shape[0], rule=rule, fill_cap=self.fill_cap,
                                    update=self.policy.update, defer_horizon=plan_args["defer_horizon"],
                                    unit_split=plan_args["unit_split"])
@@ -418,8 +416,6 @@ class OffloadExperts:
                                                     state["step"], self.channel_base + layer, statics)
             state = dict(state, **dict(zip(("slot_of", "recency", "last_use", "step"), kept)))
         publishing = self.uses_plan_publish(decode, x)
-        if publishing:
-            from ftjax.host import cuda  # (its collect below)
         if self.plan_impl == "fused" and (self.cpu_branch or bg_decode):
             # the CPU branch's task arrays and the background row in the plan's own call (no XLA glue); with
             # plan_publish the call also submits the CPU branch (its token)
@@ -441,8 +437,6 @@ class OffloadExperts:
         if not self.cpu_branch or host_plan or publishing:
             pass  # every expert is in the cache: nothing can miss; or the call is on its way (host or plan kernel)
         elif self.platform == "cuda":
-            from ftjax.host import cuda
-
             token = cuda.cpu_experts_submit(*cpu_args, channel=self.channel_base + layer,
                                             unit_start=plan.cpu_units if self.unit_split else None,
                                             fused=self.fused_handshake)

@@ -82,7 +82,7 @@ def plan_layer_fused(cache: dict, layer: int, expert_ids: jax.Array, token_valid
         raise ValueError(f"gate weights {gate_weights.shape} must match the expert ids {expert_ids.shape}")
     if channel is not None and check_staging:
         raise ValueError("check_staging stages into results, not into a channel: give one of them")
-    if channel is not None and publish_x is None or publish_x is not None and channel is None and not check_staging:
+    if (channel is not None) != (publish_x is not None) and not (publish_x is not None and check_staging):
         raise ValueError("a publishing plan needs both publish_x and channel (or publish_x with check_staging)")
     publish = 1 if channel is not None else 2 if check_staging else 0
     if publish and not with_tasks:
