@@ -49,6 +49,7 @@ from ftjax.host import (GPU_SPIN_US, calibrate, configure_workers, expert_call_t
 from ftjax.models import get_family, make_step_fns
 from ftjax.models.params import param_shapes, unflatten
 
+import layer_stamps  # bench/ sibling
 import thread_cpu  # bench/ sibling
 from decode_rounds import CALL_TIMES, ROUNDS, interleaved, knob_settings, round_robin  # bench/ sibling
 
@@ -336,6 +337,8 @@ def main(argv=None) -> int:
                          "e.g. down_rows=32 window_prefetch=off: the same executable, round robin with the defaults")
     ap.add_argument("--profile", metavar="DIR", help="also capture a profiler trace of 3 steps of each run "
                     "(perfetto JSON under DIR/<routing>-b<B>-<policy>-<cache>; summarise with bench/trace_summary.py)")
+    ap.add_argument("--stamps", action="store_true", help="after lru-split's timed run, cut its layer calls at the "
+                    "handshake's stamps (bench/layer_stamps.py) and print where a call's time goes")
     ap.add_argument("--out", default=str(Path(__file__).parent / "out" / "decode.json"))
     args = ap.parse_args(argv)
     knobs = knob_settings(args.knob_variants)  # a bad spec fails here, before any work
@@ -462,6 +465,11 @@ def main(argv=None) -> int:
                         # it again right before and after the run that the ratio is taken of
                         dram_around.append(measure.read_gbps(dram_buf, threads=dram_threads))
                     rows[pol] = run.timed(args.warmup, args.steps)
+                    if pol == "lru-split" and args.stamps:  # (before the backend runs again)
+                        ph = layer_stamps.layer_phases([run.backend.channel_base + i for i in range(L)], args.steps)
+                        print(layer_stamps.table(ph, f"{routing} b{B} lru-split {frac:.0%}"), flush=True)
+                        rows[pol]["stamps_us"] = {k: {p: [float(np.median(v)), float(np.mean(v))] for p, v in d.items()
+                                                      if len(v)} for k, d in ph.items() if k in ("with job", "without")}
                     if pol == "lru-split":
                         dram_around.append(measure.read_gbps(dram_buf, threads=dram_threads))
                     rows[pol]["victims_by"] = run.backend.victims_by

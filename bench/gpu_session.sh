@@ -28,6 +28,8 @@
 # Session 35 steps: tests-host-plan, decode-host-plan (OffloadExperts.host_plan: the CPU branch planned on the host).
 # Session 40 steps: tests-plan-publish, decode-plan-publish (OffloadExperts.plan_publish: the fused plan kernel submits the
 # CPU branch itself, before it picks victims).
+# Session 41 steps: tests-stamps (the handshake tests with the two-half submit and the stamps, offload = resident),
+# decode-stamps (b1 / 37%: lru-split's layer calls cut at the handshake's stamps, bench/layer_stamps.py).
 # Session 28 steps: cpu-int4 (kernel tests; the int4 table, the q15 / VPDPBUSD loop against the bf16 one, AMX and
 # AVX-512 tiers, and per core).
 # Session 27 steps: unit-windows (kernel tests, then bench/unit_windows.py under the CPU kernel knobs $WINDOW_KNOBS,
@@ -356,6 +358,14 @@ for s in "${steps[@]}"; do
          run $n 60 python3 bench/trace_summary.py /tmp/${n}_prof --top 16
          run $n 60 python3 bench/layer_timeline.py /tmp/${n}_prof
        fi ;;
+    tests-stamps)  # session 41: the handshake's GPU tests (the two-half submit, the stamps), offload = resident (~2 min)
+       run tests_stamps 300 python3 -m pytest -q -m gpu tests/host/test_cuda.py tests/experts/test_offload_cuda.py \
+         ${ST_TESTS:+-k "$ST_TESTS"} ;;
+    decode-stamps)  # session 41: 40 layers, trace, 37%: lru-split's layer calls cut at the handshake's stamps
+       # ($ST_BATCHES, default 1; $ST_STEPS; $ST_ARGS, e.g. --no-resident on an H100; ~3 min a batch)
+       run decode_stamps 420 python3 bench/decode.py --layers 40 --batches ${ST_BATCHES:-1} --routing trace \
+         --fractions 0.37 --policies lru-split --no-sweep --no-online --steps ${ST_STEPS:-48} --warmup 24 --stamps \
+         ${ST_ARGS:-} --out "$OUT/decode_stamps.json" ;;
     tests-plan-publish)  # session 40: the fused plan's GPU tests (staged lists, publish), offload = resident, handshake
        run tests_plan_publish 300 python3 -m pytest -q -m gpu tests/experts/test_plan_fused.py \
          tests/experts/test_offload_cuda.py tests/host/test_cuda.py ${PP_TESTS:+-k "$PP_TESTS"} ;;

@@ -142,6 +142,14 @@ void bind_cuda(nb::module_& m) {
   m.def("channel_error", &channel_error, "channel"_a);
   m.def("channel_jobs", &channel_jobs, "channel"_a);
   m.def("channel_serve_seconds", &channel_serve_seconds, "channel"_a);
+  m.def("channel_stamps", [](int64_t channel, nb::ndarray<int64_t, nb::shape<kStampRing, kStFields>, nb::c_contig> gpu,
+                             nb::ndarray<int64_t, nb::shape<kStampRing, kHostStampFields>, nb::c_contig> host) {
+    const StampCounts c = channel_stamps(channel, gpu.data(), host.data());
+    return nb::make_tuple(c.submits, c.collects, c.served);
+  }, "channel"_a, "gpu"_a, "host"_a);
+  m.attr("STAMP_RING") = kStampRing;
+  m.attr("STAMP_FIELDS") = static_cast<int>(kStFields);
+  m.attr("HOST_STAMP_FIELDS") = static_cast<int>(kHostStampFields);
   m.def("fill_seconds", &fill_seconds, "pool_id"_a, "ids"_a, "slots"_a, "n_slots"_a, "reps"_a = 10, "blocks"_a = 0);
   m.def("memcpy_h2d_seconds", &memcpy_h2d_seconds, "nbytes"_a, "reps"_a = 10);
   m.def("create_background", &create_background, "layers"_a, "max_fill"_a);

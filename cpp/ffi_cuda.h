@@ -59,4 +59,19 @@ std::string channel_error(int64_t channel);  // last CPU-side error message ("" 
 uint64_t channel_jobs(int64_t channel);      // jobs the coordinator completed on this channel
 double channel_serve_seconds(int64_t channel);  // their CPU time, request seen -> done published
 
+// Stamps of a channel's CPU-branch calls (handshake.cu): a ring of kStampRing rows each. The GPU's rows, per
+// fused submit / collect (%globaltimer ns): the submit's seq (0: skipped), its start, its publication; the
+// collect's seq, its start, when it saw done_seq, its end. The coordinator's rows, per request served
+// (steady_clock ns): seq, seen, done published, whether it ran a job.
+constexpr int64_t kStampRing = 2048;
+enum StampField : int { kStSubmitSeq, kStSubmitStart, kStPublished, kStCollectSeq, kStCollectStart, kStDoneSeen,
+                        kStCollectEnd, kStFields = 8 };
+enum HostStampField : int { kHostSeq, kHostSeen, kHostDone, kHostJob, kHostStampFields };
+struct StampCounts {
+  uint64_t submits, collects, served;  // rows written so far (the ring keeps the last kStampRing)
+};
+// Copies both rings ([kStampRing, kStFields] and [kStampRing, kHostStampFields] int64) out; call while no step
+// runs (after the host has waited for the step).
+StampCounts channel_stamps(int64_t channel, int64_t* gpu, int64_t* host);
+
 }  // namespace ftjax

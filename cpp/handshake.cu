@@ -19,6 +19,11 @@
 //   not after the plan kernel and a submit kernel. Every layer call is published (the host's task list may
 //   be empty); the checked collect compares the host's task count and checksum with the device plan's and
 //   fails the call (status kPlanMismatch, y NaN) if they differ.
+// Stamps (every channel, always on; `channel_stamps`): the fused submit and collect kernels write, per call, the
+//   %globaltimer at their start, at the publication, when done_seq was seen and at the end, into a ring in mapped
+//   memory (a row per call, counted in device memory: no PCIe read on the way), and the coordinator its own clock
+//   when it saw a request and when it published done, so that a decode layer's handshake can be cut into the GPU's
+//   work, its wait and the two PCIe crossings (bench/layer_stamps.py).
 // An empty task list (n_valid <= 0, decided on the GPU) is never published: the submit token is
 // kSkipped (0; real sequence numbers skip 0 when they wrap) and collect writes zeros without
 // waiting, so layers whose misses were all filled pay no round trip to the CPU.
@@ -34,6 +39,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "cuda_common.h"
 #include "ffi_cuda.h"
@@ -59,6 +65,10 @@ struct Channel {
   size_t lu_off, valid_off;  // kPlanRequest only (ids, slots, gate weights, recency: the task arrays' places)
   uint32_t handled = 0;
   std::atomic<uint64_t> jobs{0}, serve_ns{0};  // completed jobs, their time in serve()
+  StampsDev stamps{};                           // the GPU's rows (counts on the device, the ring mapped)
+  int64_t* stamp_ring = nullptr;                // host view of stamps.ring
+  std::vector<int64_t> host_stamps = std::vector<int64_t>(kStampRing * kHostStampFields);
+  std::atomic<uint64_t> n_host_stamps{0};       // requests served (rows written) so far
   std::mutex err_mu;
   std::string error;
 };
@@ -171,6 +181,14 @@ class Coordinator {
           std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count());
       ch.jobs.fetch_add(1);  // before done_seq: a caller that saw y also sees the count
     }
+    const uint64_t row = ch.n_host_stamps.load(std::memory_order_relaxed);
+    int64_t* h = ch.host_stamps.data() + (row % kStampRing) * kHostStampFields;
+    h[kHostSeq] = seq;
+    h[kHostSeen] = std::chrono::duration_cast<std::chrono::nanoseconds>(t0.time_since_epoch()).count();
+    h[kHostJob] = job;
+    h[kHostDone] = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                       std::chrono::steady_clock::now().time_since_epoch()).count();
+    ch.n_host_stamps.store(row + 1, std::memory_order_release);
     std::atomic_thread_fence(std::memory_order_release);  // y, status and the plan's count before done_seq
     c.done_seq = seq;
   }
@@ -248,16 +266,26 @@ __global__ void ring_kernel(HandshakeCtrl* ctrl, const int32_t* n_valid, int32_t
   publish(ctrl, n_valid, n_tokens, x_bf16, capacity, token, words);
 }
 
-// One block: x and the first n_valid tasks into the mapped staging (zero-copy stores over PCIe), then
-// every thread's system fence, the block barrier, and the publication by thread 0.
+// One block: x and the first n_valid tasks into the mapped staging (zero-copy stores over PCIe) and the
+// request's fields (thread 0), then every thread's system fence, the block barrier, and the seq by thread 0.
 __global__ void submit_fused_kernel(HandshakeCtrl* ctrl, uint8_t* stage, int64_t x_off, int64_t tok_off,
                                     int64_t eid_off, int64_t w_off, int64_t u_off, const uint8_t* __restrict__ x,
                                     int64_t x_bytes, const int32_t* __restrict__ tok, const int32_t* __restrict__ eid,
                                     const float* __restrict__ w, const int32_t* __restrict__ units,
                                     const int32_t* n_valid, int32_t n_tokens,
-                                    int32_t x_bf16, int32_t capacity, int32_t* token, int32_t* words) {
+                                    int32_t x_bf16, int32_t capacity, int32_t* token, int32_t* words,
+                                    StampsDev stamps) {
+  int64_t* row = nullptr;
+  if (threadIdx.x == 0) {
+    row = stamp_row(stamps, 0);
+    row[kStSubmitStart] = static_cast<int64_t>(global_ns());
+  }
   if (*n_valid <= 0) {  // uniform across the block: stage nothing
-    if (threadIdx.x == 0) *token = kSkipped;
+    if (threadIdx.x == 0) {
+      *token = kSkipped;
+      row[kStSubmitSeq] = kSkipped;
+      row[kStPublished] = static_cast<int64_t>(global_ns());
+    }
     return;
   }
   const int64_t n16 = x_bytes / 16;  // x_bytes and both ends are 16-byte aligned (checked by the host)
@@ -275,9 +303,18 @@ __global__ void submit_fused_kernel(HandshakeCtrl* ctrl, uint8_t* stage, int64_t
     wd[i] = w[i];
     ud[i] = units[i];
   }
+  // The request in two halves (handshake_device.cuh): thread 0's read of the last seq and its field stores
+  // overlap the staging, one system fence orders both before the seq, and nothing follows the seq's store
+  // (the plan kernel's publish does the same). n_valid > 0 here: the block returned above otherwise.
+  uint32_t seq = 0;
+  if (threadIdx.x == 0) seq = request_fields(ctrl, kTaskRequest, *n_valid, n_tokens, x_bf16, capacity);
   __threadfence_system();
   __syncthreads();
-  if (threadIdx.x == 0) publish(ctrl, n_valid, n_tokens, x_bf16, capacity, token, words);
+  if (threadIdx.x == 0) {
+    request_publish(ctrl, seq, token, words);
+    row[kStSubmitSeq] = seq;
+    row[kStPublished] = static_cast<int64_t>(global_ns());
+  }
 }
 
 // Every block's thread 0 waits (wait_done: one poll per block), then the block copies its share of y
@@ -286,10 +323,19 @@ __global__ void submit_fused_kernel(HandshakeCtrl* ctrl, uint8_t* stage, int64_t
 // y (skipped call: zeros; failed or timed-out CPU branch: NaN). n4 float4 chunks, then a scalar tail.
 __global__ void collect_fused_kernel(const HandshakeCtrl* ctrl, const int32_t* token, uint64_t timeout_ns,
                                      const float* y_stage, float* __restrict__ y, int64_t n, bool vec,
-                                     int32_t* status, int32_t* words) {
+                                     int32_t* status, int32_t* words, StampsDev stamps) {
   __shared__ int32_t st;
+  int64_t* row = nullptr;  // (block 0's thread 0)
   if (threadIdx.x == 0) {
+    if (blockIdx.x == 0) {
+      row = stamp_row(stamps, 1);
+      row[kStCollectStart] = static_cast<int64_t>(global_ns());
+    }
     st = wait_done(ctrl, token, timeout_ns);
+    if (row) {
+      row[kStCollectSeq] = *token;
+      row[kStDoneSeen] = static_cast<int64_t>(global_ns());
+    }
     __threadfence_system();  // y was written before done_seq: read it only after seeing done_seq
     if (blockIdx.x == 0) {
       *status = st;
@@ -306,6 +352,7 @@ __global__ void collect_fused_kernel(const HandshakeCtrl* ctrl, const int32_t* t
     reinterpret_cast<float4*>(y)[i] = ok && !skipped ? __ldcv(reinterpret_cast<const float4*>(y_stage) + i)
                                                      : make_float4(fill, fill, fill, fill);
   for (int64_t i = 4 * n4 + first; i < n; i += stride) y[i] = ok && !skipped ? __ldcv(y_stage + i) : fill;
+  if (row) row[kStCollectEnd] = static_cast<int64_t>(global_ns());  // (block 0's share of y copied)
 }
 
 __global__ void copy_out_kernel(const float* __restrict__ y_stage, float* __restrict__ y, int64_t n,
@@ -340,7 +387,7 @@ ffi::Error SubmitImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S3
         static_cast<int64_t>(ch->eid_off), static_cast<int64_t>(ch->w_off), static_cast<int64_t>(ch->u_off),
         static_cast<const uint8_t*>(x.untyped_data()), static_cast<int64_t>(x.size_bytes()), tok.typed_data(),
         eid.typed_data(), w.typed_data(), units.typed_data(), n_valid.typed_data(), static_cast<int32_t>(xd[0]),
-        bf16 ? 1 : 0, static_cast<int32_t>(cap), token->typed_data(), transfer_words(false));
+        bf16 ? 1 : 0, static_cast<int32_t>(cap), token->typed_data(), transfer_words(false), ch->stamps);
     const cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return ffi::Error::Internal(std::string("cpu_experts_submit: ") + cudaGetErrorString(err));
     return ffi::Error::Success();
@@ -375,7 +422,7 @@ ffi::Error CollectImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> token, ffi::Re
     collect_fused_kernel<<<blocks, kCollectThreads, 0, stream>>>(
         ch->ctrl_dev, token.typed_data(), static_cast<uint64_t>(timeout_ms) * 1000000ull,
         reinterpret_cast<const float*>(ch->stage_dev + ch->y_off), y->typed_data(), n, vec, status->typed_data(),
-        transfer_words(false));
+        transfer_words(false), ch->stamps);
     const cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return ffi::Error::Internal(std::string("cpu_experts_collect: ") + cudaGetErrorString(err));
     return ffi::Error::Success();
@@ -461,6 +508,14 @@ void create_channel(int64_t channel, uint64_t pool_id, int64_t max_tokens, int64
   cuda_check(cudaHostAlloc(&p, ch->bytes, cudaHostAllocMapped | cudaHostAllocPortable), "cudaHostAlloc");
   ch->stage = static_cast<uint8_t*>(p);
   cuda_check(cudaHostGetDevicePointer(reinterpret_cast<void**>(&ch->stage_dev), p, 0), "cudaHostGetDevicePointer");
+  cuda_check(cudaMalloc(&p, 2 * sizeof(uint64_t)), "cudaMalloc");
+  ch->stamps.counts = static_cast<uint64_t*>(p);
+  cuda_check(cudaMemset(p, 0, 2 * sizeof(uint64_t)), "cudaMemset");
+  const size_t ring = sizeof(int64_t) * kStampRing * kStFields;
+  cuda_check(cudaHostAlloc(&p, ring, cudaHostAllocMapped | cudaHostAllocPortable), "cudaHostAlloc");
+  std::memset(p, 0, ring);
+  ch->stamp_ring = static_cast<int64_t*>(p);
+  cuda_check(cudaHostGetDevicePointer(reinterpret_cast<void**>(&ch->stamps.ring), p, 0), "cudaHostGetDevicePointer");
   coordinator().add(std::move(ch));
 }
 
@@ -471,6 +526,8 @@ void destroy_channel(int64_t channel) {
   std::unique_ptr<Channel> ch = coordinator().remove(channel);
   cudaFreeHost(ch->stage);
   cudaFreeHost(ch->ctrl);
+  cudaFree(ch->stamps.counts);
+  cudaFreeHost(ch->stamp_ring);
 }
 
 bool channel_view(int64_t channel, ChannelView* out) {
@@ -494,6 +551,17 @@ uint64_t channel_jobs(int64_t channel) {
   Channel* ch = coordinator().get(channel);
   if (!ch) throw std::invalid_argument("channel " + std::to_string(channel) + " was not created");
   return ch->jobs.load();
+}
+
+StampCounts channel_stamps(int64_t channel, int64_t* gpu, int64_t* host) {
+  Channel* ch = coordinator().get(channel);
+  if (!ch) throw std::invalid_argument("channel " + std::to_string(channel) + " was not created");
+  uint64_t counts[2];
+  cuda_check(cudaMemcpy(counts, ch->stamps.counts, sizeof(counts), cudaMemcpyDeviceToHost), "channel_stamps");
+  std::memcpy(gpu, ch->stamp_ring, sizeof(int64_t) * kStampRing * kStFields);
+  const uint64_t n_host = ch->n_host_stamps.load(std::memory_order_acquire);
+  std::memcpy(host, ch->host_stamps.data(), sizeof(int64_t) * kStampRing * kHostStampFields);
+  return StampCounts{counts[0], counts[1], n_host};
 }
 
 double channel_serve_seconds(int64_t channel) {

@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "cuda_common.h"
+#include "ffi_cuda.h"
 #include "fill_device.cuh"
 
 namespace ftjax {
@@ -24,6 +25,19 @@ struct ChannelView {
   int64_t hidden, max_tokens, max_tasks;
 };
 bool channel_view(int64_t channel, ChannelView* out);  // false: no such channel
+
+// A channel's stamps (handshake.cu): the GPU's row per fused submit and per fused collect, in call order
+// (`counts` [2] on the device: submits, collects; `ring` [kStampRing, kStFields] in mapped memory). In the
+// default path the two counts advance together, so a call's submit and collect share a row (the seqs tell).
+struct StampsDev {
+  uint64_t* counts;
+  int64_t* ring;
+};
+// The next row of one counter (0: submit, 1: collect); one thread.
+__device__ inline int64_t* stamp_row(const StampsDev& s, int which) {
+  const uint64_t i = s.counts[which]++;
+  return s.ring + static_cast<int64_t>(i % kStampRing) * kStFields;
+}
 
 // Poll done_seq until it reaches the token's sequence number (the CPU's status) or timeout_ns passes
 // (kTimeout): the watchdog that turns a stuck CPU branch into a status, never a hang.

@@ -203,6 +203,11 @@ class OffloadExperts:
         if not lo <= self.num_slots <= hi:
             raise ValueError(f"policy {self.policy.name!r} needs {lo} <= num_slots <= {hi}, got {self.num_slots}"
                              + (" (the expert pool does not fit the VRAM budget)" if self.policy.preload == "all" else ""))
+        fills = self.num_slots > 0 and self.policy.update and {self.policy.decode_rule, self.policy.prefill_rule} != {"none"}
+        if self.platform == "cuda" and self.pool.format == "int4" and fills:
+            raise NotImplementedError(f"policy {self.policy.name!r} fills the GPU cache, and the CUDA fill copies bf16/f32 "
+                                      "pools only (dequantizing int4 rows into the bf16 slots on the GPU is not built); "
+                                      "int4 pools run on the CUDA platform under 'cpu', 'static' or 'resident'")
         if self.unit_split is None:
             object.__setattr__(self, "unit_split", default_unit_split(self.platform, self.background_fills,
                                                                       self.pool, self.kernel))

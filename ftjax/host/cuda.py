@@ -70,6 +70,30 @@ def channel_served(channel: int) -> tuple[int, float]:
     return int(_host.channel_jobs(int(channel))), float(_host.channel_serve_seconds(int(channel)))
 
 
+# Columns of `channel_stamps`' rows (cpp/ffi_cuda.h StampField, HostStampField).
+STAMP_COLUMNS = ("submit_seq", "submit_start", "published", "collect_seq", "collect_start", "done_seen", "collect_end")
+HOST_STAMP_COLUMNS = ("seq", "seen", "done", "job")
+
+
+def channel_stamps(channel: int) -> dict:
+    """A channel's stamps, oldest first (the rings keep the last ``_host.STAMP_RING`` calls): ``gpu`` [n, 7] int64,
+    one row per fused submit / collect pair (STAMP_COLUMNS; %globaltimer ns; a skipped call's seq is 0), and
+    ``host`` [m, 4] int64, one row per request the coordinator served (HOST_STAMP_COLUMNS; steady_clock ns: another
+    clock than the GPU's), with the counts so far (``submits``, ``collects``, ``served``). Read it between steps:
+    it copies the rings as they are. Only the fused handshake (the default) writes GPU rows."""
+    R = int(_host.STAMP_RING)
+    gpu = np.zeros((R, int(_host.STAMP_FIELDS)), np.int64)
+    host = np.zeros((R, int(_host.HOST_STAMP_FIELDS)), np.int64)
+    submits, collects, served = _host.channel_stamps(int(channel), gpu, host)
+
+    def ordered(ring, n, cols):  # (a row's submit and collect halves agree where the two seqs do)
+        n = int(n)
+        return (np.roll(ring, -(n % R), axis=0) if n > R else ring[:n])[:, :cols]
+
+    return {"gpu": ordered(gpu, collects, len(STAMP_COLUMNS)), "host": ordered(host, served, len(HOST_STAMP_COLUMNS)),
+            "submits": int(submits), "collects": int(collects), "served": int(served)}
+
+
 def _suffix(cmd_buffer: bool) -> str:
     return "" if cmd_buffer else "_nocb"
 

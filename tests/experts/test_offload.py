@@ -187,6 +187,17 @@ def test_unit_split_default(model):
     assert OffloadExperts(pool, L, E, 4, "lru-split", defer_fills=True, unit_split=True).unit_split
 
 
+def test_cuda_int4_pool_fills_are_refused_up_front():
+    """The CUDA fill copies bf16/f32 rows: a policy that fills the cache from an int4 pool is refused when the
+    backend is made (naming the policies that run), not at its first fill inside a jitted step."""
+    int4 = HostPool(L * E, 32, 32, "int4")  # (this model's I = 16 is below an int4 group)
+    for policy, slots in (("lru-split", 4), ("lru-fill", 4)):
+        with pytest.raises(NotImplementedError, match="'cpu', 'static' or 'resident'"):
+            OffloadExperts(int4, L, E, slots, policy, platform="cuda")
+    # the same pool on the CPU platform fills through the host (dequantized rows)
+    assert OffloadExperts(int4, L, E, 4, "lru-split").pool.format == "int4"
+
+
 def test_background_yield_is_checked(model):
     """``background_yield``: one of the modes (the CUDA wrapper's names), default DEFAULT_BACKGROUND_YIELD;
     `set_background_yield` checks the mode too (on the CPU platform there is no background to tell)."""

@@ -304,6 +304,45 @@ def test_submit_collect_overlaps_gpu_work_and_matches(pool, cmd_buffer, fused):
         np.testing.assert_allclose(np.asarray(y), want, rtol=1e-4, atol=1e-4)
 
 
+def test_fused_handshake_stamps_each_call(pool):
+    """The fused submit and collect stamp every call in the channel's ring, in order: a published call's seqs
+    agree and its times run start <= published <= collect start <= done seen <= end; the coordinator stamps
+    each request it served with the same seq, and its own span fits inside the GPU's (the GPU published
+    before the CPU saw the request and saw done after the CPU published it; 2 us for the timer's grain)."""
+    channel = 105
+    cuda.create_channel(channel, pool, max_tokens=8, max_tasks=32)
+    assert cuda.channel_stamps(channel)["gpu"].shape == (0, len(cuda.STAMP_COLUMNS))
+    step = jax.jit(lambda x, tok, eid, w, n, m: cuda.cpu_experts_collect(
+        cuda.cpu_experts_submit(x, tok, eid, w, n, channel), 6, 128, channel, after=jnp.tanh(m @ m)))
+    rng = np.random.default_rng(2)
+    m = jnp.asarray(rng.standard_normal((256, 256)) * 0.01, jnp.float32)
+    ns = (0, 32, 13, 0, 1, 27)
+    for n in ns:
+        x = rng.standard_normal((6, 128)).astype(np.float32)
+        tok, eid = rng.integers(0, 6, 32).astype(np.int32), rng.integers(0, 32, 32).astype(np.int32)
+        _, status, m = step(x, tok, eid, rng.random(32).astype(np.float32), jnp.int32(n), m)
+        assert int(status) == 0, cuda.channel_error(channel)
+    jax.block_until_ready(m)
+    st = cuda.channel_stamps(channel)
+    gpu, host = st["gpu"], st["host"]
+    assert st["submits"] == st["collects"] == len(ns) and gpu.shape == (len(ns), len(cuda.STAMP_COLUMNS))
+    c = {name: gpu[:, i] for i, name in enumerate(cuda.STAMP_COLUMNS)}
+    np.testing.assert_array_equal(c["submit_seq"], c["collect_seq"])
+    np.testing.assert_array_equal(c["submit_seq"] > 0, np.asarray(ns) > 0)  # skipped calls publish nothing
+    for a, b in (("submit_start", "published"), ("published", "collect_start"), ("collect_start", "done_seen"),
+                 ("done_seen", "collect_end")):
+        assert (c[a] <= c[b]).all(), (a, b)
+    assert (np.diff(c["submit_start"]) > 0).all()  # call order
+    h = {name: host[:, i] for i, name in enumerate(cuda.HOST_STAMP_COLUMNS)}
+    assert st["served"] == host.shape[0] == sum(n > 0 for n in ns)
+    np.testing.assert_array_equal(h["seq"], c["submit_seq"][c["submit_seq"] > 0])
+    assert (h["job"] == 1).all() and (h["done"] >= h["seen"]).all()
+    published = c["submit_seq"] > 0
+    gpu_span = (c["done_seen"] - c["published"])[published]
+    assert (h["done"] - h["seen"] <= gpu_span + 2000).all(), (h["done"] - h["seen"], gpu_span)
+    cuda.destroy_channel(channel)
+
+
 @pytest.mark.parametrize("fused", [False, True])
 def test_submit_carries_unit_starts(pool, fused):
     """Per-task unit starts reach the CPU branch: a task adds only its expert's units [u, I)."""

@@ -1,0 +1,92 @@
+"""Where a decode layer call's time goes, from the handshake's own stamps (``cuda.channel_stamps``).
+
+``bench/decode.py --stamps`` calls :func:`layer_phases` right after lru-split's timed run and prints
+:func:`table`. Every layer call of the timed steps is cut at the stamps of its fused submit and collect
+kernels (the GPU's %globaltimer) and at the coordinator's (the host's steady clock):
+
+  submit      the submit kernel: staging x and the tasks, the request's publication
+  gpu work    publication -> the collect kernel's start: the GPU's own work of the call (fills, GEMV)
+  gpu waits   collect start -> done seen: the GPU idle, waiting for the CPU branch
+  y copy      done seen -> the collect's end (its first block's share of y)
+  to next     collect end -> the next layer's submit start: combine, the next layer's attention, router and
+              plan (the step's last layer is left out: it runs the LM head and waits for the next dispatch)
+  to cpu      publication -> the coordinator saw it (PCIe, the coordinator's polling)
+  cpu job     the coordinator's request seen -> done published (the CPU expert call)
+  to gpu      done published -> the collect saw it
+
+The two clocks differ by an unknown offset: "to cpu" and "to gpu" assume the fastest crossing is the same
+both ways (offset = half the difference of the two smallest apparent crossings); their sum per job is
+exact (the GPU's round trip less the coordinator's own time).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+GPU_PHASES = ("submit", "gpu work", "gpu waits", "y copy", "to next")
+CPU_PHASES = ("to cpu", "cpu job", "to gpu")
+
+
+def _rows(st: dict, channel: int, calls: int) -> tuple[dict, dict]:
+    from ftjax.host.cuda import HOST_STAMP_COLUMNS, STAMP_COLUMNS
+
+    if st["submits"] != st["collects"]:
+        raise RuntimeError(f"channel {channel}: {st['submits']} stamped submits against {st['collects']} collects "
+                           "(a path without the fused submit ran): no per-call cut")
+    gpu, host = st["gpu"][-calls:], st["host"]
+    if gpu.shape[0] < calls:
+        raise RuntimeError(f"channel {channel} holds {gpu.shape[0]} stamped calls, {calls} asked for (the ring "
+                           "keeps the last calls only)")
+    g = {name: gpu[:, i] for i, name in enumerate(STAMP_COLUMNS)}
+    h = {name: host[:, i] for i, name in enumerate(HOST_STAMP_COLUMNS)}
+    return g, h
+
+
+def layer_phases(channels: list[int], steps: int, read=None) -> dict:
+    """Per layer call of the last ``steps`` decode steps, ``channels`` the layers' CPU-branch channels in layer
+    order (``OffloadExperts.channel_base + layer``; every call through the fused handshake): each phase's
+    duration in us, for the calls with a CPU job and those without. ``read``: ``cuda.channel_stamps``."""
+    if read is None:
+        from ftjax.host.cuda import channel_stamps as read
+    L = len(channels)
+    per = [_rows(read(ch), ch, steps) for ch in channels]
+    out = {"with job": {p: [] for p in GPU_PHASES + CPU_PHASES}, "without": {p: [] for p in GPU_PHASES}}
+    d1, d2, pairs = [], [], []
+    for layer, (g, h) in enumerate(per):
+        job = g["submit_seq"] > 0
+        span = {"submit": g["published"] - g["submit_start"], "gpu work": g["collect_start"] - g["published"],
+                "gpu waits": g["done_seen"] - g["collect_start"], "y copy": g["collect_end"] - g["done_seen"]}
+        if layer + 1 < L:
+            span["to next"] = per[layer + 1][0]["submit_start"] - g["collect_end"]
+        for p, v in span.items():
+            out["with job"][p].extend(v[job] / 1e3)
+            out["without"][p].extend(v[~job] / 1e3)
+        served = {int(s): (int(seen), int(done)) for s, seen, done, j in zip(h["seq"], h["seen"], h["done"], h["job"])}
+        for s, pub, seen_gpu in zip(g["submit_seq"][job], g["published"][job], g["done_seen"][job]):
+            if int(s) in served:  # (the host ring keeps as many rows as the GPU's)
+                seen, done = served[int(s)]
+                d1.append(seen - int(pub))      # offset + the crossing to the CPU
+                d2.append(int(seen_gpu) - done)  # the crossing back - offset
+                pairs.append(done - seen)
+    if pairs:
+        d1, d2 = np.asarray(d1, np.float64), np.asarray(d2, np.float64)
+        offset = (d1.min() - d2.min()) / 2
+        out["with job"]["to cpu"] = list((d1 - offset) / 1e3)
+        out["with job"]["cpu job"] = list(np.asarray(pairs, np.float64) / 1e3)
+        out["with job"]["to gpu"] = list((d2 + offset) / 1e3)
+    out["calls"] = {"with job": int(sum(int((g["submit_seq"] > 0).sum()) for g, _ in per)),
+                    "without": int(sum(int((g["submit_seq"] == 0).sum()) for g, _ in per))}
+    out["steps"], out["layers"] = steps, L
+    return out
+
+
+def table(ph: dict, title: str) -> str:
+    """The phases as a table: median / mean us per call, calls with a CPU job and without."""
+    def cell(v):
+        return f"{np.median(v):7.1f} / {np.mean(v):7.1f}" if len(v) else f"{'-':>17}"
+
+    lines = [f"layer calls, {title}: {ph['layers']} layers x {ph['steps']} steps; {ph['calls']['with job']} with a "
+             f"CPU job, {ph['calls']['without']} without (us per call, median / mean; the handshake's stamps)",
+             f"{'phase':12} {'with a CPU job':>17} {'without':>17}"]
+    for p in GPU_PHASES + CPU_PHASES:
+        lines.append(f"{p:12} {cell(ph['with job'].get(p, []))} {cell(ph['without'].get(p, []))}")
+    return "\n".join(lines)
