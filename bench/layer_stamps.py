@@ -12,7 +12,8 @@ kernels (the GPU's %globaltimer) and at the coordinator's (the host's steady clo
               plan (the step's last layer is left out: it runs the LM head and waits for the next dispatch)
   to cpu      publication -> the coordinator saw it (PCIe, the coordinator's polling)
   cpu job     the coordinator's request seen -> done published (the CPU expert call)
-  to gpu      done published -> the collect saw it
+  to gpu      done published -> the collect saw it (includes the GPU still busy with its own work: the collect
+              cannot see done before it starts)
 
 The two clocks differ by an unknown offset: "to cpu" and "to gpu" assume the fastest crossing is the same
 both ways (offset = half the difference of the two smallest apparent crossings); their sum per job is
