@@ -469,7 +469,8 @@ def main(argv=None) -> int:
                         ph = layer_stamps.layer_phases([run.backend.channel_base + i for i in range(L)], args.steps)
                         print(layer_stamps.table(ph, f"{routing} b{B} lru-split {frac:.0%}"), flush=True)
                         rows[pol]["stamps_us"] = {k: {p: [float(np.median(v)), float(np.mean(v))] for p, v in d.items()
-                                                      if len(v)} for k, d in ph.items() if k in ("with job", "without")}
+                                                      if len(v)} for k, d in ph.items()
+                                                  if k in ("with job", "without", "per step")}
                     if pol == "lru-split":
                         dram_around.append(measure.read_gbps(dram_buf, threads=dram_threads))
                     rows[pol]["victims_by"] = run.backend.victims_by

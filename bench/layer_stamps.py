@@ -15,6 +15,16 @@ kernels (the GPU's %globaltimer) and at the coordinator's (the host's steady clo
   to gpu      done published -> the collect saw it (includes the GPU still busy with its own work: the collect
               cannot see done before it starts)
 
+Per step (the last ``steps`` less one: a step ends where the next one's first submit starts), each GPU phase
+summed over the step's layer calls, in ms, and:
+
+  step        layer 0's submit start -> the next step's: the step's whole GPU time line
+  step gap    the last layer's collect end -> the next step's first submit: the LM head, sampling, the next
+              step's embedding, layer 0's attention, router and plan, and any wait for the host's dispatch
+  job calls   the step's layer calls with a CPU job
+
+The GPU phases and the gap add up to the step exactly (one clock, consecutive stamps).
+
 The two clocks differ by an unknown offset: "to cpu" and "to gpu" assume the fastest crossing is the same
 both ways (offset = half the difference of the two smallest apparent crossings); their sum per job is
 exact (the GPU's round trip less the coordinator's own time).
@@ -25,6 +35,8 @@ import numpy as np
 
 GPU_PHASES = ("submit", "gpu work", "gpu waits", "y copy", "to next")
 CPU_PHASES = ("to cpu", "cpu job", "to gpu")
+STEP_PHASES = ("gpu work, job calls", "gpu work, other calls") + tuple(p for p in GPU_PHASES if p != "gpu work") + (
+    "step gap", "step")
 
 
 def _rows(st: dict, channel: int, calls: int) -> tuple[dict, dict]:
@@ -74,10 +86,34 @@ def layer_phases(channels: list[int], steps: int, read=None) -> dict:
         out["with job"]["to cpu"] = list((d1 - offset) / 1e3)
         out["with job"]["cpu job"] = list(np.asarray(pairs, np.float64) / 1e3)
         out["with job"]["to gpu"] = list((d2 + offset) / 1e3)
+    out["per step"] = _per_step(per, steps)
     out["calls"] = {"with job": int(sum(int((g["submit_seq"] > 0).sum()) for g, _ in per)),
                     "without": int(sum(int((g["submit_seq"] == 0).sum()) for g, _ in per))}
     out["steps"], out["layers"] = steps, L
     return out
+
+
+def _per_step(per: list, steps: int) -> dict:
+    """ms per step of each of ``STEP_PHASES`` and the job calls' count, one value per step but the last."""
+    g = [gi for gi, _ in per]
+    n = steps - 1
+    first, last = g[0], g[-1]
+    out = {p: np.zeros(n) for p in STEP_PHASES}
+    out["job calls"] = np.zeros(n)
+    for layer, gl in enumerate(g):
+        job = (gl["submit_seq"] > 0)[:n]
+        work = (gl["collect_start"] - gl["published"])[:n] / 1e6
+        out["gpu work, job calls"] += np.where(job, work, 0.0)
+        out["gpu work, other calls"] += np.where(job, 0.0, work)
+        out["submit"] += (gl["published"] - gl["submit_start"])[:n] / 1e6
+        out["gpu waits"] += (gl["done_seen"] - gl["collect_start"])[:n] / 1e6
+        out["y copy"] += (gl["collect_end"] - gl["done_seen"])[:n] / 1e6
+        if layer + 1 < len(g):
+            out["to next"] += (g[layer + 1]["submit_start"] - gl["collect_end"])[:n] / 1e6
+        out["job calls"] += job
+    out["step gap"] = (first["submit_start"][1:] - last["collect_end"][:-1])[:n] / 1e6
+    out["step"] = np.diff(first["submit_start"])[:n] / 1e6
+    return {k: list(v) for k, v in out.items()}
 
 
 def table(ph: dict, title: str) -> str:
@@ -90,4 +126,11 @@ def table(ph: dict, title: str) -> str:
              f"{'phase':12} {'with a CPU job':>17} {'without':>17}"]
     for p in GPU_PHASES + CPU_PHASES:
         lines.append(f"{p:12} {cell(ph['with job'].get(p, []))} {cell(ph['without'].get(p, []))}")
+    st = ph.get("per step")
+    if st and len(st["step"]):
+        lines.append(f"per step ({len(st['step'])} steps; ms, median / mean; {np.mean(st['job calls']):.1f} calls "
+                     "with a CPU job per step)")
+        for p in STEP_PHASES:
+            v = st[p]
+            lines.append(f"{p:22} {np.median(v):7.3f} / {np.mean(v):7.3f}")
     return "\n".join(lines)

@@ -71,3 +71,20 @@ def test_last_steps_only_and_mismatch_refused():
     bad = dict(st[0], collects=st[0]["collects"] + 1)
     with pytest.raises(RuntimeError, match="fused submit"):
         layer_stamps.layer_phases([0], 2, read=lambda ch: bad)
+
+
+def test_per_step_phases_add_up_to_the_step():
+    job = [[1, 0, 1, 1], [0, 0, 1, 0], [1, 1, 1, 1]]
+    st = stamps(3, 4, job)
+    ph = layer_stamps.layer_phases([0, 1, 2], 4, read=lambda ch: st[ch])
+    ps = ph["per step"]
+    assert len(ps["step"]) == 3  # the last step has no next one to end it
+    np.testing.assert_allclose(ps["job calls"], [2, 1, 3])
+    parts = sum(np.asarray(ps[p]) for p in layer_stamps.STEP_PHASES if p != "step")
+    np.testing.assert_allclose(parts, ps["step"])
+    np.testing.assert_allclose(ps["step gap"], 0.030)  # the made-up 30 us after the last layer's collect
+    np.testing.assert_allclose(ps["submit"], 3 * 0.006)
+    # a job call's GPU work is the made-up 20 us, the job's wait shows under "gpu waits"
+    np.testing.assert_allclose(ps["gpu work, job calls"], np.asarray([2, 1, 3]) * 0.020)
+    np.testing.assert_allclose(ps["gpu waits"], np.asarray([2, 1, 3]) * (54 - 20) / 1e3)
+    assert "step gap" in layer_stamps.table(ph, "made up")
