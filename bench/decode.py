@@ -27,6 +27,7 @@ GPU machine only (CUDA FFI fill + CPU-branch handshake). Writes bench/out/decode
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import sys
 import time
@@ -108,6 +109,7 @@ class Run:
         self.tokens = tokens if routing == "text" else np.zeros((max_len, batch), np.int32)
         self.i = 0
         self.dispatch_s = 0.0  # host time inside the decode call (enqueue; a host-bound step shows here)
+        self.host_calls = collections.deque(maxlen=4096)  # (start, end) ns of the last decode calls
         self.hook = None  # called after every step (the online split refinement)
         self.sync = False  # wait for each step's logits before dispatching the next (--sync)
         self.fixed_inputs, self._fixed = False, None  # --fixed-inputs
@@ -130,9 +132,11 @@ class Run:
         else:
             tok = jnp.asarray(self.tokens[self.i % len(self.tokens)][:, None])
             n_new = jnp.ones((self.batch,), jnp.int32)
-        t0 = time.perf_counter()
+        t0 = time.monotonic_ns()  # (the coordinator's clock: bench/layer_stamps.py aligns the two)
         logits, self.state, self.expert_state = self.decode(self.params, self.expert_state, self.state, tok, n_new)
-        self.dispatch_s += time.perf_counter() - t0
+        t1 = time.monotonic_ns()
+        self.dispatch_s += (t1 - t0) / 1e9
+        self.host_calls.append((t0, t1))
         if self.sync:  # as a serving loop that samples each token before the next step
             logits.block_until_ready()
         self.i += 1
@@ -466,7 +470,8 @@ def main(argv=None) -> int:
                         dram_around.append(measure.read_gbps(dram_buf, threads=dram_threads))
                     rows[pol] = run.timed(args.warmup, args.steps)
                     if pol == "lru-split" and args.stamps:  # (before the backend runs again)
-                        ph = layer_stamps.layer_phases([run.backend.channel_base + i for i in range(L)], args.steps)
+                        ph = layer_stamps.layer_phases([run.backend.channel_base + i for i in range(L)], args.steps,
+                                                       host_calls=list(run.host_calls)[-args.steps:])
                         print(layer_stamps.table(ph, f"{routing} b{B} lru-split {frac:.0%}"), flush=True)
                         rows[pol]["stamps_us"] = {k: {p: [float(np.median(v)), float(np.mean(v))] for p, v in d.items()
                                                       if len(v)} for k, d in ph.items()

@@ -23,7 +23,13 @@ summed over the step's layer calls, in ms, and:
               step's embedding, layer 0's attention, router and plan, and any wait for the host's dispatch
   job calls   the step's layer calls with a CPU job
 
-The GPU phases and the gap add up to the step exactly (one clock, consecutive stamps).
+The GPU phases and the gap add up to the step exactly (one clock, consecutive stamps). Given the host's decode
+calls (``host_calls``: each step's dispatch start and end, ``time.monotonic_ns``: the coordinator's clock), per
+step also:
+
+  host call   the decode call's time on the host (enqueue; the step's command-buffer updates)
+  host lead   the previous step's last collect end less this step's dispatch end: > 0 the host had the step
+              enqueued before the GPU needed it; < 0 the GPU waited that long for the host
 
 The two clocks differ by an unknown offset: "to cpu" and "to gpu" assume the fastest crossing is the same
 both ways (offset = half the difference of the two smallest apparent crossings); their sum per job is
@@ -37,6 +43,7 @@ GPU_PHASES = ("submit", "gpu work", "gpu waits", "y copy", "to next")
 CPU_PHASES = ("to cpu", "cpu job", "to gpu")
 STEP_PHASES = ("gpu work, job calls", "gpu work, other calls") + tuple(p for p in GPU_PHASES if p != "gpu work") + (
     "step gap", "step")
+HOST_PHASES = ("host call", "host lead")
 
 
 def _rows(st: dict, channel: int, calls: int) -> tuple[dict, dict]:
@@ -54,10 +61,11 @@ def _rows(st: dict, channel: int, calls: int) -> tuple[dict, dict]:
     return g, h
 
 
-def layer_phases(channels: list[int], steps: int, read=None) -> dict:
+def layer_phases(channels: list[int], steps: int, read=None, host_calls=None) -> dict:
     """Per layer call of the last ``steps`` decode steps, ``channels`` the layers' CPU-branch channels in layer
     order (``OffloadExperts.channel_base + layer``; every call through the fused handshake): each phase's
-    duration in us, for the calls with a CPU job and those without. ``read``: ``cuda.channel_stamps``."""
+    duration in us, for the calls with a CPU job and those without. ``read``: ``cuda.channel_stamps``;
+    ``host_calls``: (start, end) ns of those steps' decode calls on the host's monotonic clock."""
     if read is None:
         from ftjax.host.cuda import channel_stamps as read
     L = len(channels)
@@ -80,13 +88,18 @@ def layer_phases(channels: list[int], steps: int, read=None) -> dict:
                 d1.append(seen - int(pub))      # offset + the crossing to the CPU
                 d2.append(int(seen_gpu) - done)  # the crossing back - offset
                 pairs.append(done - seen)
+    offset = None
     if pairs:
         d1, d2 = np.asarray(d1, np.float64), np.asarray(d2, np.float64)
-        offset = (d1.min() - d2.min()) / 2
+        offset = (d1.min() - d2.min()) / 2  # host clock - GPU clock
         out["with job"]["to cpu"] = list((d1 - offset) / 1e3)
         out["with job"]["cpu job"] = list(np.asarray(pairs, np.float64) / 1e3)
         out["with job"]["to gpu"] = list((d2 + offset) / 1e3)
     out["per step"] = _per_step(per, steps)
+    if host_calls is not None:
+        if offset is None:
+            raise RuntimeError("host calls given, but no CPU job in these steps to align the two clocks")
+        out["per step"].update(_host_per_step([g for g, _ in per], host_calls, steps, offset))
     out["calls"] = {"with job": int(sum(int((g["submit_seq"] > 0).sum()) for g, _ in per)),
                     "without": int(sum(int((g["submit_seq"] == 0).sum()) for g, _ in per))}
     out["steps"], out["layers"] = steps, L
@@ -116,6 +129,16 @@ def _per_step(per: list, steps: int) -> dict:
     return {k: list(v) for k, v in out.items()}
 
 
+def _host_per_step(g: list, host_calls, steps: int, offset: float) -> dict:
+    """``HOST_PHASES`` per step boundary: the host's call of step i + 1 against the GPU's end of step i."""
+    calls = np.asarray(host_calls, np.float64).reshape(-1, 2)
+    if calls.shape[0] != steps:
+        raise RuntimeError(f"{calls.shape[0]} host calls given for {steps} steps")
+    end_gpu = calls[1:, 1] - offset  # step i + 1's dispatch end on the GPU's clock
+    return {"host call": list((calls[1:, 1] - calls[1:, 0]) / 1e6),
+            "host lead": list((g[-1]["collect_end"][:-1] - end_gpu) / 1e6)}
+
+
 def table(ph: dict, title: str) -> str:
     """The phases as a table: median / mean us per call, calls with a CPU job and without."""
     def cell(v):
@@ -130,7 +153,9 @@ def table(ph: dict, title: str) -> str:
     if st and len(st["step"]):
         lines.append(f"per step ({len(st['step'])} steps; ms, median / mean; {np.mean(st['job calls']):.1f} calls "
                      "with a CPU job per step)")
-        for p in STEP_PHASES:
+        for p in STEP_PHASES + HOST_PHASES:
+            if p not in st:
+                continue
             v = st[p]
             lines.append(f"{p:22} {np.median(v):7.3f} / {np.mean(v):7.3f}")
     return "\n".join(lines)

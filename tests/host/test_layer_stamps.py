@@ -88,3 +88,20 @@ def test_per_step_phases_add_up_to_the_step():
     np.testing.assert_allclose(ps["gpu work, job calls"], np.asarray([2, 1, 3]) * 0.020)
     np.testing.assert_allclose(ps["gpu waits"], np.asarray([2, 1, 3]) * (54 - 20) / 1e3)
     assert "step gap" in layer_stamps.table(ph, "made up")
+
+
+def test_host_lead_on_the_coordinators_clock():
+    job = [[1, 1, 1, 1], [0, 1, 0, 1]]
+    st = stamps(2, 4, job)
+    starts = st[0]["gpu"][:, 1]  # layer 0's submit starts, the GPU's clock
+    # each step's dispatch ends 5 us before its first submit, after a 100 us call (the host clock: + OFFSET)
+    calls = [(int(s) - 105_000 + OFFSET, int(s) - 5_000 + OFFSET) for s in starts]
+    ph = layer_stamps.layer_phases([0, 1], 4, read=lambda ch: st[ch], host_calls=calls)
+    ps = ph["per step"]
+    np.testing.assert_allclose(ps["host call"], 0.1)
+    # the gap after the last collect is 30 us: the host ended 25 us late; the offset's estimate is off by half
+    # the two crossings' difference (0.5 us)
+    np.testing.assert_allclose(ps["host lead"], -0.025, atol=0.001)
+    assert "host lead" in layer_stamps.table(ph, "made up")
+    with pytest.raises(RuntimeError, match="host calls"):
+        layer_stamps.layer_phases([0, 1], 4, read=lambda ch: st[ch], host_calls=calls[1:])
