@@ -327,6 +327,13 @@ def main(argv=None) -> int:
                     help="also lru-split with the CPU branch submitted by a submit kernel after the plan kernel and "
                          "by the plan kernel itself before its victims (OffloadExperts plan_publish): two fresh "
                          "backends, round robin, each on its own copy of the trace")
+    ap.add_argument("--fill-beside", type=int, default=None, metavar="BLOCKS",
+                    help="every lru-split backend with OffloadExperts(fill_beside=True, fill_beside_blocks=BLOCKS): "
+                         "the in-step fill and the filled routes in one call that the GEMV does not wait for (it "
+                         "runs beside it under FTJAX_XLA_CB_SCHEDULING=CONCURRENT; 0: the default fill's grid)")
+    ap.add_argument("--fill-beside-ablation", type=int, nargs="+", default=None, metavar="BLOCKS",
+                    help="also lru-split with the fill after the submit (the default) and beside the GEMV with each "
+                         "of BLOCKS fill blocks: fresh backends, round robin, each on its own copy of the trace")
     ap.add_argument("--down-layout", choices=("hi", "ih"), default="hi",
                     help="the host pool's down bank (HostPool down_layout): hi as torch's [H, I], ih stored transposed "
                     "(the unit split's CPU window is whole rows, read with gate/up's in one pass)")
@@ -391,11 +398,14 @@ def main(argv=None) -> int:
                + (0 if args.no_sweep else len(SWEEP) * (8 + args.steps)) + (4 if args.profile else 0)
                + (len(BACKGROUND_YIELD_MODES) * (ROUNDS * (2 + max(1, args.steps // ROUNDS)) + (4 if args.profile else 0))
                   if args.yield_ablation else 0)
-               + (1 if args.granule_ablation or args.host_plan_ablation or args.plan_publish_ablation else 0))  # fresh runs: warm-up, 1 step,
+               + (1 if args.granule_ablation or args.host_plan_ablation or args.plan_publish_ablation
+                  or args.fill_beside_ablation else 0))  # fresh runs: warm-up, 1 step,
     # the rounds (each on its own copy of the trace)
     plan_kw = dict(plan_impl=args.plan_impl, victims_by=args.victims_by)
+    split_kw = {} if args.fill_beside is None else dict(fill_beside=True, fill_beside_blocks=args.fill_beside)
     results = {"sync": args.sync, "stable_io": args.stable_io, **plan_kw,
-               "xla_update_mode": ftjax.XLA_UPDATE_MODE,
+               "xla_update_mode": ftjax.XLA_UPDATE_MODE, "xla_cb_scheduling": ftjax.XLA_CB_SCHEDULING,
+               "fill_beside": args.fill_beside,
                "b_dram_gbps": b_dram, "b_dram_threads": dram_threads, "bandwidth": band.to_dict(),
                "expert_bytes": expert_bytes, "pool_backing": backing, "transparent_hugepage": thp, "rows": []}
     print(f"B_DRAM {b_dram:.1f} GB/s ({dram_threads} threads) | in use: B_P {band.b_pcie_gbps:.1f} GB/s, "
@@ -404,7 +414,9 @@ def main(argv=None) -> int:
 
     tune_workers_for_gpu()  # what every CUDA lru-split backend below does first: print the pool they run with
     print(f"CPU worker pool: {worker_info()}")
-    print(f"XLA command-buffer update mode: {ftjax.XLA_UPDATE_MODE or 'XLA default'} (ftjax.xla_flags); "
+    print(f"XLA command-buffer update mode: {ftjax.XLA_UPDATE_MODE or 'XLA default'}, scheduling "
+          f"{ftjax.XLA_CB_SCHEDULING or 'XLA default (LHS)'} (ftjax.xla_flags); lru-split fill "
+          f"{'beside the GEMV, %d blocks' % args.fill_beside if args.fill_beside is not None else 'before the GEMV'}; "
           f"stable step buffers: {'yes' if args.stable_io else 'no (--no-stable-io)'}; plan impl {args.plan_impl}, "
           f"victims by {args.victims_by or 'the backend default (default_victims_by)'}")
     print("steps: " + ("each waits for the previous step's logits (--sync)" if args.sync else
@@ -446,14 +458,16 @@ def main(argv=None) -> int:
                         runs[name] = Run(cfg, params, pool, "lru-split", S, B, routing, trace, max_len,
                                          band.fill_fraction, tokens, fused_handshake=args.fused_handshake,
                                          stable_io=args.stable_io,
-                                         plan=dict(plan_kw, defer_fills=args.defer == "on", **kw))
+                                         plan=dict(plan_kw, defer_fills=args.defer == "on", **dict(split_kw, **kw)))
                         runs[name].sync, runs[name].fixed_inputs = args.sync, args.fixed_inputs
                         runs[name].timed(args.warmup, 1)
                     for name, r in round_robin({n: (rr, lambda: None) for n, rr in runs.items()}, ROUNDS,
                                                args.steps, 2).items():
                         rows[name] = dict(r, unit_granule=runs[name].backend.unit_granule,
                                           host_plan=runs[name].backend.host_plan,
-                                          plan_publish=runs[name].backend.plan_publish)
+                                          plan_publish=runs[name].backend.plan_publish,
+                                          fill_beside=runs[name].backend.fill_beside,
+                                          fill_beside_blocks=runs[name].backend.fill_beside_blocks)
                         progress(f"{routing} b{B} lru-split, {name[6:]} ({what(runs[name].backend)}) "
                                  f"{frac:.0%} ({ROUNDS} rounds)", r)
                     for name, rr in runs.items():
@@ -463,7 +477,8 @@ def main(argv=None) -> int:
                 for pol in args.policies:
                     run = Run(cfg, params, pool, pol, 0 if pol == "cpu" else S, B, routing, trace, max_len,
                               band.fill_fraction, tokens, fused_handshake=args.fused_handshake,
-                              stable_io=args.stable_io, plan=dict(plan_kw, defer_fills=args.defer == "on"))
+                              stable_io=args.stable_io, plan=dict(plan_kw, defer_fills=args.defer == "on",
+                                                                  **(split_kw if pol == "lru-split" else {})))
                     run.sync, run.fixed_inputs = args.sync, args.fixed_inputs
                     if pol == "lru-split":  # the host's read rate drifts over minutes (session 34): read
                         # it again right before and after the run that the ratio is taken of
@@ -549,6 +564,13 @@ def main(argv=None) -> int:
                         backends_round_robin({"split submit kernel": {"plan_publish": False},
                                               "split plan publish": {"plan_publish": True}},
                                              lambda b: f"plan publish {'on' if b.plan_publish else 'off'}")
+
+                    if args.fill_beside_ablation:  # the in-step fill before the GEMV, or beside it
+                        backends_round_robin(dict({"split fill after": {"fill_beside": False}},
+                                                  **{f"split beside {n}": {"fill_beside": True, "fill_beside_blocks": n}
+                                                     for n in args.fill_beside_ablation}),
+                                             lambda b: f"fill beside, {b.fill_beside_blocks} blocks" if b.fill_beside
+                                             else "fill after the submit")
 
                     def variant(name, what, **plan_extra):  # lru-split again, another backend configuration
                         run = Run(cfg, params, pool, pol, S, B, routing, trace, max_len, band.fill_fraction, tokens,

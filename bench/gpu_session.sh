@@ -28,6 +28,8 @@
 # Session 35 steps: tests-host-plan, decode-host-plan (OffloadExperts.host_plan: the CPU branch planned on the host).
 # Session 40 steps: tests-plan-publish, decode-plan-publish (OffloadExperts.plan_publish: the fused plan kernel submits the
 # CPU branch itself, before it picks victims).
+# Session 42 steps: tests-beside (the fill beside the GEMV; the CUDA tests under concurrent scheduling), decode-beside
+# (b1 / 37%: lru-split with the fill beside the GEMV, stamped; the fill after vs beside, round robin).
 # Session 41 steps: tests-stamps (the handshake tests with the two-half submit and the stamps, offload = resident),
 # decode-stamps (b1 / 37%: lru-split's layer calls cut at the handshake's stamps, bench/layer_stamps.py).
 # Session 28 steps: cpu-int4 (kernel tests; the int4 table, the q15 / VPDPBUSD loop against the bf16 one, AMX and
@@ -366,6 +368,18 @@ for s in "${steps[@]}"; do
        run decode_stamps 420 python3 bench/decode.py --layers 40 --batches ${ST_BATCHES:-1} --routing trace \
          --fractions 0.37 --policies lru-split --no-sweep --no-online --steps ${ST_STEPS:-48} --warmup 24 --stamps \
          ${ST_ARGS:-} --out "$OUT/decode_stamps.json" ;;
+    tests-beside)  # session 42: the fill beside the GEMV (OffloadExperts fill_beside) on the GPU, then the CUDA
+       # offload and handshake tests under XLA's concurrent command-buffer scheduling (~4 min)
+       run tests_beside 200 python3 -m pytest -q -m gpu tests/experts/test_offload_cuda.py -k fill_beside
+       FTJAX_XLA_CB_SCHEDULING=CONCURRENT run tests_concurrent 300 python3 -m pytest -q -m gpu \
+         tests/host/test_cuda.py tests/experts/test_offload_cuda.py ${BS_TESTS:+-k "$BS_TESTS"} ;;
+    decode-beside)  # session 42: b1 / 37% / trace under concurrent scheduling: lru-split with the fill beside the
+       # GEMV ($BS_BLOCKS blocks, stamped), then the fill after the submit against beside with each of
+       # $BS_ABLATION blocks, round robin ($BS_ARGS, e.g. --no-resident on an H100; ~4 min)
+       FTJAX_XLA_CB_SCHEDULING=${BS_SCHEDULING:-CONCURRENT} run decode_beside 480 python3 bench/decode.py --layers 40 \
+         --batches ${BS_BATCHES:-1} --routing trace --fractions 0.37 --policies lru-split --no-sweep --no-online \
+         --steps ${BS_STEPS:-48} --warmup 24 --stamps --fill-beside ${BS_BLOCKS:-32} \
+         --fill-beside-ablation ${BS_ABLATION:-32 16 0} ${BS_ARGS:-} --out "$OUT/decode_beside.json" ;;
     tests-plan-publish)  # session 40: the fused plan's GPU tests (staged lists, publish), offload = resident, handshake
        run tests_plan_publish 300 python3 -m pytest -q -m gpu tests/experts/test_plan_fused.py \
          tests/experts/test_offload_cuda.py tests/host/test_cuda.py ${PP_TESTS:+-k "$PP_TESTS"} ;;

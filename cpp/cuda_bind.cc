@@ -109,6 +109,7 @@ void add_cuda_handlers(nb::dict& h) {
   h["ftjax_expert_fill_nocb"] = nb::capsule(expert_fill_handler(false));
   h["ftjax_expert_fill_units"] = nb::capsule(expert_fill_units_handler(true));
   h["ftjax_expert_fill_units_nocb"] = nb::capsule(expert_fill_units_handler(false));
+  h["ftjax_expert_fill_beside"] = nb::capsule(expert_fill_beside_handler());
   h["ftjax_cpu_experts_submit"] = nb::capsule(cpu_submit_handler(true));
   h["ftjax_cpu_experts_submit_nocb"] = nb::capsule(cpu_submit_handler(false));
   h["ftjax_cpu_experts_collect"] = nb::capsule(cpu_collect_handler(true));

@@ -2,9 +2,11 @@
 __version__ = "0.1.0"
 
 # Before jax starts a backend: XLA's command-buffer update mode (``ftjax.xla_flags``).
+from ftjax.xla_flags import apply_scheduling_mode as _apply_scheduling_mode  # noqa: E402
 from ftjax.xla_flags import apply_update_mode as _apply_update_mode  # noqa: E402
 
 XLA_UPDATE_MODE = _apply_update_mode()
+XLA_CB_SCHEDULING = _apply_scheduling_mode()
 
 # Load jax (and its ml_dtypes) before the native ``ftjax._host`` module. On the GPU machine, loading
 # ``_host`` first made ml_dtypes crash inside libstdc++; the cause (our module exported the symbols of

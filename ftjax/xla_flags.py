@@ -12,6 +12,12 @@ the other moving buffers are what ``make_step_fns(stable_io=True)`` keeps in pla
 ``FTJAX_XLA_UPDATE_MODE`` chooses: ``SKIP_TEMP`` (default), ``SKIP_PROFILED`` or ``ALWAYS_UPDATE``
 (XLA's default); ``off`` leaves XLA_FLAGS alone. A mode already in XLA_FLAGS always wins. jaxlib
 builds before 0.11.2 are left alone (0.10.2 aborts on the unknown flag).
+
+``FTJAX_XLA_CB_SCHEDULING`` sets ``--xla_gpu_command_buffer_scheduling_mode`` the same way: how XLA orders a
+command buffer's commands. XLA's default, ``LHS``, runs them one after the other in its schedule's order;
+``CONCURRENT`` makes a graph of them from their buffer conflicts, so commands that share no buffer run side by
+side (what ``OffloadExperts(fill_beside=True)`` needs for its fill to run beside the GEMV); ``SERIALIZE``.
+Default ``off``: XLA's own choice.
 """
 from __future__ import annotations
 
@@ -24,6 +30,10 @@ MODES = ("SKIP_TEMP", "SKIP_PROFILED", "ALWAYS_UPDATE")
 ENV = "FTJAX_XLA_UPDATE_MODE"
 DEFAULT_MODE = "SKIP_TEMP"
 MIN_JAXLIB = (0, 11, 2)
+SCHEDULING_FLAG = "--xla_gpu_command_buffer_scheduling_mode"
+SCHEDULING_MODES = ("CONCURRENT", "LHS", "SERIALIZE")
+SCHEDULING_ENV = "FTJAX_XLA_CB_SCHEDULING"
+DEFAULT_SCHEDULING = "off"
 
 
 def _version_tuple(text: str) -> tuple[int, ...]:
@@ -45,18 +55,29 @@ def apply_update_mode(environ: MutableMapping[str, str] | None = None, jaxlib_ve
     Returns the mode now in effect through XLA_FLAGS (the user's, or the one added), None when XLA is
     left at its default. Raises ValueError for an unknown ``FTJAX_XLA_UPDATE_MODE``.
     """
+    return _apply(environ, jaxlib_version, FLAG, ENV, MODES, DEFAULT_MODE)
+
+
+def apply_scheduling_mode(environ: MutableMapping[str, str] | None = None,
+                          jaxlib_version: str | None = None) -> str | None:
+    """``--xla_gpu_command_buffer_scheduling_mode`` from ``FTJAX_XLA_CB_SCHEDULING`` (as `apply_update_mode`):
+    the mode in effect through XLA_FLAGS, None when XLA is left at its default."""
+    return _apply(environ, jaxlib_version, SCHEDULING_FLAG, SCHEDULING_ENV, SCHEDULING_MODES, DEFAULT_SCHEDULING)
+
+
+def _apply(environ, jaxlib_version, flag: str, env_name: str, modes: tuple, default: str) -> str | None:
     env = os.environ if environ is None else environ
     flags = env.get("XLA_FLAGS", "")
-    m = re.search(re.escape(FLAG) + r"=(\w+)", flags)
+    m = re.search(re.escape(flag) + r"=(\w+)", flags)
     if m:
         return m.group(1)
-    want = env.get(ENV, DEFAULT_MODE).strip()
+    want = env.get(env_name, default).strip()
     if want.lower() == "off":
         return None
-    if want not in MODES:
-        raise ValueError(f"{ENV}={want!r}: expected one of {MODES} or 'off'")
+    if want not in modes:
+        raise ValueError(f"{env_name}={want!r}: expected one of {modes} or 'off'")
     version = jaxlib_version if jaxlib_version is not None else installed_jaxlib()
     if version is None or _version_tuple(version) < MIN_JAXLIB:
         return None
-    env["XLA_FLAGS"] = f"{flags} {FLAG}={want}".strip()
+    env["XLA_FLAGS"] = f"{flags} {flag}={want}".strip()
     return want

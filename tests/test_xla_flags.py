@@ -50,3 +50,19 @@ def test_this_process_flags_match_the_installed_jaxlib():
         assert f"{FLAG}={ftjax.XLA_UPDATE_MODE}" in os.environ["XLA_FLAGS"]
     elif new and os.environ.get("FTJAX_XLA_UPDATE_MODE", "").lower() != "off":
         pytest.fail("jaxlib >= 0.11.2 without the update mode in XLA_FLAGS")
+
+
+def test_scheduling_mode_off_by_default_and_chosen_by_env():
+    from ftjax.xla_flags import SCHEDULING_FLAG, apply_scheduling_mode
+
+    env = {"XLA_FLAGS": "--a=1"}
+    assert apply_scheduling_mode(env, "0.11.2") is None
+    assert env == {"XLA_FLAGS": "--a=1"}
+    env = {"FTJAX_XLA_CB_SCHEDULING": "CONCURRENT"}
+    assert apply_scheduling_mode(env, "0.11.2") == "CONCURRENT"
+    assert env["XLA_FLAGS"] == f"{SCHEDULING_FLAG}=CONCURRENT"
+    assert apply_scheduling_mode({"FTJAX_XLA_CB_SCHEDULING": "CONCURRENT"}, "0.10.2") is None
+    env = {"XLA_FLAGS": f"{SCHEDULING_FLAG}=SERIALIZE", "FTJAX_XLA_CB_SCHEDULING": "CONCURRENT"}
+    assert apply_scheduling_mode(env, "0.11.2") == "SERIALIZE"  # the user's flag wins
+    with pytest.raises(ValueError, match="FTJAX_XLA_CB_SCHEDULING"):
+        apply_scheduling_mode({"FTJAX_XLA_CB_SCHEDULING": "parallel"}, "0.11.2")

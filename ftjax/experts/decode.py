@@ -80,6 +80,10 @@ DEFAULT_HOST_PLAN = False
 # the largest x it stages (one thread block copies x into the mapped staging: decode batches, not prefill).
 DEFAULT_PLAN_PUBLISH = False
 PLAN_PUBLISH_MAX_X_BYTES = 32 << 10
+# OffloadExperts.fill_beside's default (off until measured faster on the GPU machine: bench/RESULTS.md), and the
+# thread blocks of its fill (0: the default fill's grid, which takes every SM while it copies).
+DEFAULT_FILL_BESIDE = False
+FILL_BESIDE_BLOCKS = 32
 
 
 def _check_yield(mode) -> None:
@@ -162,6 +166,11 @@ class OffloadExperts:
     the plan kernel itself stages x and the CPU branch's tasks and publishes the request once the task list
     is known, before it chooses the victims (`plan_layer_fused(publish_x=, channel=)`): no submit kernel, and
     the CPU call starts inside the plan kernel. None (default): DEFAULT_PLAN_PUBLISH. Not with host_plan.
+    ``fill_beside`` (CUDA decode calls under the unit split): one custom call fills the call's units [0, u)
+    and computes the filled routes from their slots (`cuda.expert_fill_beside`, ``cpp/fill_beside.cu``);
+    the GEMV of the other routes does not wait for the transfer, so under XLA's concurrent command-buffer
+    scheduling (``ftjax.xla_flags``) it runs beside it. ``fill_beside_blocks``: the fill's thread blocks (0:
+    the default fill's grid). None (default): DEFAULT_FILL_BESIDE, FILL_BESIDE_BLOCKS.
     Call `drain` before dropping a state on the GPU (a background fill may still be writing its banks).
     """
 
@@ -184,6 +193,8 @@ class OffloadExperts:
     background_yield: str | None = None
     host_plan: bool | None = None
     plan_publish: bool | None = None
+    fill_beside: bool | None = None
+    fill_beside_blocks: int | None = None
     channel_base: int = -1
     background_id: int = -1
 
@@ -247,6 +258,19 @@ class OffloadExperts:
         if self.plan_publish and (self.plan_impl != "fused" or self.host_plan):
             raise ValueError("plan_publish is the fused plan kernel's (plan_impl='fused'), and the host plan "
                              "publishes its own request: not both")
+        if self.fill_beside is None:
+            object.__setattr__(self, "fill_beside", DEFAULT_FILL_BESIDE and self.platform == "cuda"
+                               and self.unit_split)
+        if self.fill_beside not in (True, False):
+            raise ValueError(f"fill_beside must be None, True or False, got {self.fill_beside!r}")
+        if self.fill_beside and not (self.platform == "cuda" and self.unit_split):
+            raise ValueError("fill_beside is the CUDA unit split's in-step fill: it needs platform='cuda' and "
+                             "unit_split")
+        if self.fill_beside_blocks is None:
+            object.__setattr__(self, "fill_beside_blocks", FILL_BESIDE_BLOCKS)
+        b = self.fill_beside_blocks
+        if not isinstance(b, (int, np.integer)) or isinstance(b, bool) or b < 0:
+            raise ValueError(f"fill_beside_blocks must be an int >= 0 (0: the default fill's grid), got {b!r}")
         _check_yield(self.background_yield)
         check_kernel(self.kernel, self.pool.hidden, self.pool.inter, cache_dtype(self.pool) if self.num_slots else None)
         if self.plan_impl not in PLAN_IMPLS:
@@ -448,14 +472,19 @@ class OffloadExperts:
         else:
             y_cpu = cpu_experts(*cpu_args, self.pool, unit_start=plan.cpu_units if self.unit_split else None)
 
+        route_slot, beside = plan.route_slot, None
+        if plan.fill_ids.shape[0] and self.fill_beside and decode:  # the fill and its routes in one call
+            route_slot, beside = self._fill_beside(state, plan, x, token)
         if plan.fill_ids.shape[0]:  # (always, under a policy with background fills: T*k, E, S >= 1)
-            state = self._fill(state, plan, token, plan.deferred if bg_decode else None)
+            if beside is None:
+                state = self._fill(state, plan, token, plan.deferred if bg_decode else None)
             if bg_decode and not recorded:  # this call's deferred fills (or none), started after the step's
                 # last layer; under the unit split a call filled units [0, u): the background copies [u, I)
                 state = record_background(state, plan, layer, self.unit_split)
         if self.num_slots:
-            y = self._gpu_part(state, layer, x, expert_ids, gate_weights, token_valid, plan.route_slot,
-                               plan.route_units if self.unit_split and decode else None)  # (prefill: whole)
+            y = self._gpu_part(state, layer, x, expert_ids, gate_weights, token_valid, route_slot,
+                               plan.route_units if self.unit_split and decode else None,  # (prefill: whole)
+                               extra_routes=beside)
         else:
             y = jnp.zeros_like(x)
 
@@ -507,21 +536,45 @@ class OffloadExperts:
             dn = dn.at[dst].set(rows_dn, mode="drop")
         return dict(state, gate_up=gu, down=dn)
 
-    def _gpu_part(self, state, layer, x, expert_ids, gate_weights, token_valid, route_slot, route_units=None):
-        """``y [T, H]``: the weighted sum over the routes with a cache slot (the others are the CPU's)."""
+    def _fill_beside(self, state, plan, x, submit_token):
+        """`cuda.expert_fill_beside` of the plan's fills: the route slots left to the GEMV (-1 for the routes
+        of a slot the call fills: the beside call computes those) and the beside call's per-route outputs."""
+        from ftjax.host import cuda
+
+        gu, dn = state["gate_up"], state["down"]
+        y = cuda.expert_fill_beside(x.astype(gu.dtype), plan.route_slot, plan.route_units, plan.fill_ids, plan.fill_slots,
+                                    plan.n_fill, plan.fill_units, gu, dn, self.pool, after_submit=submit_token,
+                                    blocks=self.fill_beside_blocks)
+        F, S = plan.fill_ids.shape[0], gu.shape[0]  # the entries the kernel takes as valid, the same test
+        live = ((jnp.arange(F) < plan.n_fill) & (plan.fill_ids >= 0) & (plan.fill_ids < self.pool.n_experts)
+                & (plan.fill_slots >= 0) & (plan.fill_slots < S))
+        filled = jnp.any((plan.route_slot[:, None] == plan.fill_slots[None, :]) & live[None, :], axis=1)
+        return jnp.where(filled, -1, plan.route_slot), y
+
+    def _gpu_part(self, state, layer, x, expert_ids, gate_weights, token_valid, route_slot, route_units=None,
+                  extra_routes=None):
+        """``y [T, H]``: the weighted sum over the routes with a cache slot (the others are the CPU's).
+        ``extra_routes [T*k, H]``: per-route outputs computed elsewhere (`_fill_beside`), added before the sum."""
         T, k = expert_ids.shape
         E = self.num_experts
         gu, dn = state["gate_up"], state["down"]
         limit = E if self.gather_max_routes is None else self.gather_max_routes
+        if extra_routes is not None and not (T * k <= limit or route_units is not None):
+            raise ValueError("fill_beside's routes are decode-style per-route outputs: not with the ragged "
+                             "(prefill) form")
+
+        def plus(out):
+            return out if extra_routes is None else out + extra_routes.astype(out.dtype)
+
         if self.kernel == "pallas":
             if T * k <= limit or route_units is not None:  # (the prefill kernel computes whole experts only)
-                out = decode_routes(x, route_slot, gu, dn, route_units).astype(x.dtype)
+                out = plus(decode_routes(x, route_slot, gu, dn, route_units).astype(x.dtype))
                 return combine_routes(out.reshape(T, k, -1), expert_ids, gate_weights, token_valid)
             route_valid = (route_slot >= 0).reshape(T, k) & token_valid[:, None]
             slot_e = jnp.maximum(state["slot_of"][layer * E:(layer + 1) * E], 0)
             y = prefill_layer(x, expert_ids, gate_weights, route_valid, gu, dn, slot_e)
             return jnp.where(token_valid[:, None], y.astype(x.dtype), jnp.zeros((), x.dtype))
-        out = self._gpu_routes(state, layer, x, expert_ids, route_slot, route_units)
+        out = plus(self._gpu_routes(state, layer, x, expert_ids, route_slot, route_units))
         return combine_routes(out.reshape(T, k, -1), expert_ids, gate_weights, token_valid)
 
     def _gpu_routes(self, state, layer, x, expert_ids, route_slot, route_units=None):

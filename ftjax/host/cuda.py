@@ -134,6 +134,31 @@ def expert_fill_units(ids, slots, n_valid, units, gate_up_cache, down_cache, poo
                 gate_up_cache, down_cache, pool=np.uint64(pool.id))
 
 
+def expert_fill_beside(x, route_slot, route_units, ids, slots, n_valid, units, gate_up_cache, down_cache, pool, *,
+                       after_submit=None, blocks: int = 0):
+    """The unit split's in-step fill and the filled routes' compute in one call (``cpp/fill_beside.cu``):
+    units [0, ``units``) of the first ``n_valid`` entries' experts into their slots, as `expert_fill_units`,
+    then ``y [R, H]`` f32: for each route whose slot is a valid entry's, its expert's units [0, route_units[r])
+    computed from that slot against x[r // k] (zeros for every other route). ``x [T, H]`` in the caches' dtype.
+
+    The caches are written but are NOT results: the GEMV of the other routes does not wait for this call
+    (under XLA's concurrent command-buffer scheduling it runs beside the transfer). The caller keeps its
+    caches as they are and must compute the filled routes from ``y`` only (their slots hold the units once
+    ``y`` is ready). ``blocks``: the fill's thread blocks, 0 for the default fill's grid."""
+    register_targets()
+    if after_submit is not None:
+        ids, _ = jax.lax.optimization_barrier((ids, after_submit))
+    R, inter = route_slot.shape[0], down_cache.shape[-1]
+    call = jax.ffi.ffi_call("ftjax_expert_fill_beside",
+                            (jax.ShapeDtypeStruct((R, x.shape[1]), jnp.float32),
+                             jax.ShapeDtypeStruct((R, 2 * inter), jnp.float32)))
+    y, _scratch = call(x, jnp.asarray(route_slot, jnp.int32), jnp.asarray(route_units, jnp.int32),
+                       jnp.asarray(ids, jnp.int32), jnp.asarray(slots, jnp.int32),
+                       jnp.asarray(n_valid, jnp.int32).reshape(()), jnp.asarray(units, jnp.int32).reshape(()),
+                       gate_up_cache, down_cache, pool=np.uint64(pool.id), blocks=np.int64(_blocks(blocks)))
+    return y
+
+
 def _blocks(blocks: int) -> int:
     if int(blocks) < 0:
         raise ValueError(f"blocks must be >= 0 (0: as many as fill the GPU), got {blocks}")

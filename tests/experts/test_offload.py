@@ -173,6 +173,19 @@ def test_unit_split_is_checked(model):
         OffloadExperts(pool, L, E, 4, "lru-split", defer_fills=True, unit_split="yes")
 
 
+def test_fill_beside_is_checked(model):
+    """fill_beside is the CUDA unit split's (its GPU test: test_offload_cuda.py); elsewhere a clear error, and
+    off unless asked for."""
+    *_, pool = model
+    assert not OffloadExperts(pool, L, E, 4, "lru-split", defer_fills=True, unit_split=True).fill_beside
+    with pytest.raises(ValueError, match="needs platform='cuda' and unit_split"):
+        OffloadExperts(pool, L, E, 4, "lru-split", defer_fills=True, unit_split=True, fill_beside=True)
+    with pytest.raises(ValueError, match="fill_beside must be"):
+        OffloadExperts(pool, L, E, 4, "lru-split", fill_beside="on")
+    with pytest.raises(ValueError, match="fill_beside_blocks must be"):
+        OffloadExperts(pool, L, E, 4, "lru-split", fill_beside_blocks=-1)
+
+
 def test_unit_split_default(model):
     """None: on where it runs and measured faster (CUDA, background fills, the jnp kernel, bf16/f32 pools)."""
     *_, pool = model

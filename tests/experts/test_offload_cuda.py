@@ -96,6 +96,26 @@ def test_cuda_unit_split_equals_resident(setup, size, batch, background_yield):
 
 
 
+@pytest.mark.parametrize("size,batch,blocks", [("37%", 1, 32), ("min", 3, 0), ("layer", 1, 1), ("37%", 3, 32)])
+def test_cuda_fill_beside_equals_resident(setup, size, batch, blocks):
+    """The unit split's fill and its routes in one call beside the GEMV (``fill_beside``): the resident logits;
+    the call filled (its slots hold their owners' rows after a drain, so the hidden writes landed) and computed
+    the filled routes (a route both left out of the GEMV and of the beside call would change the logits)."""
+    cfg, params, pool, ref = setup
+    backend = OffloadExperts(pool, L, E, SIZES[size], "lru-split", platform="cuda", defer_fills=True,
+                             unit_split=True, fill_beside=True, fill_beside_blocks=blocks)
+    got, st = run(cfg, params, backend, backend.init_state(fill_fraction=0.4), batch, check=check_invariants)
+    want = ref[batch]
+    assert np.abs(got - want).max() / np.abs(want).max() < 1e-4
+    stats = {k: np.asarray(v) for k, v in st["stats"].items()}
+    assert stats["fills"].sum() > 0
+    backend.drain()
+    owner = np.asarray(st["owner_of"])
+    for s in np.flatnonzero(owner >= 0):
+        for b in ("gate_up", "down"):
+            np.testing.assert_array_equal(np.asarray(st[b][s]), pool.bank(b)[owner[s]].astype(np.float32))
+
+
 @pytest.mark.parametrize("policy,size,batch,unit_split", [("lru-split", "37%", 1, True), ("lru-split", "min", 3, True),
                                                           ("lru-fill", "layer", 3, False), ("cpu", None, 3, False),
                                                           ("lru-split", "37%", 3, False)])

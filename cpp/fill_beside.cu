@@ -1,0 +1,229 @@
+// The unit split's in-step fill beside the GPU's own expert work (OffloadExperts(fill_beside=True)).
+//
+// The default decode call fills a split call's units [0, u) into their victim slots (ftjax_expert_fill_units,
+// the caches aliased in place) and only then runs the GEMV over every GPU route, the filled ones included: the
+// GEMV waits for the PCIe transfer. Here one custom call does the fill and the filled routes' own compute:
+//   1. y = 0 ([R, H] f32, one row per route);
+//   2. units [0, u) of each valid entry's expert into its slot (copy_units: the same transfer as the default,
+//      over a fixed grid of `blocks` blocks that leaves the SMs to the work beside it, or as the default grid);
+//   3. from the slots just written (HBM), each filled route's gate and up units [0, units[r]) against its
+//      token's x (scratch [R, 2I] f32), then its down columns [0, units[r]) against silu(gate) * up: y[r].
+// The caches are operands only, not results: to XLA the call reads them, so the GEMV of the other routes
+// (route_slot -1 for the filled ones) has no buffer conflict with it and, under XLA's concurrent command-buffer
+// scheduling, runs beside the transfer. That is sound because the plan never picks a slot used in this step as
+// a victim (no route of the step reads what the fill writes), every later reader of the filled slots depends
+// on this call's y (the next layers, the next step), and every later writer of the banks (the background
+// fork, the next call's background wait, the next fill) is ordered after this call's read of them.
+#include <cuda_bf16.h>
+
+#include <string>
+
+#include "cuda_common.h"
+#include "ffi_cuda.h"
+#include "fill_device.cuh"
+#include "pool.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace ftjax {
+namespace {
+
+constexpr int kBesideThreads = 256;
+constexpr int kWarps = kBesideThreads / 32;
+
+__device__ __forceinline__ float to_f(float v) { return v; }
+__device__ __forceinline__ float to_f(__nv_bfloat16 v) { return __bfloat162float(v); }
+// The dtype's own rounding of an intermediate (the jnp path's bf16 einsum outputs and activation).
+__device__ __forceinline__ float round_as(float v, float) { return v; }
+__device__ __forceinline__ float round_as(float v, __nv_bfloat16) { return __bfloat162float(__float2bfloat16(v)); }
+
+// Entry q of the fill list, if valid: its slot (else -1).
+__device__ __forceinline__ int64_t entry_slot(const int32_t* ids, const int32_t* slots, const int32_t* n_valid,
+                                              int64_t capacity, int64_t q, int64_t n_experts, int64_t n_slots) {
+  if (q >= min(static_cast<int64_t>(*n_valid), capacity)) return -1;
+  const int64_t id = ids[q], slot = slots[q];
+  return (id < 0 || id >= n_experts || slot < 0 || slot >= n_slots) ? -1 : slot;
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// Units [0, u) of every valid entry, a fixed grid walking the entries one after the other (copy_units).
+__global__ void fill_units_walk(const int32_t* __restrict__ ids, const int32_t* __restrict__ slots,
+                                const int32_t* __restrict__ n_valid, const int32_t* __restrict__ units,
+                                int64_t capacity, int64_t n_experts, int64_t n_slots, int64_t hidden, int64_t inter,
+                                int64_t per16, const uint4* __restrict__ src0, uint4* __restrict__ dst0, int64_t row0,
+                                const uint4* __restrict__ src1, uint4* __restrict__ dst1, int64_t row1,
+                                int32_t* words, DownT dt) {
+  const int64_t n = min(static_cast<int64_t>(*n_valid), capacity);
+  const int64_t u = min(max(static_cast<int64_t>(*units), int64_t{0}), inter) / 8 * 8;
+  if (n <= 0 || u == 0) return;
+  const int64_t worker = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t workers = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  fill_block_enter(words);
+  for (int64_t q = 0; q < n; ++q) {
+    const int64_t id = ids[q], slot = slots[q];
+    if (id < 0 || id >= n_experts || slot < 0 || slot >= n_slots) continue;  // masked entry
+    copy_units(id, slot, 0, u, worker, workers, hidden, inter, per16, src0, dst0, row0, src1, dst1, row1, nullptr, dt);
+  }
+  fill_block_leave(words);
+}
+
+struct Compute {
+  const int32_t *ids, *slots, *n_valid, *route_slot, *route_units;
+  int64_t capacity, n_experts, n_slots, routes, k, hidden, inter;
+  float* scratch;  // [R, 2I]: gate units [0, I), up units [I, 2I)
+  float* y;        // [R, H]
+};
+
+// Grid (ceil(2I / kWarps), capacity): a warp per gate or up row of entry blockIdx.y's slot, against the x of
+// every route in that slot (a slot is one expert of one layer: its routes are distinct tokens).
+template <typename W>
+__global__ void filled_gate_up(Compute c, const W* __restrict__ x, const W* __restrict__ gate_up) {
+  const int64_t slot = entry_slot(c.ids, c.slots, c.n_valid, c.capacity, blockIdx.y, c.n_experts, c.n_slots);
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
+  if (slot < 0 || row >= 2 * c.inter) return;
+  const int lane = threadIdx.x % 32;
+  const int64_t unit = row < c.inter ? row : row - c.inter;
+  const W* w = gate_up + (slot * 2 * c.inter + row) * c.hidden;
+  for (int64_t r = 0; r < c.routes; ++r) {
+    if (c.route_slot[r] != slot || unit >= c.route_units[r]) continue;
+    const W* xt = x + (r / c.k) * c.hidden;
+    float acc = 0.f;
+    for (int64_t i = lane; i < c.hidden; i += 32) acc += to_f(w[i]) * to_f(xt[i]);
+    acc = warp_sum(acc);
+    if (lane == 0) c.scratch[r * 2 * c.inter + row] = round_as(acc, W{});
+  }
+}
+
+// Grid (ceil(H / kWarps), capacity): per route of entry blockIdx.y's slot, silu(gate) * up of its units into
+// shared memory, then a warp per down row: y[r][h] = sum over units j < units[r] of down[h][j] * act[j].
+template <typename W>
+__global__ void filled_down(Compute c, const W* __restrict__ down) {
+  extern __shared__ float act[];  // [I]
+  const int64_t slot = entry_slot(c.ids, c.slots, c.n_valid, c.capacity, blockIdx.y, c.n_experts, c.n_slots);
+  if (slot < 0) return;
+  const int64_t h = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  for (int64_t r = 0; r < c.routes; ++r) {
+    if (c.route_slot[r] != slot) continue;  // (block-uniform)
+    const int64_t u = min(static_cast<int64_t>(c.route_units[r]), c.inter);
+    __syncthreads();  // the previous route's act is no longer read
+    for (int64_t j = threadIdx.x; j < u; j += blockDim.x) {
+      const float g = c.scratch[r * 2 * c.inter + j], up = c.scratch[r * 2 * c.inter + c.inter + j];
+      act[j] = round_as(g / (1.f + expf(-g)) * up, W{});
+    }
+    __syncthreads();
+    if (h >= c.hidden) continue;
+    const W* w = down + (slot * c.hidden + h) * c.inter;
+    float acc = 0.f;
+    for (int64_t j = lane; j < u; j += 32) acc += to_f(w[j]) * act[j];
+    acc = warp_sum(acc);
+    if (lane == 0) c.y[r * c.hidden + h] = acc;
+  }
+}
+
+ffi::Error FillBesideImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> route_slot,
+                          ffi::Buffer<ffi::S32> route_units, ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::S32> slots,
+                          ffi::Buffer<ffi::S32> n_valid, ffi::Buffer<ffi::S32> units, ffi::AnyBuffer gate_up,
+                          ffi::AnyBuffer down, ffi::Result<ffi::Buffer<ffi::F32>> y,
+                          ffi::Result<ffi::Buffer<ffi::F32>> scratch, uint64_t pool_id, int64_t blocks) {
+  const std::string what = "expert_fill_beside: ";
+  auto pool = find_pool(pool_id);
+  if (!pool) return ffi::Error::InvalidArgument(what + "no host pool with id " + std::to_string(pool_id));
+  const Bank& g = pool->gate_up();
+  const Bank& d = pool->down();
+  if (g.format == WeightFormat::kInt4 || d.format == WeightFormat::kInt4)
+    return ffi::Error::InvalidArgument(what + "bf16 and f32 pools only (not the packed int4 layout)");
+  const bool bf16 = g.format == WeightFormat::kBF16;
+  const ffi::DataType want = bf16 ? ffi::DataType::BF16 : ffi::DataType::F32;
+  if (x.element_type() != want || gate_up.element_type() != want || down.element_type() != want)
+    return ffi::Error::InvalidArgument(what + "x and the caches must have the pool's dtype (" +
+                                       (bf16 ? "bf16" : "f32") + ")");
+  const int64_t H = pool->hidden(), I = pool->inter();
+  if (H % 8 || I % 8) return ffi::Error::InvalidArgument(what + "hidden and inter must be multiples of 8");
+  const auto xd = x.dimensions();
+  const int64_t R = static_cast<int64_t>(route_slot.element_count());
+  if (xd.size() != 2 || xd[1] != H || xd[0] < 1 || R % xd[0] != 0 ||
+      static_cast<int64_t>(route_units.element_count()) != R)
+    return ffi::Error::InvalidArgument(what + "x must be [T, H], route_slot and route_units [T * k]");
+  const int64_t cap = static_cast<int64_t>(ids.element_count());
+  if (static_cast<int64_t>(slots.element_count()) != cap || n_valid.element_count() != 1 ||
+      units.element_count() != 1)
+    return ffi::Error::InvalidArgument(what + "ids and slots must have one length, n_valid and units be scalars");
+  const auto cd = gate_up.dimensions();
+  if (cd.size() < 1) return ffi::Error::InvalidArgument(what + "caches must be [S, ...]");
+  const int64_t S = cd[0];
+  if (gate_up.size_bytes() != static_cast<size_t>(S) * g.expert_bytes ||
+      down.size_bytes() != static_cast<size_t>(S) * d.expert_bytes)
+    return ffi::Error::InvalidArgument(what + "cache sizes do not match S = " + std::to_string(S) +
+                                       " slots of the pool's expert rows");
+  if (static_cast<int64_t>(y->element_count()) != R * H || static_cast<int64_t>(scratch->element_count()) != R * 2 * I)
+    return ffi::Error::InvalidArgument(what + "y must be [R, H] and scratch [R, 2I] f32");
+  if (blocks < 0) return ffi::Error::InvalidArgument(what + "blocks must be >= 0 (0: the default fill's grid)");
+  if (!pool->pinned() || !g.device_ptr || !d.device_ptr)
+    return ffi::Error::InvalidArgument(what + "the host pool is not pinned (call HostPool.pin() after loading)");
+  try {
+    cuda_check(cudaMemsetAsync(y->typed_data(), 0, sizeof(float) * R * H, stream), "expert_fill_beside memset");
+    if (cap == 0) return ffi::Error::Success();
+    if (blocks == 0) {
+      launch_fill_units(stream, *pool, ids.typed_data(), slots.typed_data(), n_valid.typed_data(), units.typed_data(),
+                        cap, S, gate_up.untyped_data(), down.untyped_data(), transfer_words(false));
+    } else {
+      fill_units_walk<<<static_cast<unsigned>(blocks), kFillThreads, 0, stream>>>(
+          ids.typed_data(), slots.typed_data(), n_valid.typed_data(), units.typed_data(), cap, pool->n_experts(), S,
+          H, I, bf16 ? 8 : 4, static_cast<const uint4*>(g.device_ptr), static_cast<uint4*>(gate_up.untyped_data()),
+          g.expert_bytes / 16, static_cast<const uint4*>(d.device_ptr), static_cast<uint4*>(down.untyped_data()),
+          d.expert_bytes / 16, transfer_words(false), down_t_of(*pool));
+      cuda_check(cudaGetLastError(), "expert_fill_beside fill launch");
+    }
+    const Compute c{ids.typed_data(), slots.typed_data(), n_valid.typed_data(), route_slot.typed_data(),
+                    route_units.typed_data(), cap, pool->n_experts(), S, R, R / xd[0], H, I,
+                    scratch->typed_data(), y->typed_data()};
+    const dim3 grid_gu(static_cast<unsigned>((2 * I + kWarps - 1) / kWarps), static_cast<unsigned>(cap));
+    const dim3 grid_dn(static_cast<unsigned>((H + kWarps - 1) / kWarps), static_cast<unsigned>(cap));
+    const size_t smem = sizeof(float) * I;
+    if (bf16) {
+      filled_gate_up<__nv_bfloat16><<<grid_gu, kBesideThreads, 0, stream>>>(
+          c, static_cast<const __nv_bfloat16*>(x.untyped_data()), static_cast<const __nv_bfloat16*>(gate_up.untyped_data()));
+      filled_down<__nv_bfloat16><<<grid_dn, kBesideThreads, smem, stream>>>(
+          c, static_cast<const __nv_bfloat16*>(down.untyped_data()));
+    } else {
+      filled_gate_up<float><<<grid_gu, kBesideThreads, 0, stream>>>(
+          c, static_cast<const float*>(x.untyped_data()), static_cast<const float*>(gate_up.untyped_data()));
+      filled_down<float><<<grid_dn, kBesideThreads, smem, stream>>>(c, static_cast<const float*>(down.untyped_data()));
+    }
+    cuda_check(cudaGetLastError(), "expert_fill_beside compute launch");
+  } catch (const std::exception& e) {
+    return ffi::Error::Internal(what + e.what());
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FtjaxExpertFillBeside, FillBesideImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()             // x [T, H]
+                                  .Arg<ffi::Buffer<ffi::S32>>()      // route_slot [R]
+                                  .Arg<ffi::Buffer<ffi::S32>>()      // route_units [R]
+                                  .Arg<ffi::Buffer<ffi::S32>>()      // fill ids [F]
+                                  .Arg<ffi::Buffer<ffi::S32>>()      // fill slots [F]
+                                  .Arg<ffi::Buffer<ffi::S32>>()      // n_fill []
+                                  .Arg<ffi::Buffer<ffi::S32>>()      // fill units []
+                                  .Arg<ffi::AnyBuffer>()             // gate_up cache (written, not a result)
+                                  .Arg<ffi::AnyBuffer>()             // down cache (written, not a result)
+                                  .Ret<ffi::Buffer<ffi::F32>>()      // y [R, H]
+                                  .Ret<ffi::Buffer<ffi::F32>>()      // scratch [R, 2I]
+                                  .Attr<uint64_t>("pool")
+                                  .Attr<int64_t>("blocks"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+void* expert_fill_beside_handler() { return reinterpret_cast<void*>(FtjaxExpertFillBeside); }
+
+}  // namespace ftjax
