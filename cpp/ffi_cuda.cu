@@ -35,21 +35,33 @@ __global__ void fill_kernel(const int32_t* __restrict__ ids, const int32_t* __re
   fill_block_leave(words);
 }
 
+// Units [0, u) of a unit fill (`units` a device scalar, per16 elements per 16 bytes), or whole experts (`units`
+// nullptr).
+struct UnitsArg {
+  const int32_t* units = nullptr;
+  int64_t hidden = 0, inter = 0, per16 = 0;
+};
+
 // A fixed grid that walks the valid entries one after the other (a few blocks beside other work).
 __global__ void fill_loop_kernel(const int32_t* __restrict__ ids, const int32_t* __restrict__ slots,
                                  const int32_t* __restrict__ n_valid, int64_t capacity, int64_t n_experts,
                                  int64_t n_slots, const uint4* __restrict__ src0, uint4* __restrict__ dst0,
                                  int64_t row0, const uint4* __restrict__ src1, uint4* __restrict__ dst1,
-                                 int64_t row1, int32_t* words, DownT dt) {
+                                 int64_t row1, int32_t* words, DownT dt, UnitsArg ua) {
   const int64_t n = min(static_cast<int64_t>(*n_valid), capacity);
-  if (n <= 0) return;
+  const int64_t u = ua.units ? min(max(static_cast<int64_t>(*ua.units), int64_t{0}), ua.inter) / 8 * 8 : 0;
+  if (n <= 0 || (ua.units && u == 0)) return;
   const int64_t worker = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t workers = static_cast<int64_t>(gridDim.x) * blockDim.x;
   fill_block_enter(words);
   for (int64_t q = 0; q < n; ++q) {
     const int64_t id = ids[q], slot = slots[q];
     if (id < 0 || id >= n_experts || slot < 0 || slot >= n_slots) continue;  // masked entry
-    copy_expert(id, slot, worker, workers, src0, dst0, row0, src1, dst1, row1, nullptr, dt);
+    if (ua.units)
+      copy_units(id, slot, 0, u, worker, workers, ua.hidden, ua.inter, ua.per16, src0, dst0, row0, src1, dst1, row1,
+                 nullptr, dt);
+    else
+      copy_expert(id, slot, worker, workers, src0, dst0, row0, src1, dst1, row1, nullptr, dt);
   }
   fill_block_leave(words);
 }
@@ -81,7 +93,7 @@ __global__ void fill_units_kernel(const int32_t* __restrict__ ids, const int32_t
 
 void launch_fill_units(cudaStream_t stream, const ExpertPool& pool, const int32_t* ids, const int32_t* slots,
                        const int32_t* n_valid, const int32_t* units, int64_t capacity, int64_t n_slots,
-                       void* cache_gate_up, void* cache_down, int32_t* words) {
+                       void* cache_gate_up, void* cache_down, int32_t* words, int64_t max_blocks) {
   const Bank& g = pool.gate_up();
   const Bank& d = pool.down();
   if (!pool.pinned() || !g.device_ptr || !d.device_ptr)
@@ -91,9 +103,18 @@ void launch_fill_units(cudaStream_t stream, const ExpertPool& pool, const int32_
   const int64_t per16 = g.format == WeightFormat::kBF16 ? 8 : 4;
   if (pool.hidden() % 8 || pool.inter() % 8)
     throw std::invalid_argument("the unit fill needs hidden and inter to be multiples of 8");
+  if (max_blocks < 0) throw std::invalid_argument("max_blocks must be >= 0 (0: enough to fill the GPU)");
   const DownT dt = down_t_of(pool);
   if (capacity == 0) return;
   const int64_t row0 = g.expert_bytes / 16, row1 = d.expert_bytes / 16;
+  if (max_blocks > 0) {  // `max_blocks` in all, walking the valid entries: leaves SMs to the work beside it
+    fill_loop_kernel<<<static_cast<unsigned>(max_blocks), kFillThreads, 0, stream>>>(
+        ids, slots, n_valid, capacity, pool.n_experts(), n_slots, static_cast<const uint4*>(g.device_ptr),
+        static_cast<uint4*>(cache_gate_up), row0, static_cast<const uint4*>(d.device_ptr),
+        static_cast<uint4*>(cache_down), row1, words, dt, UnitsArg{units, pool.hidden(), pool.inter(), per16});
+    cuda_check(cudaGetLastError(), "expert_fill_units launch");
+    return;
+  }
   const int64_t per_row = std::max<int64_t>(1, std::min<int64_t>((row0 + row1 + kFillThreads - 1) / kFillThreads,
                                                                  (1056 + capacity - 1) / capacity));
   const dim3 grid(static_cast<unsigned>(per_row), static_cast<unsigned>(capacity));
@@ -123,7 +144,8 @@ void launch_fill(cudaStream_t stream, const ExpertPool& pool, const int32_t* ids
   auto* dst1 = static_cast<uint4*>(cache_down);
   if (max_blocks > 0) {  // `max_blocks` in all, walking the valid entries: leaves SMs to the work beside it
     fill_loop_kernel<<<static_cast<unsigned>(max_blocks), kFillThreads, 0, stream>>>(
-        ids, slots, n_valid, capacity, pool.n_experts(), n_slots, src0, dst0, row0, src1, dst1, row1, words, dt);
+        ids, slots, n_valid, capacity, pool.n_experts(), n_slots, src0, dst0, row0, src1, dst1, row1, words, dt,
+        UnitsArg{});
   } else {  // enough blocks per entry to fill the GPU when the list is short (1,056 = 132 SMs x 8 blocks)
     const int64_t per_row = std::max<int64_t>(1, std::min<int64_t>((row0 + row1 + kFillThreads - 1) / kFillThreads,
                                                                    (1056 + capacity - 1) / capacity));

@@ -50,7 +50,7 @@ void launch_fill(cudaStream_t stream, const ExpertPool& pool, const int32_t* ids
 
 void launch_fill_units(cudaStream_t stream, const ExpertPool& pool, const int32_t* ids, const int32_t* slots,
                        const int32_t* n_valid, const int32_t* units, int64_t capacity, int64_t n_slots,
-                       void* cache_gate_up, void* cache_down, int32_t* words = nullptr);
+                       void* cache_gate_up, void* cache_down, int32_t* words = nullptr, int64_t max_blocks = 0);
 
 // CPU-branch channels: staging in mapped pinned memory, served by one coordinator thread.
 void create_channel(int64_t channel, uint64_t pool_id, int64_t max_tokens, int64_t max_tasks);

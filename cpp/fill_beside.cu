@@ -5,7 +5,7 @@
 // GEMV waits for the PCIe transfer. Here one custom call does the fill and the filled routes' own compute:
 //   1. y = 0 ([R, H] f32, one row per route);
 //   2. units [0, u) of each valid entry's expert into its slot (copy_units: the same transfer as the default,
-//      over a fixed grid of `blocks` blocks that leaves the SMs to the work beside it, or as the default grid);
+//      over a fixed grid of `blocks` blocks that leaves the SMs to the work beside it, or the default grid;
 //   3. from the slots just written (HBM), each filled route's gate and up units [0, units[r]) against its
 //      token's x (scratch [R, 2I] f32), then its down columns [0, units[r]) against silu(gate) * up: y[r].
 // The caches are operands only, not results: to XLA the call reads them, so the GEMV of the other routes
@@ -67,27 +67,6 @@ __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   return v;
-}
-
-// Units [0, u) of every valid entry, a fixed grid walking the entries one after the other (copy_units).
-__global__ void fill_units_walk(const int32_t* __restrict__ ids, const int32_t* __restrict__ slots,
-                                const int32_t* __restrict__ n_valid, const int32_t* __restrict__ units,
-                                int64_t capacity, int64_t n_experts, int64_t n_slots, int64_t hidden, int64_t inter,
-                                int64_t per16, const uint4* __restrict__ src0, uint4* __restrict__ dst0, int64_t row0,
-                                const uint4* __restrict__ src1, uint4* __restrict__ dst1, int64_t row1,
-                                int32_t* words, DownT dt) {
-  const int64_t n = min(static_cast<int64_t>(*n_valid), capacity);
-  const int64_t u = min(max(static_cast<int64_t>(*units), int64_t{0}), inter) / 8 * 8;
-  if (n <= 0 || u == 0) return;
-  const int64_t worker = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  const int64_t workers = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  fill_block_enter(words);
-  for (int64_t q = 0; q < n; ++q) {
-    const int64_t id = ids[q], slot = slots[q];
-    if (id < 0 || id >= n_experts || slot < 0 || slot >= n_slots) continue;  // masked entry
-    copy_units(id, slot, 0, u, worker, workers, hidden, inter, per16, src0, dst0, row0, src1, dst1, row1, nullptr, dt);
-  }
-  fill_block_leave(words);
 }
 
 struct Compute {
@@ -166,7 +145,6 @@ ffi::Error FillBesideImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi
     return ffi::Error::InvalidArgument(what + "x and the caches must have the pool's dtype (" +
                                        (bf16 ? "bf16" : "f32") + ")");
   const int64_t H = pool->hidden(), I = pool->inter();
-  if (H % 8 || I % 8) return ffi::Error::InvalidArgument(what + "hidden and inter must be multiples of 8");
   const auto xd = x.dimensions();
   const int64_t R = static_cast<int64_t>(route_slot.element_count());
   if (xd.size() != 2 || xd[1] != H || xd[0] < 1 || R % xd[0] != 0 ||
@@ -186,22 +164,11 @@ ffi::Error FillBesideImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi
   if (static_cast<int64_t>(y->element_count()) != R * H || static_cast<int64_t>(scratch->element_count()) != R * 2 * I)
     return ffi::Error::InvalidArgument(what + "y must be [R, H] and scratch [R, 2I] f32");
   if (blocks < 0) return ffi::Error::InvalidArgument(what + "blocks must be >= 0 (0: the default fill's grid)");
-  if (!pool->pinned() || !g.device_ptr || !d.device_ptr)
-    return ffi::Error::InvalidArgument(what + "the host pool is not pinned (call HostPool.pin() after loading)");
   try {
     cuda_check(cudaMemsetAsync(y->typed_data(), 0, sizeof(float) * R * H, stream), "expert_fill_beside memset");
     if (cap == 0) return ffi::Error::Success();
-    if (blocks == 0) {
-      launch_fill_units(stream, *pool, ids.typed_data(), slots.typed_data(), n_valid.typed_data(), units.typed_data(),
-                        cap, S, gate_up.untyped_data(), down.untyped_data(), transfer_words(false));
-    } else {
-      fill_units_walk<<<static_cast<unsigned>(blocks), kFillThreads, 0, stream>>>(
-          ids.typed_data(), slots.typed_data(), n_valid.typed_data(), units.typed_data(), cap, pool->n_experts(), S,
-          H, I, bf16 ? 8 : 4, static_cast<const uint4*>(g.device_ptr), static_cast<uint4*>(gate_up.untyped_data()),
-          g.expert_bytes / 16, static_cast<const uint4*>(d.device_ptr), static_cast<uint4*>(down.untyped_data()),
-          d.expert_bytes / 16, transfer_words(false), down_t_of(*pool));
-      cuda_check(cudaGetLastError(), "expert_fill_beside fill launch");
-    }
+    launch_fill_units(stream, *pool, ids.typed_data(), slots.typed_data(), n_valid.typed_data(), units.typed_data(),
+                      cap, S, gate_up.untyped_data(), down.untyped_data(), transfer_words(false), blocks);
     const Compute c{ids.typed_data(), slots.typed_data(), n_valid.typed_data(), route_slot.typed_data(),
                     route_units.typed_data(), cap, pool->n_experts(), S, R, R / xd[0], H, I,
                     scratch->typed_data(), y->typed_data()};

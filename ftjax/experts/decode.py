@@ -559,9 +559,6 @@ class OffloadExperts:
         E = self.num_experts
         gu, dn = state["gate_up"], state["down"]
         limit = E if self.gather_max_routes is None else self.gather_max_routes
-        if extra_routes is not None and not (T * k <= limit or route_units is not None):
-            raise ValueError("fill_beside's routes are decode-style per-route outputs: not with the ragged "
-                             "(prefill) form")
 
         def plus(out):
             return out if extra_routes is None else out + extra_routes.astype(out.dtype)
