@@ -57,7 +57,8 @@ from ftjax.models.params import param_shapes, unflatten
 
 import layer_stamps  # bench/ sibling
 import thread_cpu  # bench/ sibling
-from decode_rounds import CALL_TIMES, ROUNDS, interleaved, knob_settings, round_robin  # bench/ sibling
+from decode_rounds import (CALL_TIMES, ROUNDS, check_round_robins_fit, interleaved, knob_settings,  # bench/ sibling
+                           round_robin, round_robin_backends)
 
 TOKENIZER = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "qwen3-tokenizer"  # --tokenizer
 QWEN36 = {
@@ -373,6 +374,9 @@ def main(argv=None) -> int:
               f"GPU, whose allocator has {limit / 2**30:.1f} GiB: pass --no-resident (the policies' rows, no "
               "roofline) or run on a larger GPU (the H200)", file=sys.stderr)
         return 2
+    params = make_params(cfg)  # (on the GPU: the room left for the round robins' caches, checked before any timing)
+    check_round_robins_fit(round_robin_backends(args), int(max(args.fractions) * L * E) * shape.expert_bytes("bf16"),
+                           jax.devices()[0])
     t0 = time.perf_counter()
     pool = measure.make_pool(shape, "bf16", pool_bytes, down_layout=args.down_layout)
     assert pool.n_experts == L * E
@@ -391,7 +395,6 @@ def main(argv=None) -> int:
         prof = calibrate.calibrate(window_gib=2.0)
     band = bw.from_profile(prof)
     expert_bytes = shape.expert_bytes("bf16")
-    params = make_params(cfg)
     # Every step of the longest run (lru-split: timing, online row, worker variants, sweep, profile) must fit the
     # KV length: past it, text routing would come from an overflowing context.
     max_len = (args.warmup + args.steps + 8 + max(fill_steps(int(f * L * E), L) for f in args.fractions)

@@ -55,3 +55,28 @@ def knob_settings(specs: list[str]) -> dict:
         raise SystemExit(f"--knob-variants: {e}") from None
     return {"split knobs default": lambda: set_kernel_knobs(**default),
             **{f"split {spec}": (lambda v=v: set_kernel_knobs(**v)) for spec, v in variants.items()}}
+
+
+def round_robin_backends(args) -> dict:
+    """Flag -> how many lru-split backends (each with its own expert cache) its round robin holds at once."""
+    counts = {"--granule-ablation": 1 + len(args.granule_ablation) if args.granule_ablation else 0,
+              "--host-plan-ablation": 2 if args.host_plan_ablation else 0,
+              "--plan-publish-ablation": 2 if args.plan_publish_ablation else 0,
+              "--fill-beside-ablation": 1 + len(args.fill_beside_ablation) if args.fill_beside_ablation else 0}
+    return {flag: n for flag, n in counts.items() if n}
+
+
+def check_round_robins_fit(counts: dict, cache_bytes: int, device) -> None:
+    """Stop before any timing when a round robin's backends cannot be held on ``device`` at once (their caches
+    of ``cache_bytes`` each against 90% of what its allocator has left), instead of an out-of-memory error
+    minutes into the run. Devices without memory figures (CPU) are not checked."""
+    stats = device.memory_stats() or {}
+    if "bytes_limit" not in stats:
+        return
+    room = 0.9 * stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+    for flag, n in counts.items():
+        if n * cache_bytes > room:
+            fit = int(room // cache_bytes)
+            raise SystemExit(f"{flag}: its round robin holds {n} backends at once, {n} x {cache_bytes / 2**30:.1f} GiB "
+                             f"of expert cache; {device.device_kind} has room for {room / 2**30:.1f} GiB "
+                             f"({fit} backends): pass at most {max(fit - 1, 0)} variant(s)")
