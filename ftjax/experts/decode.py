@@ -80,8 +80,8 @@ DEFAULT_HOST_PLAN = False
 # the largest x it stages (one thread block copies x into the mapped staging: decode batches, not prefill).
 DEFAULT_PLAN_PUBLISH = False
 PLAN_PUBLISH_MAX_X_BYTES = 32 << 10
-# OffloadExperts.fill_beside's default (off until measured faster on the GPU machine: bench/RESULTS.md), and the
-# thread blocks of its fill (0: the default fill's grid, which takes every SM while it copies).
+# OffloadExperts.fill_beside's default (off: with the CONCURRENT scheduling it needs, slower than the default on the
+# GPU machine, bench/RESULTS.md session 43), its fill's blocks (0: the default fill's grid, every SM while it copies).
 DEFAULT_FILL_BESIDE = False
 FILL_BESIDE_BLOCKS = 32
 
