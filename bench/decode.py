@@ -337,6 +337,9 @@ def main(argv=None) -> int:
                     help="every lru-split backend with OffloadExperts(fill_beside=True, fill_beside_blocks=BLOCKS): "
                          "the in-step fill and the filled routes in one call that the GEMV does not wait for (it "
                          "runs beside it under FTJAX_XLA_CB_SCHEDULING=CONCURRENT; 0: the default fill's grid)")
+    ap.add_argument("--fill-beside-gemv", action="store_true",
+                    help="with --fill-beside (and in --fill-beside-ablation's beside rows): the beside call also "
+                         "computes the hit routes, its fill on a side stream (OffloadExperts fill_beside_gemv)")
     ap.add_argument("--fill-beside-ablation", type=int, nargs="+", default=None, metavar="BLOCKS",
                     help="also lru-split with the fill after the submit (the default) and beside the GEMV with each "
                          "of BLOCKS fill blocks: fresh backends, round robin, each on its own copy of the trace")
@@ -410,10 +413,11 @@ def main(argv=None) -> int:
                   or args.fill_beside_ablation else 0))  # fresh runs: warm-up, 1 step,
     # the rounds (each on its own copy of the trace)
     plan_kw = dict(plan_impl=args.plan_impl, victims_by=args.victims_by)
-    split_kw = {} if args.fill_beside is None else dict(fill_beside=True, fill_beside_blocks=args.fill_beside)
+    split_kw = {} if args.fill_beside is None else dict(fill_beside=True, fill_beside_blocks=args.fill_beside,
+                                                        fill_beside_gemv=args.fill_beside_gemv)
     results = {"sync": args.sync, "stable_io": args.stable_io, **plan_kw,
                "xla_update_mode": ftjax.XLA_UPDATE_MODE, "xla_cb_scheduling": ftjax.XLA_CB_SCHEDULING,
-               "fill_beside": args.fill_beside,
+               "fill_beside": args.fill_beside, "fill_beside_gemv": args.fill_beside_gemv,
                "b_dram_gbps": b_dram, "b_dram_threads": dram_threads, "bandwidth": band.to_dict(),
                "expert_bytes": expert_bytes, "pool_backing": backing, "transparent_hugepage": thp, "rows": []}
     print(f"B_DRAM {b_dram:.1f} GB/s ({dram_threads} threads) | in use: B_P {band.b_pcie_gbps:.1f} GB/s, "
@@ -424,7 +428,8 @@ def main(argv=None) -> int:
     print(f"CPU worker pool: {worker_info()}")
     print(f"XLA command-buffer update mode: {ftjax.XLA_UPDATE_MODE or 'XLA default'}, scheduling "
           f"{ftjax.XLA_CB_SCHEDULING or 'XLA default (LHS)'} (ftjax.xla_flags); lru-split fill "
-          f"{'beside the GEMV, %d blocks' % args.fill_beside if args.fill_beside is not None else 'before the GEMV'}; "
+          f"{'beside the GEMV, %d blocks' % args.fill_beside if args.fill_beside is not None else 'before the GEMV'}"
+          f"{' (the hits in the same call)' if args.fill_beside_gemv else ''}; "
           f"stable step buffers: {'yes' if args.stable_io else 'no (--no-stable-io)'}; plan impl {args.plan_impl}, "
           f"victims by {args.victims_by or 'the backend default (default_victims_by)'}")
     print("steps: " + ("each waits for the previous step's logits (--sync)" if args.sync else
@@ -475,7 +480,8 @@ def main(argv=None) -> int:
                                           host_plan=runs[name].backend.host_plan,
                                           plan_publish=runs[name].backend.plan_publish,
                                           fill_beside=runs[name].backend.fill_beside,
-                                          fill_beside_blocks=runs[name].backend.fill_beside_blocks)
+                                          fill_beside_blocks=runs[name].backend.fill_beside_blocks,
+                                          fill_beside_gemv=runs[name].backend.fill_beside_gemv)
                         progress(f"{routing} b{B} lru-split, {name[6:]} ({what(runs[name].backend)}) "
                                  f"{frac:.0%} ({ROUNDS} rounds)", r)
                     for name, rr in runs.items():
@@ -575,9 +581,11 @@ def main(argv=None) -> int:
 
                     if args.fill_beside_ablation:  # the in-step fill before the GEMV, or beside it
                         backends_round_robin(dict({"split fill after": {"fill_beside": False}},
-                                                  **{f"split beside {n}": {"fill_beside": True, "fill_beside_blocks": n}
+                                                  **{f"split beside {n}": {"fill_beside": True, "fill_beside_blocks": n,
+                                                                           "fill_beside_gemv": args.fill_beside_gemv}
                                                      for n in args.fill_beside_ablation}),
-                                             lambda b: f"fill beside, {b.fill_beside_blocks} blocks" if b.fill_beside
+                                             lambda b: f"fill beside, {b.fill_beside_blocks} blocks"
+                                             f"{', with the hits' if b.fill_beside_gemv else ''}" if b.fill_beside
                                              else "fill after the submit")
 
                     def variant(name, what, **plan_extra):  # lru-split again, another backend configuration

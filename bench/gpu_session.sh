@@ -376,7 +376,8 @@ for s in "${steps[@]}"; do
     decode-beside)  # session 42: b1 / 37% / trace under concurrent scheduling: lru-split with the fill beside the
        # GEMV ($BS_BLOCKS blocks, stamped), then the fill after the submit against beside with each of
        # $BS_ABLATION blocks, round robin ($BS_ARGS, e.g. --no-resident on an H100; BS_SWEEP= for the fill-fraction sweep;
-       # an H100 holds two 37% backends at once: BS_ABLATION=32; ~4 min)
+       # an H100 holds two 37% backends at once: BS_ABLATION=32; the hits in the beside call, under XLA's default
+       # scheduling: BS_SCHEDULING=off BS_ARGS="--fill-beside-gemv --no-resident"; ~4 min)
        FTJAX_XLA_CB_SCHEDULING=${BS_SCHEDULING:-CONCURRENT} run decode_beside 480 python3 bench/decode.py --layers 40 \
          --batches ${BS_BATCHES:-1} --routing trace --fractions 0.37 --policies lru-split ${BS_SWEEP---no-sweep} --no-online \
          --steps ${BS_STEPS:-48} --warmup 24 --stamps --fill-beside ${BS_BLOCKS:-32} \

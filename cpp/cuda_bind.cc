@@ -153,6 +153,7 @@ void bind_cuda(nb::module_& m) {
   m.attr("HOST_STAMP_FIELDS") = static_cast<int>(kHostStampFields);
   m.def("fill_seconds", &fill_seconds, "pool_id"_a, "ids"_a, "slots"_a, "n_slots"_a, "reps"_a = 10, "blocks"_a = 0);
   m.def("memcpy_h2d_seconds", &memcpy_h2d_seconds, "nbytes"_a, "reps"_a = 10);
+  m.def("prepare_fill_beside", &prepare_fill_beside);
   m.def("create_background", &create_background, "layers"_a, "max_fill"_a);
   m.def("background_error", &background_error, "id"_a);
   m.def("clear_background_error", &clear_background_error, "id"_a);

@@ -12,6 +12,7 @@ namespace ftjax {
 void* expert_fill_handler(bool cmd_buffer);
 void* expert_fill_units_handler(bool cmd_buffer);  // the unit split's partial fill (bf16 pools)
 void* expert_fill_beside_handler();  // ... and the filled routes' compute, beside the GEMV (fill_beside.cu)
+void prepare_fill_beside();  // its side stream and events (fill_beside.cu), before the first call with hits
 void* cpu_submit_handler(bool cmd_buffer);
 void* cpu_collect_handler(bool cmd_buffer);
 void* cpu_publish_handler();          // the host plan's request (handshake.cu)

@@ -10,12 +10,16 @@
 //      token's x (scratch [R, 2I] f32), then its down columns [0, units[r]) against silu(gate) * up: y[r].
 // The caches are operands only, not results: to XLA the call reads them, so the GEMV of the other routes
 // (route_slot -1 for the filled ones) has no buffer conflict with it and, under XLA's concurrent command-buffer
-// scheduling, runs beside the transfer. That is sound because the plan never picks a slot used in this step as
+// scheduling, runs beside the transfer. With `hits` (OffloadExperts(fill_beside_gemv=True)) the call also computes
+// every other route with a slot (the hits) itself, on XLA's stream, while the fill runs on a side stream forked and
+// joined inside the call: the overlap needs no concurrent scheduling, and the XLA GEMV computes nothing. That is
+// sound because the plan never picks a slot used in this step as
 // a victim (no route of the step reads what the fill writes), every later reader of the filled slots depends
 // on this call's y (the next layers, the next step), and every later writer of the banks (the background
 // fork, the next call's background wait, the next fill) is ordered after this call's read of them.
 #include <cuda_bf16.h>
 
+#include <mutex>
 #include <string>
 
 #include "cuda_common.h"
@@ -69,6 +73,14 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
+// Whether `slot` is a valid entry's of the fill list (the beside call computes its routes after the fill).
+__device__ __forceinline__ bool is_filled(const int32_t* ids, const int32_t* slots, const int32_t* n_valid,
+                                          int64_t capacity, int64_t slot, int64_t n_experts, int64_t n_slots) {
+  for (int64_t q = 0; q < capacity; ++q)
+    if (entry_slot(ids, slots, n_valid, capacity, q, n_experts, n_slots) == slot) return true;
+  return false;
+}
+
 struct Compute {
   const int32_t *ids, *slots, *n_valid, *route_slot, *route_units;
   int64_t capacity, n_experts, n_slots, routes, k, hidden, inter;
@@ -76,11 +88,28 @@ struct Compute {
   float* y;        // [R, H]
 };
 
-// Grid (ceil(2I / kWarps), capacity): a warp per gate or up row of entry blockIdx.y's slot, against the x of
-// every route in that slot (a slot is one expert of one layer: its routes are distinct tokens).
-template <typename W>
-__global__ void filled_gate_up(Compute c, const W* __restrict__ x, const W* __restrict__ gate_up) {
-  const int64_t slot = entry_slot(c.ids, c.slots, c.n_valid, c.capacity, blockIdx.y, c.n_experts, c.n_slots);
+// The slot block row blockIdx.y computes from (-1: none) and its routes [r0, r1). Filled (kHits false): entry
+// blockIdx.y's slot, every route in it. Hits: route blockIdx.y alone, if its slot is valid and not being filled.
+template <bool kHits>
+__device__ __forceinline__ int64_t block_slot(const Compute& c, int64_t& r0, int64_t& r1) {
+  const int64_t q = blockIdx.y;
+  if (!kHits) {
+    r0 = 0, r1 = c.routes;
+    return entry_slot(c.ids, c.slots, c.n_valid, c.capacity, q, c.n_experts, c.n_slots);
+  }
+  r0 = q, r1 = q + 1;
+  const int64_t slot = c.route_slot[q];
+  if (slot < 0 || slot >= c.n_slots || is_filled(c.ids, c.slots, c.n_valid, c.capacity, slot, c.n_experts, c.n_slots))
+    return -1;
+  return slot;
+}
+
+// Grid (ceil(2I / kWarps), capacity or routes): a warp per gate or up row of the block row's slot, against the x of
+// each of its routes (a slot is one expert of one layer: its routes are distinct tokens).
+template <typename W, bool kHits>
+__global__ void routes_gate_up(Compute c, const W* __restrict__ x, const W* __restrict__ gate_up) {
+  int64_t r0, r1;
+  const int64_t slot = block_slot<kHits>(c, r0, r1);
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
   if (slot < 0 || row >= 2 * c.inter) return;
   const int lane = threadIdx.x % 32;
@@ -88,7 +117,7 @@ __global__ void filled_gate_up(Compute c, const W* __restrict__ x, const W* __re
   // 16-byte vectors (hidden is a multiple of 8: every row starts on one), 4 loads in flight per lane
   const int64_t n16 = c.hidden * static_cast<int64_t>(sizeof(W)) / 16;
   const uint4* w = reinterpret_cast<const uint4*>(gate_up + (slot * 2 * c.inter + row) * c.hidden);
-  for (int64_t r = 0; r < c.routes; ++r) {
+  for (int64_t r = r0; r < r1; ++r) {
     if (c.route_slot[r] != slot || unit >= c.route_units[r]) continue;
     const uint4* xt = reinterpret_cast<const uint4*>(x + (r / c.k) * c.hidden);
     float acc = 0.f;
@@ -99,16 +128,17 @@ __global__ void filled_gate_up(Compute c, const W* __restrict__ x, const W* __re
   }
 }
 
-// Grid (ceil(H / kWarps), capacity): per route of entry blockIdx.y's slot, silu(gate) * up of its units into
-// shared memory, then a warp per down row: y[r][h] = sum over units j < units[r] of down[h][j] * act[j].
-template <typename W>
-__global__ void filled_down(Compute c, const W* __restrict__ down) {
+// Grid (ceil(H / kWarps), capacity or routes): per route of the block row's slot, silu(gate) * up of its units
+// into shared memory, then a warp per down row: y[r][h] = sum over units j < units[r] of down[h][j] * act[j].
+template <typename W, bool kHits>
+__global__ void routes_down(Compute c, const W* __restrict__ down) {
   extern __shared__ float act[];  // [I]
-  const int64_t slot = entry_slot(c.ids, c.slots, c.n_valid, c.capacity, blockIdx.y, c.n_experts, c.n_slots);
+  int64_t r0, r1;
+  const int64_t slot = block_slot<kHits>(c, r0, r1);
   if (slot < 0) return;
   const int64_t h = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
-  for (int64_t r = 0; r < c.routes; ++r) {
+  for (int64_t r = r0; r < r1; ++r) {
     if (c.route_slot[r] != slot) continue;  // (block-uniform)
     const int64_t u = min(static_cast<int64_t>(c.route_units[r]), c.inter);
     __syncthreads();  // the previous route's act is no longer read
@@ -127,11 +157,57 @@ __global__ void filled_down(Compute c, const W* __restrict__ down) {
   }
 }
 
+// The side stream the fill runs on under `hits`, and the fork / join events (made once, before any capture:
+// prepare_fill_beside from Python when the call is traced). One per process: XLA runs a device's calls in order.
+struct BesideStream {
+  std::mutex mu;
+  cudaStream_t stream = nullptr;
+  cudaEvent_t fork = nullptr, join = nullptr;
+};
+
+BesideStream& beside_stream() {
+  static BesideStream s;
+  return s;
+}
+
+template <typename W, bool kHits>
+void launch_routes(cudaStream_t stream, const Compute& c, const void* x, const void* gate_up, const void* down,
+                   unsigned rows) {
+  const dim3 grid_gu(static_cast<unsigned>((2 * c.inter + kWarps - 1) / kWarps), rows);
+  const dim3 grid_dn(static_cast<unsigned>((c.hidden + kWarps - 1) / kWarps), rows);
+  routes_gate_up<W, kHits><<<grid_gu, kBesideThreads, 0, stream>>>(c, static_cast<const W*>(x),
+                                                                     static_cast<const W*>(gate_up));
+  routes_down<W, kHits><<<grid_dn, kBesideThreads, sizeof(float) * c.inter, stream>>>(c, static_cast<const W*>(down));
+}
+
+template <bool kHits>
+void launch_routes(cudaStream_t stream, bool bf16, const Compute& c, const void* x, const void* gate_up,
+                   const void* down, unsigned rows) {
+  if (bf16)
+    launch_routes<__nv_bfloat16, kHits>(stream, c, x, gate_up, down, rows);
+  else
+    launch_routes<float, kHits>(stream, c, x, gate_up, down, rows);
+}
+
+}  // namespace
+
+void prepare_fill_beside() {
+  BesideStream& s = beside_stream();
+  std::lock_guard<std::mutex> lock(s.mu);
+  if (s.stream) return;
+  cuda_check(cudaStreamCreateWithFlags(&s.stream, cudaStreamNonBlocking), "fill beside: side stream");
+  cuda_check(cudaEventCreateWithFlags(&s.fork, cudaEventDisableTiming), "fill beside: fork event");
+  cuda_check(cudaEventCreateWithFlags(&s.join, cudaEventDisableTiming), "fill beside: join event");
+}
+
+namespace {
+
 ffi::Error FillBesideImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> route_slot,
                           ffi::Buffer<ffi::S32> route_units, ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::S32> slots,
                           ffi::Buffer<ffi::S32> n_valid, ffi::Buffer<ffi::S32> units, ffi::AnyBuffer gate_up,
                           ffi::AnyBuffer down, ffi::Result<ffi::Buffer<ffi::F32>> y,
-                          ffi::Result<ffi::Buffer<ffi::F32>> scratch, uint64_t pool_id, int64_t blocks) {
+                          ffi::Result<ffi::Buffer<ffi::F32>> scratch, uint64_t pool_id, int64_t blocks,
+                          int64_t hits) {
   const std::string what = "expert_fill_beside: ";
   auto pool = find_pool(pool_id);
   if (!pool) return ffi::Error::InvalidArgument(what + "no host pool with id " + std::to_string(pool_id));
@@ -164,27 +240,33 @@ ffi::Error FillBesideImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi
   if (static_cast<int64_t>(y->element_count()) != R * H || static_cast<int64_t>(scratch->element_count()) != R * 2 * I)
     return ffi::Error::InvalidArgument(what + "y must be [R, H] and scratch [R, 2I] f32");
   if (blocks < 0) return ffi::Error::InvalidArgument(what + "blocks must be >= 0 (0: the default fill's grid)");
+  if (hits != 0 && hits != 1) return ffi::Error::InvalidArgument(what + "hits must be 0 or 1");
+  BesideStream& side = beside_stream();
+  if (hits && !side.stream)
+    return ffi::Error::Internal(what + "hits needs prepare_fill_beside() first (before any capture)");
   try {
     cuda_check(cudaMemsetAsync(y->typed_data(), 0, sizeof(float) * R * H, stream), "expert_fill_beside memset");
-    if (cap == 0) return ffi::Error::Success();
-    launch_fill_units(stream, *pool, ids.typed_data(), slots.typed_data(), n_valid.typed_data(), units.typed_data(),
-                      cap, S, gate_up.untyped_data(), down.untyped_data(), transfer_words(false), blocks);
     const Compute c{ids.typed_data(), slots.typed_data(), n_valid.typed_data(), route_slot.typed_data(),
                     route_units.typed_data(), cap, pool->n_experts(), S, R, R / xd[0], H, I,
                     scratch->typed_data(), y->typed_data()};
-    const dim3 grid_gu(static_cast<unsigned>((2 * I + kWarps - 1) / kWarps), static_cast<unsigned>(cap));
-    const dim3 grid_dn(static_cast<unsigned>((H + kWarps - 1) / kWarps), static_cast<unsigned>(cap));
-    const size_t smem = sizeof(float) * I;
-    if (bf16) {
-      filled_gate_up<__nv_bfloat16><<<grid_gu, kBesideThreads, 0, stream>>>(
-          c, static_cast<const __nv_bfloat16*>(x.untyped_data()), static_cast<const __nv_bfloat16*>(gate_up.untyped_data()));
-      filled_down<__nv_bfloat16><<<grid_dn, kBesideThreads, smem, stream>>>(
-          c, static_cast<const __nv_bfloat16*>(down.untyped_data()));
+    const void *xp = x.untyped_data(), *gp = gate_up.untyped_data(), *dp = down.untyped_data();
+    if (hits) {  // the fill on the side stream, the hits here meanwhile, then (joined) the filled routes
+      std::lock_guard<std::mutex> lock(side.mu);
+      cuda_check(cudaEventRecord(side.fork, stream), "expert_fill_beside fork");
+      cuda_check(cudaStreamWaitEvent(side.stream, side.fork, 0), "expert_fill_beside fork wait");
+      if (cap > 0)
+        launch_fill_units(side.stream, *pool, ids.typed_data(), slots.typed_data(), n_valid.typed_data(),
+                          units.typed_data(), cap, S, gate_up.untyped_data(), down.untyped_data(),
+                          transfer_words(false), blocks);
+      cuda_check(cudaEventRecord(side.join, side.stream), "expert_fill_beside join");
+      if (R > 0) launch_routes<true>(stream, bf16, c, xp, gp, dp, static_cast<unsigned>(R));
+      cuda_check(cudaStreamWaitEvent(stream, side.join, 0), "expert_fill_beside join wait");
     } else {
-      filled_gate_up<float><<<grid_gu, kBesideThreads, 0, stream>>>(
-          c, static_cast<const float*>(x.untyped_data()), static_cast<const float*>(gate_up.untyped_data()));
-      filled_down<float><<<grid_dn, kBesideThreads, smem, stream>>>(c, static_cast<const float*>(down.untyped_data()));
+      if (cap == 0) return ffi::Error::Success();
+      launch_fill_units(stream, *pool, ids.typed_data(), slots.typed_data(), n_valid.typed_data(), units.typed_data(),
+                        cap, S, gate_up.untyped_data(), down.untyped_data(), transfer_words(false), blocks);
     }
+    if (cap > 0) launch_routes<false>(stream, bf16, c, xp, gp, dp, static_cast<unsigned>(cap));
     cuda_check(cudaGetLastError(), "expert_fill_beside compute launch");
   } catch (const std::exception& e) {
     return ffi::Error::Internal(what + e.what());
@@ -209,7 +291,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FtjaxExpertFillBeside, FillBesideImpl,
                                   .Ret<ffi::Buffer<ffi::F32>>()      // y [R, H]
                                   .Ret<ffi::Buffer<ffi::F32>>()      // scratch [R, 2I]
                                   .Attr<uint64_t>("pool")
-                                  .Attr<int64_t>("blocks"),
+                                  .Attr<int64_t>("blocks")
+                                  .Attr<int64_t>("hits"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 void* expert_fill_beside_handler() { return reinterpret_cast<void*>(FtjaxExpertFillBeside); }

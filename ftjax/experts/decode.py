@@ -170,7 +170,9 @@ class OffloadExperts:
     and computes the filled routes from their slots (`cuda.expert_fill_beside`, ``cpp/fill_beside.cu``);
     the GEMV of the other routes does not wait for the transfer, so under XLA's concurrent command-buffer
     scheduling (``ftjax.xla_flags``) it runs beside it. ``fill_beside_blocks``: the fill's thread blocks (0:
-    the default fill's grid). None (default): DEFAULT_FILL_BESIDE, FILL_BESIDE_BLOCKS.
+    the default fill's grid). None (default): DEFAULT_FILL_BESIDE, FILL_BESIDE_BLOCKS. ``fill_beside_gemv``
+    (with fill_beside): that call also computes the hit routes, beside its fill on a side stream of its own, so
+    the overlap needs no concurrent scheduling and no XLA GEMV runs in those layer calls.
     Call `drain` before dropping a state on the GPU (a background fill may still be writing its banks).
     """
 
@@ -195,6 +197,7 @@ class OffloadExperts:
     plan_publish: bool | None = None
     fill_beside: bool | None = None
     fill_beside_blocks: int | None = None
+    fill_beside_gemv: bool = False
     channel_base: int = -1
     background_id: int = -1
 
@@ -266,6 +269,9 @@ class OffloadExperts:
         if self.fill_beside and not (self.platform == "cuda" and self.unit_split):
             raise ValueError("fill_beside is the CUDA unit split's in-step fill: it needs platform='cuda' and "
                              "unit_split")
+        if not isinstance(self.fill_beside_gemv, bool) or (self.fill_beside_gemv and not self.fill_beside):
+            raise ValueError(f"fill_beside_gemv must be True or False, and True only with fill_beside, got "
+                             f"{self.fill_beside_gemv!r} (fill_beside {self.fill_beside!r})")
         if self.fill_beside_blocks is None:
             object.__setattr__(self, "fill_beside_blocks", FILL_BESIDE_BLOCKS)
         b = self.fill_beside_blocks
@@ -544,7 +550,9 @@ class OffloadExperts:
         gu, dn = state["gate_up"], state["down"]
         y = cuda.expert_fill_beside(x.astype(gu.dtype), plan.route_slot, plan.route_units, plan.fill_ids, plan.fill_slots,
                                     plan.n_fill, plan.fill_units, gu, dn, self.pool, after_submit=submit_token,
-                                    blocks=self.fill_beside_blocks)
+                                    blocks=self.fill_beside_blocks, hits=self.fill_beside_gemv)
+        if self.fill_beside_gemv:  # every GPU route is in y: none left to the GEMV
+            return jnp.full_like(plan.route_slot, -1), y
         F, S = plan.fill_ids.shape[0], gu.shape[0]  # the entries the kernel takes as valid, the same test
         live = ((jnp.arange(F) < plan.n_fill) & (plan.fill_ids >= 0) & (plan.fill_ids < self.pool.n_experts)
                 & (plan.fill_slots >= 0) & (plan.fill_slots < S))
@@ -562,6 +570,10 @@ class OffloadExperts:
 
         def plus(out):
             return out if extra_routes is None else out + extra_routes.astype(out.dtype)
+
+        if extra_routes is not None and self.fill_beside_gemv:  # the beside call computed every GPU route
+            out = extra_routes.astype(x.dtype).reshape(T, k, -1)
+            return combine_routes(out, expert_ids, gate_weights, token_valid)
 
         if self.kernel == "pallas":
             if T * k <= limit or route_units is not None:  # (the prefill kernel computes whole experts only)

@@ -135,7 +135,7 @@ def expert_fill_units(ids, slots, n_valid, units, gate_up_cache, down_cache, poo
 
 
 def expert_fill_beside(x, route_slot, route_units, ids, slots, n_valid, units, gate_up_cache, down_cache, pool, *,
-                       after_submit=None, blocks: int = 0):
+                       after_submit=None, blocks: int = 0, hits: bool = False):
     """The unit split's in-step fill and the filled routes' compute in one call (``cpp/fill_beside.cu``):
     units [0, ``units``) of the first ``n_valid`` entries' experts into their slots, as `expert_fill_units`,
     then ``y [R, H]`` f32: for each route whose slot is a valid entry's, its expert's units [0, route_units[r])
@@ -144,8 +144,14 @@ def expert_fill_beside(x, route_slot, route_units, ids, slots, n_valid, units, g
     The caches are written but are NOT results: the GEMV of the other routes does not wait for this call
     (under XLA's concurrent command-buffer scheduling it runs beside the transfer). The caller keeps its
     caches as they are and must compute the filled routes from ``y`` only (their slots hold the units once
-    ``y`` is ready). ``blocks``: the fill's thread blocks, 0 for the default fill's grid."""
+    ``y`` is ready). ``blocks``: the fill's thread blocks, 0 for the default fill's grid.
+
+    ``hits``: ``y`` also holds every other route with a valid slot (its units [0, route_units[r])), computed on
+    XLA's stream while the fill runs on a side stream that the call forks and joins itself: the overlap needs no
+    concurrent scheduling, and the caller computes no route of this layer on the GPU itself."""
     register_targets()
+    if hits:
+        _host.prepare_fill_beside()  # (at trace time: the side stream exists before any graph capture)
     if after_submit is not None:
         ids, _ = jax.lax.optimization_barrier((ids, after_submit))
     R, inter = route_slot.shape[0], down_cache.shape[-1]
@@ -155,7 +161,8 @@ def expert_fill_beside(x, route_slot, route_units, ids, slots, n_valid, units, g
     y, _scratch = call(x, jnp.asarray(route_slot, jnp.int32), jnp.asarray(route_units, jnp.int32),
                        jnp.asarray(ids, jnp.int32), jnp.asarray(slots, jnp.int32),
                        jnp.asarray(n_valid, jnp.int32).reshape(()), jnp.asarray(units, jnp.int32).reshape(()),
-                       gate_up_cache, down_cache, pool=np.uint64(pool.id), blocks=np.int64(_blocks(blocks)))
+                       gate_up_cache, down_cache, pool=np.uint64(pool.id), blocks=np.int64(_blocks(blocks)),
+                       hits=np.int64(bool(hits)))
     return y
 
 

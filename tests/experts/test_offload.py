@@ -184,6 +184,10 @@ def test_fill_beside_is_checked(model):
         OffloadExperts(pool, L, E, 4, "lru-split", fill_beside="on")
     with pytest.raises(ValueError, match="fill_beside_blocks must be"):
         OffloadExperts(pool, L, E, 4, "lru-split", fill_beside_blocks=-1)
+    with pytest.raises(ValueError, match="True only with fill_beside"):
+        OffloadExperts(pool, L, E, 4, "lru-split", fill_beside_gemv=True)
+    with pytest.raises(ValueError, match="fill_beside_gemv must be"):
+        OffloadExperts(pool, L, E, 4, "lru-split", fill_beside_gemv=1)
 
 
 def test_unit_split_default(model):

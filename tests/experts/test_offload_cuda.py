@@ -96,14 +96,17 @@ def test_cuda_unit_split_equals_resident(setup, size, batch, background_yield):
 
 
 
-@pytest.mark.parametrize("size,batch,blocks", [("37%", 1, 32), ("min", 3, 0), ("layer", 1, 1), ("37%", 3, 32)])
-def test_cuda_fill_beside_equals_resident(setup, size, batch, blocks):
+@pytest.mark.parametrize("size,batch,blocks,gemv", [("37%", 1, 32, False), ("min", 3, 0, False), ("layer", 1, 1, False),
+                                                     ("37%", 3, 32, False), ("37%", 1, 32, True), ("min", 3, 0, True),
+                                                     ("37%", 3, 32, True)])
+def test_cuda_fill_beside_equals_resident(setup, size, batch, blocks, gemv):
     """The unit split's fill and its routes in one call beside the GEMV (``fill_beside``): the resident logits;
     the call filled (its slots hold their owners' rows after a drain, so the hidden writes landed) and computed
-    the filled routes (a route both left out of the GEMV and of the beside call would change the logits)."""
+    the filled routes (a route both left out of the GEMV and of the beside call would change the logits). With
+    ``fill_beside_gemv`` the call computes the hit routes too, beside its fill on its own side stream."""
     cfg, params, pool, ref = setup
     backend = OffloadExperts(pool, L, E, SIZES[size], "lru-split", platform="cuda", defer_fills=True,
-                             unit_split=True, fill_beside=True, fill_beside_blocks=blocks)
+                             unit_split=True, fill_beside=True, fill_beside_blocks=blocks, fill_beside_gemv=gemv)
     got, st = run(cfg, params, backend, backend.init_state(fill_fraction=0.4), batch, check=check_invariants)
     want = ref[batch]
     assert np.abs(got - want).max() / np.abs(want).max() < 1e-4
