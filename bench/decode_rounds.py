@@ -57,6 +57,9 @@ def knob_settings(specs: list[str]) -> dict:
             **{f"split {spec}": (lambda v=v: set_kernel_knobs(**v)) for spec, v in variants.items()}}
 
 
+VARIANT_FLAGS = ("--granule-ablation", "--fill-beside-ablation")  # a backend per value given, and the default's
+
+
 def round_robin_backends(args) -> dict:
     """Flag -> how many lru-split backends (each with its own expert cache) its round robin holds at once."""
     counts = {"--granule-ablation": 1 + len(args.granule_ablation) if args.granule_ablation else 0,
@@ -77,6 +80,8 @@ def check_round_robins_fit(counts: dict, cache_bytes: int, device) -> None:
     for flag, n in counts.items():
         if n * cache_bytes > room:
             fit = int(room // cache_bytes)
+            hint = (f"pass at most {max(fit - 1, 0)} variant(s)" if flag in VARIANT_FLAGS  # (the default's backend
+                    else "run it on a GPU with more memory")  # is always one of them; the others are fixed pairs)
             raise SystemExit(f"{flag}: its round robin holds {n} backends at once, {n} x {cache_bytes / 2**30:.1f} GiB "
                              f"of expert cache; {device.device_kind} has room for {room / 2**30:.1f} GiB "
-                             f"({fit} backends): pass at most {max(fit - 1, 0)} variant(s)")
+                             f"({fit} backends): {hint}")

@@ -159,6 +159,8 @@ __global__ void routes_down(Compute c, const W* __restrict__ down) {
 
 // The side stream the fill runs on under `hits`, and the fork / join events (made once, before any capture:
 // prepare_fill_beside from Python when the call is traced). One per process: XLA runs a device's calls in order.
+// Not side_stream() (ffi_cuda.cu): that one carries the background fills, which the in-step fill must not queue
+// behind.
 struct BesideStream {
   std::mutex mu;
   cudaStream_t stream = nullptr;
@@ -242,8 +244,6 @@ ffi::Error FillBesideImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi
   if (blocks < 0) return ffi::Error::InvalidArgument(what + "blocks must be >= 0 (0: the default fill's grid)");
   if (hits != 0 && hits != 1) return ffi::Error::InvalidArgument(what + "hits must be 0 or 1");
   BesideStream& side = beside_stream();
-  if (hits && !side.stream)
-    return ffi::Error::Internal(what + "hits needs prepare_fill_beside() first (before any capture)");
   try {
     cuda_check(cudaMemsetAsync(y->typed_data(), 0, sizeof(float) * R * H, stream), "expert_fill_beside memset");
     const Compute c{ids.typed_data(), slots.typed_data(), n_valid.typed_data(), route_slot.typed_data(),
@@ -252,6 +252,8 @@ ffi::Error FillBesideImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi
     const void *xp = x.untyped_data(), *gp = gate_up.untyped_data(), *dp = down.untyped_data();
     if (hits) {  // the fill on the side stream, the hits here meanwhile, then (joined) the filled routes
       std::lock_guard<std::mutex> lock(side.mu);
+      if (!side.stream)
+        return ffi::Error::Internal(what + "hits needs prepare_fill_beside() first (before any capture)");
       cuda_check(cudaEventRecord(side.fork, stream), "expert_fill_beside fork");
       cuda_check(cudaStreamWaitEvent(side.stream, side.fork, 0), "expert_fill_beside fork wait");
       if (cap > 0)

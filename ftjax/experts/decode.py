@@ -544,7 +544,8 @@ class OffloadExperts:
 
     def _fill_beside(self, state, plan, x, submit_token):
         """`cuda.expert_fill_beside` of the plan's fills: the route slots left to the GEMV (-1 for the routes
-        of a slot the call fills: the beside call computes those) and the beside call's per-route outputs."""
+        of a slot the call fills: the beside call computes those; all -1 with fill_beside_gemv) and the beside
+        call's per-route outputs."""
         from ftjax.host import cuda
 
         gu, dn = state["gate_up"], state["down"]
