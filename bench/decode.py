@@ -57,8 +57,8 @@ from ftjax.models.params import param_shapes, unflatten
 
 import layer_stamps  # bench/ sibling
 import thread_cpu  # bench/ sibling
-from decode_rounds import (CALL_TIMES, ROUNDS, check_round_robins_fit, interleaved, knob_settings,  # bench/ sibling
-                           round_robin, round_robin_backends)
+from decode_rounds import (CALL_TIMES, ROUNDS, check_round_robins_fit, fill_beside_variants, interleaved,  # bench/ sibling
+                           knob_settings, round_robin, round_robin_backends)
 
 TOKENIZER = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "qwen3-tokenizer"  # --tokenizer
 QWEN36 = {
@@ -580,10 +580,7 @@ def main(argv=None) -> int:
                                              lambda b: f"plan publish {'on' if b.plan_publish else 'off'}")
 
                     if args.fill_beside_ablation:  # the in-step fill before the GEMV, or beside it
-                        backends_round_robin(dict({"split fill after": {"fill_beside": False}},
-                                                  **{f"split beside {n}": {"fill_beside": True, "fill_beside_blocks": n,
-                                                                           "fill_beside_gemv": args.fill_beside_gemv}
-                                                     for n in args.fill_beside_ablation}),
+                        backends_round_robin(fill_beside_variants(args.fill_beside_ablation, args.fill_beside_gemv),
                                              lambda b: f"fill beside, {b.fill_beside_blocks} blocks"
                                              f"{', with the hits' if b.fill_beside_gemv else ''}" if b.fill_beside
                                              else "fill after the submit")

@@ -57,6 +57,15 @@ def knob_settings(specs: list[str]) -> dict:
             **{f"split {spec}": (lambda v=v: set_kernel_knobs(**v)) for spec, v in variants.items()}}
 
 
+def fill_beside_variants(blocks: list, gemv: bool) -> dict:
+    """--fill-beside-ablation's backends: name -> OffloadExperts keywords over the run's own. The fill after the
+    submit (the default) turns the fill beside off whole (fill_beside_gemv needs it); one beside backend per
+    block count, each with the hits in its call when ``gemv``."""
+    return {"split fill after": {"fill_beside": False, "fill_beside_gemv": False},
+            **{f"split beside {n}": {"fill_beside": True, "fill_beside_blocks": n, "fill_beside_gemv": gemv}
+               for n in blocks}}
+
+
 VARIANT_FLAGS = ("--granule-ablation", "--fill-beside-ablation")  # a backend per value given, and the default's
 
 

@@ -45,3 +45,17 @@ def test_round_robin_that_cannot_fit_stops_with_the_count_that_does():
 def test_devices_without_memory_figures_are_not_checked():
     decode_rounds.check_round_robins_fit({"--host-plan-ablation": 2}, 10**15, Device(None, "cpu"))
     decode_rounds.check_round_robins_fit({"--host-plan-ablation": 2}, 10**15, Device({}, "cpu"))
+
+
+@pytest.mark.parametrize("gemv", [False, True])
+def test_fill_beside_variants_override_the_runs_own(gemv):
+    # session 44: the fill-after backend kept the run's fill_beside_gemv=True with fill_beside False, which
+    # OffloadExperts refuses: the round robin died after the main run
+    run_kw = dict(fill_beside=True, fill_beside_blocks=32, fill_beside_gemv=gemv)
+    variants = decode_rounds.fill_beside_variants([32, 0], gemv)
+    assert list(variants) == ["split fill after", "split beside 32", "split beside 0"]
+    after = dict(run_kw, **variants["split fill after"])
+    assert after["fill_beside"] is False and after["fill_beside_gemv"] is False
+    for n in (32, 0):
+        beside = dict(run_kw, **variants[f"split beside {n}"])
+        assert beside == dict(fill_beside=True, fill_beside_blocks=n, fill_beside_gemv=gemv)
