@@ -67,6 +67,38 @@ __device__ __forceinline__ float dot16(uint4 w, uint4 x, __nv_bfloat16) {
   return acc;
 }
 
+// The dot of 16 bytes of down weights (8 bf16 or 4 f32) and the activations act[0, 8 or 4) (shared memory, 16-byte
+// aligned).
+__device__ __forceinline__ float dot16_act(uint4 w, const float* act, float) {
+  const float4 a = *reinterpret_cast<const float4*>(act);
+  return __uint_as_float(w.x) * a.x + __uint_as_float(w.y) * a.y + __uint_as_float(w.z) * a.z +
+         __uint_as_float(w.w) * a.w;
+}
+__device__ __forceinline__ float dot16_act(uint4 w, const float* act, __nv_bfloat16) {
+  const float4 a0 = *reinterpret_cast<const float4*>(act), a1 = *reinterpret_cast<const float4*>(act + 4);
+  const float2 w0 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w.x));
+  const float2 w1 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w.y));
+  const float2 w2 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w.z));
+  const float2 w3 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w.w));
+  return w0.x * a0.x + w0.y * a0.y + w1.x * a0.z + w1.y * a0.w + w2.x * a1.x + w2.y * a1.y + w3.x * a1.z +
+         w3.y * a1.w;
+}
+
+// One lane's part of the dot of a down row's units [0, u) and act: 16-byte weight loads (a whole 512-unit bf16 row is
+// two per lane, all in flight) when the rows start on 16 bytes (`vec`: I a multiple of 16 / sizeof(W)), then the tail
+// (and the whole row otherwise) one element per lane.
+template <typename W>
+__device__ __forceinline__ float down_dot(const W* w, const float* act, int64_t u, bool vec, int lane) {
+  constexpr int64_t kPer = 16 / sizeof(W);
+  const int64_t n16 = vec ? u / kPer : 0;
+  const uint4* wv = reinterpret_cast<const uint4*>(w);
+  float acc = 0.f;
+#pragma unroll 2
+  for (int64_t i = lane; i < n16; i += 32) acc += dot16_act(wv[i], act + i * kPer, W{});
+  for (int64_t j = n16 * kPer + lane; j < u; j += 32) acc += to_f(w[j]) * act[j];
+  return acc;
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -132,12 +164,13 @@ __global__ void routes_gate_up(Compute c, const W* __restrict__ x, const W* __re
 // into shared memory, then a warp per down row: y[r][h] = sum over units j < units[r] of down[h][j] * act[j].
 template <typename W, bool kHits>
 __global__ void routes_down(Compute c, const W* __restrict__ down) {
-  extern __shared__ float act[];  // [I]
+  extern __shared__ __align__(16) float act[];  // [I]
   int64_t r0, r1;
   const int64_t slot = block_slot<kHits>(c, r0, r1);
   if (slot < 0) return;
   const int64_t h = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
+  const bool vec = c.inter % (16 / static_cast<int64_t>(sizeof(W))) == 0;
   for (int64_t r = r0; r < r1; ++r) {
     if (c.route_slot[r] != slot) continue;  // (block-uniform)
     const int64_t u = min(static_cast<int64_t>(c.route_units[r]), c.inter);
@@ -148,11 +181,7 @@ __global__ void routes_down(Compute c, const W* __restrict__ down) {
     }
     __syncthreads();
     if (h >= c.hidden) continue;
-    const W* w = down + (slot * c.hidden + h) * c.inter;
-    float acc = 0.f;
-#pragma unroll 4
-    for (int64_t j = lane; j < u; j += 32) acc += to_f(w[j]) * act[j];
-    acc = warp_sum(acc);
+    const float acc = warp_sum(down_dot(down + (slot * c.hidden + h) * c.inter, act, u, vec, lane));
     if (lane == 0) c.y[r * c.hidden + h] = acc;
   }
 }
