@@ -1,4 +1,5 @@
-"""bench/decode_rounds.py's check that a round robin's backends fit the GPU at once, before any timing."""
+"""bench/decode_rounds.py's check that a round robin's backends fit the GPU at once, before any timing, and the
+command line (bench/decode_args.py) it reads."""
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -6,6 +7,7 @@ from types import SimpleNamespace
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import decode_args  # noqa: E402
 import decode_rounds  # noqa: E402
 
 GIB = 2**30
@@ -59,3 +61,18 @@ def test_fill_beside_variants_override_the_runs_own(gemv):
     for n in (32, 0):
         beside = dict(run_kw, **variants[f"split beside {n}"])
         assert beside == dict(fill_beside=True, fill_beside_blocks=n, fill_beside_gemv=gemv)
+
+
+def test_the_command_lines_flags_count_the_backends():
+    ap = decode_args.parser("decode", Path("/tmp/decode.json"))
+    # gpu_session.sh decode-beside's flags (session 44's call)
+    args = ap.parse_args(["--layers", "40", "--routing", "trace", "--fractions", "0.37", "--policies", "lru-split",
+                          "--no-sweep", "--fill-beside", "32", "--fill-beside-ablation", "32", "--fill-beside-gemv",
+                          "--no-resident"])
+    assert (args.fill_beside, args.fill_beside_gemv, args.no_resident) == (32, True, True)
+    assert decode_rounds.round_robin_backends(args) == {"--fill-beside-ablation": 2}
+    args = ap.parse_args(["--granule-ablation", "4", "16", "--plan-publish-ablation"])
+    assert decode_rounds.round_robin_backends(args) == {"--granule-ablation": 3, "--plan-publish-ablation": 2}
+    assert args.policies == list(decode_args.POLICIES) and args.out == "/tmp/decode.json"
+    with pytest.raises(SystemExit):
+        ap.parse_args(["--policies", "lru-lfu"])

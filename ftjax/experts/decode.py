@@ -30,6 +30,10 @@ import numpy as np
 from ftjax.experts.cache import CacheGeometry, init_cache_state, preload
 from ftjax.experts.interface import combine_routes, expert_mlp
 from ftjax.experts.kernels import check_kernel, decode_routes, prefill_layer
+from ftjax.experts.offload_defaults import (BACKGROUND_FILL_BLOCKS, DEFAULT_BACKGROUND_YIELD, DEFAULT_FILL_BESIDE,
+                                            DEFAULT_HOST_PLAN, DEFAULT_PLAN_PUBLISH, FILL_BESIDE_BLOCKS,
+                                            PLAN_PUBLISH_MAX_X_BYTES, cache_dtype, check_yield, default_unit_split,
+                                            default_victims_by, unit_granule)
 from ftjax.experts.plan import (BACKGROUND_KEYS, PLAN_IMPLS, VICTIM_METHODS, cpu_tasks, plan_layer,
                                 record_background)
 from ftjax.experts.plan_fused import plan_layer_fused, plan_statics
@@ -42,62 +46,6 @@ from ftjax.host.pool import HostPool
 log = logging.getLogger(__name__)
 PLATFORMS = ("cpu", "cuda")
 _channels = itertools.count(1 << 20)  # CUDA CPU-branch channel ids, unique per process
-
-
-def cache_dtype(pool: HostPool):
-    """Slot banks hold f32 for f32 pools, bf16 otherwise (int4 rows are dequantized on fill)."""
-    return jnp.float32 if pool.format == "f32" else jnp.bfloat16
-
-
-# Thread blocks of a background fill: on the H200 8-16 blocks move a 6.3 MB expert at PCIe speed (44-47
-# GB/s) and leave the SMs to the work beside it (16: 0.95 of the fill hidden; 1,056 blocks: none).
-BACKGROUND_FILL_BLOCKS = 16
-RANK_MAX_SLOTS = 8192  # victims_by="rank" counts over S^2 slot pairs: measured at 3,788 slots only
-
-
-def default_unit_split(platform: str, background_fills: bool, pool: HostPool, kernel: str) -> bool:
-    """``OffloadExperts(unit_split=None)``: the unit split where it runs and measured faster than deferring
-    whole experts (H200, bench/RESULTS.md session 18: 1.03-1.07x at batch 1, 1.05x at batch 4): the CUDA
-    platform with background fills, the jnp GPU kernel (with the Pallas GEMV it ran 0.89-0.92x), a bf16/f32
-    pool (the partial fill of the int4 layout is not built) whose I is a multiple of the granule."""
-    return (platform == "cuda" and background_fills and kernel == "jnp" and pool.format != "int4"
-            and pool.inter % unit_granule(pool) == 0)
-
-
-def unit_granule(pool: HostPool) -> int:
-    """unit_split's default units per step of the split: an int4 group of the down matrix, else 8. (Steps
-    of a cache line, so that the CPU's down window [u, I) starts on one, gained nothing on the H200 host:
-    u = 176, mid-line, read at the rate of u = 160 and 192; bench/RESULTS.md session 26.)"""
-    return quant.GROUP if pool.format == "int4" else 8
-
-
-# OffloadExperts.background_yield: what the step's background fill pauses for (cuda.YIELD_MODES).
-BACKGROUND_YIELD_MODES = ("off", "fills", "cpu", "fills+cpu")
-DEFAULT_BACKGROUND_YIELD = "off"
-# OffloadExperts.host_plan's default (off until measured faster on the GPU machine: bench/RESULTS.md).
-DEFAULT_HOST_PLAN = False
-# OffloadExperts.plan_publish's default (off until measured faster on the GPU machine: bench/RESULTS.md), and
-# the largest x it stages (one thread block copies x into the mapped staging: decode batches, not prefill).
-DEFAULT_PLAN_PUBLISH = False
-PLAN_PUBLISH_MAX_X_BYTES = 32 << 10
-# OffloadExperts.fill_beside's default (off: with the CONCURRENT scheduling it needs, slower than the default on the
-# GPU machine, bench/RESULTS.md session 43), its fill's blocks (0: the default fill's grid, every SM while it copies).
-DEFAULT_FILL_BESIDE = False
-FILL_BESIDE_BLOCKS = 32
-
-
-def _check_yield(mode) -> None:
-    if not isinstance(mode, str) or mode not in BACKGROUND_YIELD_MODES:
-        raise ValueError(f"background_yield must be one of {BACKGROUND_YIELD_MODES} or None, got {mode!r}")
-
-
-def default_victims_by(platform: str, num_slots: int) -> str:
-    """The LRU-victim ranking a backend uses unless told: on the GPU "rank" (two reductions) up to
-    RANK_MAX_SLOTS slots, where XLA:GPU's top-k kernels cost 16 us per 16 victims (H200, 40 layers,
-    3,788 slots: plan 37.4 -> 26.5 us per layer at batch 1, 118.7 -> 27.3 at batch 4; decode 40 layers,
-    37%, batch 4: lru-split 206.0 -> 262.1 tok/s; bench/RESULTS.md session 8); "topk" on the CPU
-    backend (there the S^2 count is the slower: 94 vs 36 us per layer at 700 slots) and above that size."""
-    return "rank" if platform == "cuda" and num_slots <= RANK_MAX_SLOTS else "topk"
 
 
 def _release_cuda(made: dict) -> None:
@@ -277,7 +225,7 @@ class OffloadExperts:
         b = self.fill_beside_blocks
         if not isinstance(b, (int, np.integer)) or isinstance(b, bool) or b < 0:
             raise ValueError(f"fill_beside_blocks must be an int >= 0 (0: the default fill's grid), got {b!r}")
-        _check_yield(self.background_yield)
+        check_yield(self.background_yield)
         check_kernel(self.kernel, self.pool.hidden, self.pool.inter, cache_dtype(self.pool) if self.num_slots else None)
         if self.plan_impl not in PLAN_IMPLS:
             raise ValueError(f"plan_impl {self.plan_impl!r} unknown; valid: {PLAN_IMPLS}")
@@ -319,7 +267,7 @@ class OffloadExperts:
 
     def set_background_yield(self, mode: str) -> None:
         """``background_yield`` from the next step on (the compiled step is unchanged: the fork reads it)."""
-        _check_yield(mode)
+        check_yield(mode)
         object.__setattr__(self, "background_yield", mode)
         if self._gpu_background:
             from ftjax.host import cuda

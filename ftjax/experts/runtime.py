@@ -77,7 +77,8 @@ def build_backend(cfg, banks=None, config: OffloadConfig | None = None, *, pool=
     ``banks``: host banks ``{"gate_up", "down"}`` (copied into a new ``HostPool`` when no ``pool`` is
     given). ``info``: policy, slots, bandwidth in use, cache bytes.
     """
-    from ftjax.experts.decode import OffloadExperts, cache_dtype
+    from ftjax.experts.decode import OffloadExperts
+    from ftjax.experts.offload_defaults import cache_dtype
     from ftjax.experts.resident import ResidentExperts
     from ftjax.host.pool import HostPool
 

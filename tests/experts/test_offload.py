@@ -9,7 +9,8 @@ import pytest
 
 from ftjax.config import parse_hf_config
 from ftjax.experts.cache import check_invariants
-from ftjax.experts.decode import BACKGROUND_YIELD_MODES, DEFAULT_BACKGROUND_YIELD, OffloadExperts, default_unit_split
+from ftjax.experts.decode import OffloadExperts
+from ftjax.experts.offload_defaults import BACKGROUND_YIELD_MODES, DEFAULT_BACKGROUND_YIELD, default_unit_split
 from ftjax.experts.policies import POLICIES
 from ftjax.experts.resident import ResidentExperts
 from ftjax.host import HostPool
@@ -297,7 +298,7 @@ def test_bad_sizes(model):
 
 def test_default_victims_by(model):
     """The CPU backend ranks LRU victims by top-k, the GPU by counting up to RANK_MAX_SLOTS slots."""
-    from ftjax.experts.decode import RANK_MAX_SLOTS, default_victims_by
+    from ftjax.experts.offload_defaults import RANK_MAX_SLOTS, default_victims_by
 
     pool = model[3]
     assert OffloadExperts(pool, L, E, 3).victims_by == "topk"
@@ -310,7 +311,7 @@ def test_default_victims_by(model):
 def test_unit_granule_default_and_checks(model):
     """The split's step: 8 units, an int4 group for int4 pools; an explicit ``unit_granule`` is checked
     (positive, a multiple of the int4 group for int4 pools, a divisor of I under the split)."""
-    from ftjax.experts.decode import unit_granule
+    from ftjax.experts.offload_defaults import unit_granule
 
     *_, pool = model
     pool_of = lambda fmt, inter: types.SimpleNamespace(format=fmt, inter=inter)  # noqa: E731
