@@ -386,3 +386,67 @@ def test_cpu_failure_and_watchdog_become_status_not_hang(pool, fused):
     assert cuda.transfer_words() == (0, -1)
     cuda.add_transfer_word(1, 1)
     assert cuda.transfer_words() == (0, 0)
+
+
+def _fill_beside_reference(x, route_slot, route_units, slot_expert, filled, k, gate_up, down, bf16):
+    """y [R, H] of `expert_fill_beside`: each computed route's expert (``slot_expert[slot]``, the fill's for a
+    filled slot) over its units [0, route_units[r]), with the kernel's bf16 rounding of the gate / up outputs and
+    of the activation for bf16 pools; rows of routes it does not compute are zero."""
+    rnd = (lambda v: v.astype(np.float32).astype(BF16).astype(np.float64)) if bf16 else (lambda v: v)
+    inter = down.shape[-1]
+    y = np.zeros((len(route_slot), down.shape[1]))
+    for r, (s, u) in enumerate(zip(route_slot, route_units)):
+        if s < 0 or s not in slot_expert or (filled is not None and s not in filled):
+            continue
+        e, xt = slot_expert[s], np.asarray(x[r // k], np.float64)
+        g = rnd(np.asarray(gate_up[e, :u], np.float64) @ xt)
+        up = rnd(np.asarray(gate_up[e, inter:inter + u], np.float64) @ xt)
+        y[r] = np.asarray(down[e][:, :u], np.float64) @ rnd(g / (1.0 + np.exp(-g)) * up)
+    return y
+
+
+@pytest.mark.parametrize("dtype,inter", [("bf16", 128), ("bf16", 40), ("f32", 24)])
+@pytest.mark.parametrize("hits", [False, True])
+def test_fill_beside_computes_the_filled_routes_and_the_hits(dtype, inter, hits):
+    """The fill beside the GEMV as one op against numpy: units [0, u) of the valid fill entries land in their slots,
+    and y holds the filled routes (with ``hits``, every route with a slot: a slot of an entry past n_valid is a
+    hit), each over its own units: whole rows, and units that end inside a 16-byte vector of a down row (100 / 36 / 21:
+    the element-wise tail); slots used by two tokens with different units."""
+    rng = np.random.default_rng(inter + hits)
+    H, N, S, T, k, u_fill = 64, 24, 8, 3, 3, 16
+    np_dtype, jdtype = (BF16, jnp.bfloat16) if dtype == "bf16" else (np.float32, jnp.float32)
+    banks = {"gate_up": (rng.standard_normal((N, 2 * inter, H)) * 0.2).astype(np_dtype),
+             "down": (rng.standard_normal((N, H, inter)) * 0.2).astype(np_dtype)}
+    p = HostPool.from_banks(banks)
+    assert p.pin_if_cuda() and p.pinned
+    gu_src, dn_src = (banks[b].astype(np.float32) for b in ("gate_up", "down"))
+    resident = {0: 4, 1: 9, 2: 17, 3: 2, 6: 21}  # slot -> the expert it holds before the call
+    ids = np.array([11, 23, -1], np.int32)  # fill entries: expert -> slot (the last masked)
+    slots = np.array([5, 6, 7], np.int32)
+    tail = {128: 100, 40: 36, 24: 21}[inter]
+    route_slot = np.array([0, 5, -1, 1, 6, 2, 0, 5, 3], np.int32)  # token t's routes are 3t .. 3t + 2
+    route_units = np.array([inter, u_fill, inter, tail, u_fill, inter, 8, u_fill, inter], np.int32)
+    x = rng.standard_normal((T, H)).astype(np.float32)
+    call = jax.jit(lambda x, rs, ru, i, s, n, u, g, d: cuda.expert_fill_beside(x, rs, ru, i, s, n, u, g, d, p,
+                                                                                blocks=4, hits=hits))
+    for n_valid in (2, 1):  # n_valid 1: slot 6 is not filled but holds expert 21 (a hit)
+        g, d = np.full((S, 2 * inter, H), -3.0, np.float32), np.full((S, H, inter), -3.0, np.float32)
+        for s, e in resident.items():
+            g[s], d[s] = gu_src[e], dn_src[e]
+        g, d = jnp.asarray(g, jdtype), jnp.asarray(d, jdtype)
+        y = np.asarray(call(jnp.asarray(x, jdtype), route_slot, route_units, ids, slots, jnp.int32(n_valid),
+                            jnp.int32(u_fill), g, d))
+        filled = {int(slots[q]): int(ids[q]) for q in range(n_valid) if ids[q] >= 0}
+        want = _fill_beside_reference(np.asarray(jnp.asarray(x, jdtype).astype(jnp.float32)), route_slot,
+                                      route_units, {**resident, **filled}, None if hits else set(filled), k,
+                                      gu_src, dn_src, dtype == "bf16")
+        assert np.abs(y - want).max() <= (2e-2 if dtype == "bf16" else 1e-4) * np.abs(want).max()
+        assert np.all(y[route_slot < 0] == 0)
+        if not hits:  # the hits' rows are left to the GEMV
+            assert np.all(y[[r for r, s in enumerate(route_slot) if s >= 0 and s not in filled]] == 0)
+        gh, dh = np.asarray(g.astype(jnp.float32)), np.asarray(d.astype(jnp.float32))  # written in place
+        for s, e in filled.items():
+            np.testing.assert_array_equal(gh[s, :u_fill], gu_src[e, :u_fill])
+            np.testing.assert_array_equal(gh[s, inter:inter + u_fill], gu_src[e, inter:inter + u_fill])
+            np.testing.assert_array_equal(dh[s][:, :u_fill], dn_src[e][:, :u_fill])
+        assert np.all(gh[7] == -3.0)  # the masked entry's slot
