@@ -120,19 +120,24 @@ struct Compute {
   float* y;        // [R, H]
 };
 
-// The slot block row blockIdx.y computes from (-1: none) and its routes [r0, r1). Filled (kHits false): entry
-// blockIdx.y's slot, every route in it. Hits: route blockIdx.y alone, if its slot is valid and not being filled.
+// The slot block row blockIdx.y computes from (-1: none) and its routes [r0, r1) (those of them in the slot). Filled
+// (kHits false): entry blockIdx.y's slot, every route. Hits: route q = blockIdx.y's slot if it is valid, not being
+// filled and no earlier route's (that one's block row computes it), routes [q, R): an expert's weights are read once
+// per call however many tokens route to it.
 template <bool kHits>
 __device__ __forceinline__ int64_t block_slot(const Compute& c, int64_t& r0, int64_t& r1) {
   const int64_t q = blockIdx.y;
+  r1 = c.routes;
   if (!kHits) {
-    r0 = 0, r1 = c.routes;
+    r0 = 0;
     return entry_slot(c.ids, c.slots, c.n_valid, c.capacity, q, c.n_experts, c.n_slots);
   }
-  r0 = q, r1 = q + 1;
+  r0 = q;
   const int64_t slot = c.route_slot[q];
   if (slot < 0 || slot >= c.n_slots || is_filled(c.ids, c.slots, c.n_valid, c.capacity, slot, c.n_experts, c.n_slots))
     return -1;
+  for (int64_t r = 0; r < q; ++r)
+    if (c.route_slot[r] == slot) return -1;
   return slot;
 }
 
