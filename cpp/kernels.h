@@ -12,6 +12,10 @@
 namespace ftjax {
 
 enum class Tier : int { kScalar = 0, kAvx2 = 1, kAvx512Bf16 = 2, kAmx = 3 };  // best last
+// The tiers that read the q15 layout (and its q8 form): AVX2 emulates VPDPBUSD (VPMADDUBSW + VPMADDWD); the pair64
+// order: the AVX-512 tiers only.
+inline bool reads_q15(Tier t) { return t >= Tier::kAvx2; }
+inline bool reads_pair64(Tier t) { return t >= Tier::kAvx512Bf16; }
 
 // One expert's [rows, cols] matrix inside a bank row, or a window of its columns (column_window).
 struct MatrixRef {
@@ -63,7 +67,8 @@ struct ActRef {
 //   5: 2^-s as f32 (NaN when the lane holds an inf or NaN).
 constexpr int kQ15Streams = 6;
 inline int64_t q15_bytes(int64_t K) { return kQ15Streams * (K / 2); }
-// Writes columns [k0, k1) (multiples of 8) of x's layout at base (stream bytes S = K / 2). In AVX-512.
+// Writes columns [k0, k1) (multiples of 8) of x's layout at base (stream bytes S = K / 2). In AVX-512 where the CPU
+// runs it, else in portable code (the same bytes).
 void to_q15(const uint16_t* x, int64_t k0, int64_t k1, int8_t* base, int64_t S);
 // The q8 form of the layout (int4_act_bits() == 8, opt-in, lossy): per lane of 8 columns a scale m / 127 (m the lane's
 // largest magnitude; lanes with m < 2^-100 are zeros) and q = round(x * (127 / m)) in [-127, 127] (f32 products,
@@ -84,15 +89,17 @@ int64_t int4_q8_tokens();
 void set_int4_q8_tokens(int64_t tokens);  // 0 .. 64
 // The VNNI loop's limit in the current mode: int4_q8_tokens() with the q8 form, else int4_vnni_tokens().
 int64_t int4_vnni_limit();
-// Up to how many tokens per expert int4 x bf16 calls use the q15 layout and VPDPBUSD (AVX-512 loops; on the AMX
+// Up to how many tokens per expert int4 x bf16 calls use the q15 layout and VPDPBUSD (AVX2 and AVX-512 loops; on the AMX
 // tier such groups skip its int4 tiles too); more: the pair64 order and VDPBF16PS (the loop before) or the AMX int4
 // tiles; 0: never. Default: kInt4VnniTokensAmx where the AMX tier runs (H200 host, Xeon, 15 threads, round robin,
 // bench/RESULTS.md session 28: 1.09-1.24x the bf16 loop at 1-8 tokens; session 29, exactly N tokens per expert: the
 // q15 loop ahead of the AMX int4 tiles at 4 (0.41 / 0.59 of STREAM against 0.33 / 0.49, Qwen3.6 / large) and 5
 // (0.29 / 0.32 against 0.27 / 0.33), level at 6 (0.24 / 0.29-0.30 against 0.25 / 0.33), behind from 7 (8: 0.17 / 0.23
-// against 0.20-0.21 / 0.32); from 16 the tiles 1.5-1.9x ahead); kInt4VnniTokens elsewhere (dev box, Zen 4, one core: 1 token
-// 1.11-1.34x faster, 4-8 tokens 0.75-0.87x).
-constexpr int64_t kInt4VnniTokens = 2, kInt4VnniTokensAmx = 5;
+// against 0.20-0.21 / 0.32); from 16 the tiles 1.5-1.9x ahead); kInt4VnniTokens elsewhere with AVX-512 (dev box, Zen 4, one
+// core: 1 token 1.11-1.34x faster, 4-8 tokens 0.75-0.87x); kInt4VnniTokensAvx2 (every count) where AVX2 is the best tier:
+// there the other loop dequantizes to f32 (dev box of session 45, AMD EPYC without AVX-512, one thread, from DRAM, round
+// robin: the q15 loop 1.8-2.1x at 1 token, 1.6-1.7x at 4 per expert, 1.4x at 8, 1.35x at 16, 1.3x at 32).
+constexpr int64_t kInt4VnniTokens = 2, kInt4VnniTokensAmx = 5, kInt4VnniTokensAvx2 = 64;
 int64_t int4_vnni_tokens();
 void set_int4_vnni_tokens(int64_t tokens);  // 0 .. 64
 

@@ -1,8 +1,11 @@
 // AVX2 + FMA tier: 8-lane version of the AVX-512 tier (bf16 widened to f32, int4 unpacked in
-// registers); bf16 activations use their exact f32 copies (no bf16 dot product before AVX-512).
+// registers); bf16 activations use their exact f32 copies (no bf16 dot product before AVX-512), except for int4
+// weights in the q15 layout (integer products, as the AVX-512 VNNI loop).
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cstring>
+#include <type_traits>
 
 #include "kernels.h"
 #include "kernels_axpy.h"
@@ -25,6 +28,70 @@ inline float hsum(__m256 v) {
 
 inline __m256 i8x8_to_ps(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)); }
 
+// acc[i][j] += the lanes of int4 rows r .. r + R - 1 times activations j0 .. j0 + N - 1 in the q15 layout (kernels.h) or
+// its q8 form, 64 columns (32 packed bytes, 2 groups, 8 lanes) at a time. VPDPBUSD as VPMADDUBSW (the nibbles, unsigned,
+// times the activations' bytes: each word sums two products, |.| <= 2 * 15 * 128) and VPMADDWD: two nibble halves add
+// in words first (|.| <= 7,680), then the words' pairs into the lane's dword; 128 * hi + lo from -8 * sum q is the
+// lane's exact integer, scaled by its group's bf16 scale times the lane's. A last group alone goes in 16-byte halves.
+template <bool kQ8, int R, int N>
+inline void accumulate_q(const MatrixRef& w, int64_t r, const ActRef& a, int j0, __m256 (&acc)[R][N]) {
+  const int64_t K = w.cols, S = a.q15_stream;
+  const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), k128 = _mm256_set1_epi16(128);
+  const uint8_t* row[R];
+  const uint16_t* sc[R];
+  for (int i = 0; i < R; ++i) {
+    row[i] = w.data + (r + i) * (w.ld / 2);
+    sc[i] = w.scales + (r + i) * (w.ld / 32);
+  }
+  const int8_t* xq[N];
+  for (int j = 0; j < N; ++j) xq[j] = a.q15 + (j0 + j) * kQ15Streams * S;
+  const auto span = [&](auto tail, int64_t c) __attribute__((always_inline)) {
+    constexpr bool kTail = decltype(tail)::value;  // one group: the low 16 bytes and 4 lanes only
+    const __m256i lanes4 = _mm256_setr_epi32(-1, -1, -1, -1, 0, 0, 0, 0);
+    const auto ld = [&](const void* p) __attribute__((always_inline)) {
+      return kTail ? _mm256_zextsi128_si256(_mm_loadu_si128(static_cast<const __m128i*>(p)))
+                   : _mm256_loadu_si256(static_cast<const __m256i*>(p));
+    };
+#pragma GCC unroll 16
+    for (int i = 0; i < R; ++i) {
+      const __m256i v = ld(row[i] + c / 2);
+      const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+      __m256 scale;  // lanes 0-3: group c / 32's scale, 4-7 the next group's
+      if constexpr (kTail) {
+        scale = _mm256_set1_ps(bf16_to_f32(sc[i][c / 32]));
+      } else {
+        uint32_t pair;
+        std::memcpy(&pair, sc[i] + c / 32, 4);
+        const __m256i sv = _mm256_set1_epi32(static_cast<int>(pair));
+        scale = _mm256_castsi256_ps(_mm256_blend_epi32(_mm256_slli_epi32(sv, 16),
+                                                       _mm256_and_si256(sv, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))),
+                                                       0xF0));
+      }
+#pragma GCC unroll 16
+      for (int j = 0; j < N; ++j) {
+        const int8_t* q = xq[j] + c / 2;
+        const __m256i ncorr = kTail ? _mm256_maskload_epi32(reinterpret_cast<const int*>(q + 4 * S), lanes4)
+                                    : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 4 * S));
+        const __m256 lane_scale = kTail ? _mm256_maskload_ps(reinterpret_cast<const float*>(q + 5 * S), lanes4)
+                                        : _mm256_loadu_ps(reinterpret_cast<const float*>(q + 5 * S));
+        const __m256i sh = _mm256_add_epi16(_mm256_maddubs_epi16(lo, ld(q)), _mm256_maddubs_epi16(hi, ld(q + S)));
+        __m256i s;
+        if constexpr (kQ8) {  // (the q8 form: q itself in the hi streams)
+          s = _mm256_add_epi32(_mm256_madd_epi16(sh, ones), ncorr);
+        } else {
+          const __m256i sl = _mm256_add_epi16(_mm256_maddubs_epi16(lo, ld(q + 2 * S)),
+                                              _mm256_maddubs_epi16(hi, ld(q + 3 * S)));
+          s = _mm256_add_epi32(_mm256_add_epi32(_mm256_madd_epi16(sh, k128), _mm256_madd_epi16(sl, ones)), ncorr);
+        }
+        acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(scale, lane_scale), acc[i][j]);
+      }
+    }
+  };
+  int64_t c = 0;
+  for (; c + 64 <= K; c += 64) span(std::false_type{}, c);
+  if (c < K) span(std::true_type{}, c);  // (K % 32 == 0: one group left)
+}
+
 template <int R, int N>
 void tile(const MatrixRef& w, int64_t r, const ActRef& a, int j0, float* out) {
   const int64_t K = w.cols;
@@ -33,10 +100,16 @@ void tile(const MatrixRef& w, int64_t r, const ActRef& a, int j0, float* out) {
   for (int i = 0; i < R; ++i)
 #pragma GCC unroll 16
     for (int j = 0; j < N; ++j) acc[i][j] = _mm256_setzero_ps();
-  const float* x[N];
-  for (int j = 0; j < N; ++j) x[j] = a.f32 + (j0 + j) * a.stride;
+  const float* x[N];  // (int4 in the q15 layout comes without an f32 copy)
+  for (int j = 0; j < N; ++j) x[j] = a.f32 != nullptr ? a.f32 + (j0 + j) * a.stride : nullptr;
   int64_t k = 0;
-  if (w.format == WeightFormat::kInt4) {
+  if (w.format == WeightFormat::kInt4 && a.q15 != nullptr) {
+    if (a.q8)
+      accumulate_q<true, R, N>(w, r, a, j0, acc);
+    else
+      accumulate_q<false, R, N>(w, r, a, j0, acc);
+    k = K;
+  } else if (w.format == WeightFormat::kInt4) {
     const __m128i low4 = _mm_set1_epi8(0x0F), eight = _mm_set1_epi8(8);
     const uint8_t* row[R];
     const uint16_t* sc[R];

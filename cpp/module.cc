@@ -107,11 +107,11 @@ nb::ndarray<nb::numpy, float, nb::ndim<2>> dot_rows_py(PoolHandle& h, const std:
   const uint16_t* xh = x_bf16 ? static_cast<const uint16_t*>(x.data()) : nullptr;
   for (int64_t i = 0; i < n * K; ++i) xf[i] = xh ? bf16_to_f32(xh[i]) : static_cast<const float*>(x.data())[i];
   const Tier tier = active_tier();
-  const bool simd = xh && int4 && tier >= Tier::kAvx512Bf16, q8 = int4_act_bits() == 8;
-  if (simd && n <= int4_vnni_limit()) {
+  const bool int4_bf16 = xh && int4, q8 = int4_act_bits() == 8;
+  if (int4_bf16 && reads_q15(tier) && n <= int4_vnni_limit()) {
     q15.resize(n * q15_bytes(K));
     for (int64_t j = 0; j < n; ++j) (q8 ? to_q8 : to_q15)(xh + j * K, 0, K, &q15[j * q15_bytes(K)], K / 2);
-  } else if (simd && K % 64 == 0 && col0 % 64 == 0) {
+  } else if (int4_bf16 && reads_pair64(tier) && K % 64 == 0 && col0 % 64 == 0) {
     pair.resize(n * K);
     for (int64_t j = 0; j < n; ++j) to_pair64(xh + j * K, K, &pair[j * K]);
   }

@@ -204,8 +204,9 @@ void run_experts(WorkerPool& workers, const ExpertCall& c, Tier tier) {
   const bool down_t = pool.down_transposed();
   const AxpyRowsFn axpy = axpy_rows_for(tier);
   // Layouts of the activations a group's kernels read (kernels.h): bf16 bits in bf16 mode (f32, for the tiers and
-  // tails that multiply in f32, except for q15 groups, which read none); for int4 weights on the AVX-512 loops the
-  // q15 layout (or its q8 form) for groups of up to int4_vnni_limit() tokens, the pair64 order for the others; for
+  // tails that multiply in f32, except for q15 groups, which read none); for int4 weights on the AVX2 and AVX-512 loops
+  // the q15 layout (or its q8 form) for groups of up to int4_vnni_limit() tokens, on AVX-512 the pair64 order for the
+  // others; for
   // groups the AMX tier takes (kAmxMinTokens+ tokens) the B-tile layout.
   const bool int4_x = pool.gate_up().format == WeightFormat::kInt4, int4_act = pool.down().format == WeightFormat::kInt4;
   const int64_t q15_tokens = int4_vnni_limit();
@@ -215,12 +216,12 @@ void run_experts(WorkerPool& workers, const ExpertCall& c, Tier tier) {
     const int64_t nr = start[g + 1] - start[g];
     return c.x_bf16 && tier == Tier::kAmx && nr >= kAmxMinTokens && !(int4_x && nr <= q15_tokens);
   };
-  const bool simd = c.x_bf16 && tier >= Tier::kAvx512Bf16;  // only those tiers read the pair64 and q15 layouts
-  const auto q15_group = [&](int64_t g) { return simd && !amx_group(g) && start[g + 1] - start[g] <= q15_tokens; };
+  const bool q15_tier = c.x_bf16 && reads_q15(tier), pair_tier = c.x_bf16 && reads_pair64(tier);
+  const auto q15_group = [&](int64_t g) { return q15_tier && !amx_group(g) && start[g + 1] - start[g] <= q15_tokens; };
   bool any_q15 = false, any_pair = false;
   for (int64_t g = 0; g < groups; ++g) {
     any_q15 |= q15_group(g);
-    any_pair |= simd && !amx_group(g) && !q15_group(g);
+    any_pair |= pair_tier && !amx_group(g) && !q15_group(g);
   }
   const bool q15_x = any_q15 && int4_x, q15_act = any_q15 && int4_act;  // int4 columns come in groups of 32
   const bool pair_x = any_pair && int4_x && H % 64 == 0, pair_act = any_pair && int4_act && I % 64 == 0;

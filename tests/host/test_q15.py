@@ -1,5 +1,5 @@
-"""The q15 activation layout (int4 x bf16 on the AVX-512 tiers, VPDPBUSD) and the int4 dot products through it,
-against numpy."""
+"""The q15 activation layout (int4 x bf16: VPDPBUSD on the AVX-512 tiers, VPMADDUBSW + VPMADDWD on AVX2; written in
+AVX-512 where the CPU has it, else in portable code) and the int4 dot products through it, against numpy."""
 import zlib
 
 import numpy as np
@@ -10,7 +10,7 @@ from ftjax import _host
 from ftjax.host import kernel_knobs, set_kernel_knobs, set_tier
 from ftjax.host.reference import experts_reference, q8_reference, q15_reference
 
-SIMD_TIERS = [t for t in TIERS if t in ("avx512bf16", "amx")]
+Q15_TIERS = [t for t in TIERS if t in ("avx2", "avx512bf16", "amx")]  # the tiers that read the layout
 
 
 def bf16_lanes(rng, n, K, spread):
@@ -22,7 +22,6 @@ def bf16_lanes(rng, n, K, spread):
     return x.astype(BF16)
 
 
-@pytest.mark.skipif(not SIMD_TIERS, reason="the q15 layout is AVX-512 code; this CPU has no AVX-512 tier")
 def test_q15_layout_equals_numpy():
     """The q15 layout (int4 x bf16 activations for VPDPBUSD) byte for byte equal to its numpy reference: wide
     and narrow lanes, zeros, subnormals, the largest finite bf16, a tail lane (length % 16 == 8); a lane with an
@@ -68,7 +67,7 @@ def test_int4_dot_rows_bf16(tier, vnni):
                     want = w[:, col0:] @ xf[:, col0:].T
                     scale = np.abs(w[:, col0:]) @ np.abs(xf[:, col0:]).T  # f32 summation bound's scale
                     lane_max = np.abs(xf[:, col0:]).reshape(n, -1, 8).max(2).repeat(8, 1)
-                    bound = 1e-6 * scale + (0 if exact or not vnni or tier not in SIMD_TIERS else
+                    bound = 1e-6 * scale + (0 if exact or not vnni or tier not in Q15_TIERS else
                                             (np.abs(w[:, col0:]) @ lane_max.T) * 2.0 ** -14)
                     assert (np.abs(got - want) <= bound).all(), (n, spread, col0, np.abs(got - want).max())
     finally:
@@ -79,7 +78,6 @@ def test_int4_dot_rows_bf16(tier, vnni):
         _host.dot_rows(pool._h, "up", 1, x.view(np.uint16), x_bf16=True)
 
 
-@pytest.mark.skipif(not SIMD_TIERS, reason="the q8 form is AVX-512 code; this CPU has no AVX-512 tier")
 def test_q8_layout_equals_numpy():
     """The q8 form of the layout (int4_act_bits 8) byte for byte equal to its numpy reference in the streams it writes
     (q of the even and odd columns, -8 sum q, the scale): wide and narrow lanes, zeros, subnormals, the largest finite
@@ -104,7 +102,7 @@ def test_q8_layout_equals_numpy():
         _host.q15_layout(bits, 4)
 
 
-@pytest.mark.parametrize("tier", SIMD_TIERS)
+@pytest.mark.parametrize("tier", Q15_TIERS)
 def test_int4_dot_rows_q8(tier):
     """One int4 matrix times 1-5 bf16 vectors with int8 activations (int4_act_bits 8, the VNNI loop for every count),
     whole and column windows: equal to the float64 product of the weights with the numpy q8 activations (q * scale)
@@ -143,7 +141,7 @@ def test_int4_dot_rows_q8(tier):
     assert kernel_knobs()["int4_act_bits"] == 15
 
 
-@pytest.mark.parametrize("tier", SIMD_TIERS)
+@pytest.mark.parametrize("tier", Q15_TIERS)
 def test_run_experts_q8(tier):
     """The whole CPU expert call on int4 weights with int8 activations (int4_act_bits 8) for x and the intermediate:
     1 and 4 tokens per expert, unit windows, 1 and 2 threads' worth of items; close to the float64 reference (as the
