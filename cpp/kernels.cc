@@ -2,8 +2,6 @@
 // forced (tests run every available tier; benchmarks compare them).
 #include <algorithm>
 #include <atomic>
-#include <cmath>
-#include <cstring>
 #include <mutex>
 #include <stdexcept>
 #include <string>
@@ -254,74 +252,15 @@ void dot_rows_sum(const MatrixRef* ws, const ActRef* as, const float* wts, int n
 namespace {
 using ToQFn = void (*)(const uint16_t*, int64_t, int64_t, int8_t*, int64_t);
 
-// A lane's entries of the layout (columns k .. k + 7): q's even and odd columns as bytes of streams `even` and `odd`.
-void store_bytes(int8_t* base, int64_t S, int64_t k, const int32_t (&q)[8], int even, int odd) {
-  for (int c = 0; c < 8; ++c) base[(c % 2 ? odd : even) * S + k / 2 + c / 2] = static_cast<int8_t>(q[c]);
-}
-// ... and -8 * (sum of q), the lane's scale (byte 4 * (k / 8) = k / 2 of streams 4 and 5).
-void store_terms(int8_t* base, int64_t S, int64_t k, const int32_t (&q)[8], float scale) {
-  int32_t sum = 0;
-  for (int c = 0; c < 8; ++c) sum += q[c];
-  const int32_t ncorr = -8 * sum;
-  std::memcpy(base + 4 * S + k / 2, &ncorr, 4);
-  std::memcpy(base + 5 * S + k / 2, &scale, 4);
-}
-
-float f32_of_bits(uint32_t bits) {
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
-// Nearest, ties to even, for |v| < 2^22 (as VCVTPS2DQ in the default rounding mode): adding 1.5 * 2^23 rounds v to an
-// integer in f32 (no library call; IEEE arithmetic, no fast-math here); non-finite v: 0 (their lanes' q are undefined).
-inline int32_t round_even(float v) {
-  constexpr float kMagic = 12582912.0f;
-  return std::isfinite(v) ? static_cast<int32_t>((v + kMagic) - kMagic) : 0;
-}
-
-// The layouts in portable code for the CPUs without AVX-512 (the AVX2 tier), byte for byte those of
-// to_q15_avx512 / to_q8_avx512: f32 products rounded to nearest even (the default rounding mode, as VCVTPS2DQ).
-void to_q15_portable(const uint16_t* x, int64_t k0, int64_t k1, int8_t* base, int64_t S) {
-  for (int64_t k = k0; k < k1; k += 8) {
-    uint32_t e = 14;  // the lane's largest exponent field, at least 14 (zeros and subnormals round to 0)
-    for (int c = 0; c < 8; ++c) e = std::max<uint32_t>(e, (x[k + c] >> 7) & 0xFF);
-    const float up = f32_of_bits((267 - e) << 23);  // 2^(140 - e)
-    int32_t q[8], hi[8], lo[8];
-    for (int c = 0; c < 8; ++c) {
-      const float v = bf16_to_f32(x[k + c]) * up;
-      q[c] = round_even(v);  // (a lane with an inf or NaN: NaN scale)
-      hi[c] = q[c] >> 7;  // (arithmetic: q = 128 hi + lo)
-      lo[c] = q[c] & 127;
-    }
-    store_bytes(base, S, k, hi, 0, 1);
-    store_bytes(base, S, k, lo, 2, 3);
-    store_terms(base, S, k, q, e == 255 ? std::nanf("") : f32_of_bits((e - 13) << 23));  // 2^(e - 140)
-  }
-}
-
-void to_q8_portable(const uint16_t* x, int64_t k0, int64_t k1, int8_t* base, int64_t S) {
-  for (int64_t k = k0; k < k1; k += 8) {
-    uint32_t m = 0;  // the lane's largest magnitude, as bits (the same order)
-    for (int c = 0; c < 8; ++c) m = std::max<uint32_t>(m, x[k + c] & 0x7FFF);
-    const bool live = m >= (27u << 7);  // 2^-100: below, the lane is zeros
-    const float mf = f32_of_bits(m << 16), inv = live ? 127.0f / mf : 0.f;
-    int32_t q[8];
-    for (int c = 0; c < 8; ++c) {
-      const float v = bf16_to_f32(x[k + c]) * inv;
-      q[c] = live ? round_even(v) : 0;
-    }
-    store_bytes(base, S, k, q, 0, 1);
-    store_terms(base, S, k, q, m >= 0x7F80 ? std::nanf("") : live ? mf / 127.0f : 0.f);
-  }
-}
-
-// The writer this CPU runs: the AVX-512 one where the AVX-512 tiers run, else the portable one.
+// The writer this CPU runs: in AVX-512 where the AVX-512 tiers run, else in AVX2 (nullptr: neither).
 ToQFn q_writer(bool q8) {
 #ifdef FTJAX_HAVE_AVX512BF16
   if (supported(Tier::kAvx512Bf16)) return q8 ? to_q8_avx512 : to_q15_avx512;
 #endif
-  return q8 ? to_q8_portable : to_q15_portable;
+#ifdef FTJAX_HAVE_AVX2
+  if (supported(Tier::kAvx2)) return q8 ? to_q8_avx2 : to_q15_avx2;
+#endif
+  return nullptr;
 }
 
 // to_q15 / to_q8: whole lanes inside the vector
@@ -330,6 +269,9 @@ void to_q_checked(const char* name, bool q8, const uint16_t* x, int64_t k0, int6
     throw std::logic_error(std::string(name) + ": columns [" + std::to_string(k0) + ", " + std::to_string(k1) +
                            ") are not whole lanes of 8 inside the vector");
   static const ToQFn q15 = q_writer(false), q8w = q_writer(true);
+  if (q15 == nullptr)
+    throw std::logic_error(std::string(name) + ": only the AVX2 and AVX-512 tiers read this layout, and this build or "
+                           "CPU has neither");
   (q8 ? q8w : q15)(x, k0, k1, base, S);
 }
 }  // namespace

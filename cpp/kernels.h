@@ -68,7 +68,7 @@ struct ActRef {
 constexpr int kQ15Streams = 6;
 inline int64_t q15_bytes(int64_t K) { return kQ15Streams * (K / 2); }
 // Writes columns [k0, k1) (multiples of 8) of x's layout at base (stream bytes S = K / 2). In AVX-512 where the CPU
-// runs it, else in portable code (the same bytes).
+// runs it, else in AVX2 (the same bytes).
 void to_q15(const uint16_t* x, int64_t k0, int64_t k1, int8_t* base, int64_t S);
 // The q8 form of the layout (int4_act_bits() == 8, opt-in, lossy): per lane of 8 columns a scale m / 127 (m the lane's
 // largest magnitude; lanes with m < 2^-100 are zeros) and q = round(x * (127 / m)) in [-127, 127] (f32 products,
@@ -240,6 +240,8 @@ inline RowPrefetch row_prefetch(int64_t rows, int64_t window, int64_t row_bytes,
 // Per-tier entry points (defined only where compiled; see CMakeLists.txt).
 void dot_rows_scalar(const MatrixRef&, int64_t, int64_t, const ActRef&, float*);
 void dot_rows_avx2(const MatrixRef&, int64_t, int64_t, const ActRef&, float*);
+void to_q15_avx2(const uint16_t* x, int64_t k0, int64_t k1, int8_t* base, int64_t S);
+void to_q8_avx2(const uint16_t* x, int64_t k0, int64_t k1, int8_t* base, int64_t S);
 void dot_rows_avx512bf16(const MatrixRef&, int64_t, int64_t, const ActRef&, float*);
 void dot_rows_amx(const MatrixRef&, int64_t, int64_t, const ActRef&, float*);
 void dot_rows_sum_avx512bf16(const MatrixRef* ws, const ActRef* as, const float* wts, int n, int64_t r0, int64_t r1,

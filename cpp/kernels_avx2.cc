@@ -174,6 +174,77 @@ struct Avx2Tile {
 };
 }  // namespace
 
+namespace {
+// The q15 layout and its q8 form (kernels.h) a lane of 8 columns at a time, byte for byte those of the AVX-512 writers.
+__m256i lane_max(__m256i v) {  // the lane's largest (unsigned), in every dword
+  v = _mm256_max_epu32(v, _mm256_permute2x128_si256(v, v, 1));
+  v = _mm256_max_epu32(v, _mm256_shuffle_epi32(v, 0x4E));
+  return _mm256_max_epu32(v, _mm256_shuffle_epi32(v, 0xB1));
+}
+
+// q's low bytes: the even columns' at `even`, the odd columns' at `odd`. Per 128-bit half the shuffle puts the bytes of
+// q0 q2 q1 q3 (q4 q6 q5 q7) in its first dword; the halves' words interleave into even | odd.
+void store_bytes(int8_t* even, int8_t* odd, __m256i q) {
+  const __m256i pick = _mm256_setr_epi8(0, 8, 4, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                        0, 8, 4, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
+  const __m256i b = _mm256_shuffle_epi8(q, pick);
+  const __m128i u = _mm_unpacklo_epi16(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1));
+  const int32_t e = _mm_cvtsi128_si32(u), o = _mm_extract_epi32(u, 1);
+  std::memcpy(even, &e, 4);
+  std::memcpy(odd, &o, 4);
+}
+
+// -8 * (sum of the lane's q) and its scale: byte 4 * (k / 8) = k / 2 of streams 4 and 5 (wrapping sums: a lane with an
+// inf or NaN has undefined q)
+void store_terms(int8_t* base, int64_t S, int64_t k, __m256i q, float scale) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+  const uint32_t ncorr = 0u - 8u * static_cast<uint32_t>(_mm_cvtsi128_si32(s));
+  std::memcpy(base + 4 * S + k / 2, &ncorr, 4);
+  std::memcpy(base + 5 * S + k / 2, &scale, 4);
+}
+
+inline __m256i widen_bf16(const uint16_t* p) { return _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline float f32_bits(uint32_t b) {
+  float f;
+  std::memcpy(&f, &b, 4);
+  return f;
+}
+}  // namespace
+
+void to_q15_avx2(const uint16_t* x, int64_t k0, int64_t k1, int8_t* base, int64_t S) {
+  // the lane's largest exponent field e (at least 14: zeros and subnormals round to 0); x * 2^(140 - e) rounds to q
+  for (int64_t k = k0; k < k1; k += 8) {
+    const __m256i d = widen_bf16(x + k);
+    const __m256i e = _mm256_max_epu32(lane_max(_mm256_and_si256(_mm256_srli_epi32(d, 7), _mm256_set1_epi32(0xFF))),
+                                       _mm256_set1_epi32(14));
+    const __m256 up = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_sub_epi32(_mm256_set1_epi32(267), e), 23));
+    const __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_castsi256_ps(_mm256_slli_epi32(d, 16)), up));
+    store_bytes(base + k / 2, base + S + k / 2, _mm256_srai_epi32(q, 7));
+    store_bytes(base + 2 * S + k / 2, base + 3 * S + k / 2, _mm256_and_si256(q, _mm256_set1_epi32(127)));
+    const uint32_t el = static_cast<uint32_t>(_mm256_cvtsi256_si32(e));
+    store_terms(base, S, k, q, el == 255 ? __builtin_nanf("") : f32_bits((el - 13) << 23));  // 2^(e - 140)
+  }
+}
+
+void to_q8_avx2(const uint16_t* x, int64_t k0, int64_t k1, int8_t* base, int64_t S) {
+  // the lane's largest magnitude m (as bits); q = round(x * (127 / m)); lanes with m < 2^-100 are zeros
+  for (int64_t k = k0; k < k1; k += 8) {
+    const __m256i d = widen_bf16(x + k);
+    const __m256i m = lane_max(_mm256_and_si256(d, _mm256_set1_epi32(0x7FFF)));
+    const __m256i live = _mm256_cmpgt_epi32(m, _mm256_set1_epi32((27 << 7) - 1));
+    const __m256 mf = _mm256_castsi256_ps(_mm256_slli_epi32(m, 16));
+    const __m256 inv = _mm256_and_ps(_mm256_div_ps(_mm256_set1_ps(127.0f), mf), _mm256_castsi256_ps(live));
+    const __m256i q = _mm256_and_si256(
+        _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_castsi256_ps(_mm256_slli_epi32(d, 16)), inv)), live);
+    store_bytes(base + k / 2, base + S + k / 2, q);
+    const uint32_t ml = static_cast<uint32_t>(_mm256_cvtsi256_si32(m));
+    const float scale = _mm256_cvtss_f32(_mm256_and_ps(_mm256_div_ps(mf, _mm256_set1_ps(127.0f)), _mm256_castsi256_ps(live)));
+    store_terms(base, S, k, q, ml >= 0x7F80 ? __builtin_nanf("") : scale);
+  }
+}
+
 void dot_rows_avx2(const MatrixRef& w, int64_t r0, int64_t r1, const ActRef& a, float* out) {
   // 12 accumulators + 3 activations + 1 weight of 16 ymm
   dot_rows_tiled<Avx2Tile, 4, 3>(w, r0, r1, a, out);

@@ -1,5 +1,5 @@
 """The q15 activation layout (int4 x bf16: VPDPBUSD on the AVX-512 tiers, VPMADDUBSW + VPMADDWD on AVX2; written in
-AVX-512 where the CPU has it, else in portable code) and the int4 dot products through it, against numpy."""
+AVX-512 where the CPU has it, else in AVX2) and the int4 dot products through it, against numpy."""
 import zlib
 
 import numpy as np
@@ -22,6 +22,7 @@ def bf16_lanes(rng, n, K, spread):
     return x.astype(BF16)
 
 
+@pytest.mark.skipif(not Q15_TIERS, reason="the q15 layout is AVX2 / AVX-512 code; this CPU has neither")
 def test_q15_layout_equals_numpy():
     """The q15 layout (int4 x bf16 activations for VPDPBUSD) byte for byte equal to its numpy reference: wide
     and narrow lanes, zeros, subnormals, the largest finite bf16, a tail lane (length % 16 == 8); a lane with an
@@ -78,6 +79,7 @@ def test_int4_dot_rows_bf16(tier, vnni):
         _host.dot_rows(pool._h, "up", 1, x.view(np.uint16), x_bf16=True)
 
 
+@pytest.mark.skipif(not Q15_TIERS, reason="the q8 form is AVX2 / AVX-512 code; this CPU has neither")
 def test_q8_layout_equals_numpy():
     """The q8 form of the layout (int4_act_bits 8) byte for byte equal to its numpy reference in the streams it writes
     (q of the even and odd columns, -8 sum q, the scale): wide and narrow lanes, zeros, subnormals, the largest finite
