@@ -40,6 +40,11 @@ bool supported(Tier t) {
   return false;
 }
 
+// Whether AVX2 is the best tier this build runs here (no AVX-512): the int4 loops' limits differ there.
+bool avx2_best() {
+  return !(supported(Tier::kAvx512Bf16) && compiled(Tier::kAvx512Bf16)) && supported(Tier::kAvx2) && compiled(Tier::kAvx2);
+}
+
 // The fastest measured tier, AMX where present: it hands calls of fewer than 3 tokens per expert
 // to the AVX-512 loops and is faster from 3 on (H200 host, 8 tokens x top-8, 15 threads: bf16 0.74
 // / 0.88 of STREAM against 0.63 / 0.76, bench/RESULTS.md session 14).
@@ -52,7 +57,7 @@ std::atomic<bool> g_window_prefetch{true};
 std::atomic<bool> g_tile_prefetch{false};
 std::atomic<int64_t> g_int4_vnni_tokens{-1};  // -1: the default for this CPU, on first read
 std::atomic<int> g_int4_act_bits{15};
-std::atomic<int64_t> g_int4_q8_tokens{kInt4Q8Tokens};
+std::atomic<int64_t> g_int4_q8_tokens{-1};  // -1: the default for this CPU, on first read
 }  // namespace
 
 #ifndef FTJAX_HAVE_AMX
@@ -117,9 +122,9 @@ void set_tile_prefetch(bool on) { g_tile_prefetch.store(on, std::memory_order_re
 int64_t int4_vnni_tokens() {
   const int64_t t = g_int4_vnni_tokens.load(std::memory_order_relaxed);
   if (t >= 0) return t;
-  const int64_t d = supported(Tier::kAmx) && compiled(Tier::kAmx)                 ? kInt4VnniTokensAmx
-                    : supported(Tier::kAvx512Bf16) && compiled(Tier::kAvx512Bf16) ? kInt4VnniTokens
-                                                                                  : kInt4VnniTokensAvx2;
+  const int64_t d = supported(Tier::kAmx) && compiled(Tier::kAmx) ? kInt4VnniTokensAmx
+                    : avx2_best()                                 ? kInt4VnniTokensAvx2
+                                                                  : kInt4VnniTokens;
   g_int4_vnni_tokens.store(d, std::memory_order_relaxed);
   return d;
 }
@@ -130,7 +135,11 @@ void set_int4_vnni_tokens(int64_t tokens) {
 }
 
 int64_t int4_q8_tokens() {
-  return g_int4_q8_tokens.load(std::memory_order_relaxed);
+  const int64_t t = g_int4_q8_tokens.load(std::memory_order_relaxed);
+  if (t >= 0) return t;
+  const int64_t d = avx2_best() ? kInt4VnniTokensAvx2 : kInt4Q8Tokens;
+  g_int4_q8_tokens.store(d, std::memory_order_relaxed);
+  return d;
 }
 void set_int4_q8_tokens(int64_t tokens) {
   if (tokens < 0 || tokens > 64)

@@ -83,7 +83,8 @@ void set_int4_act_bits(int bits);
 // int4_vnni_tokens); more: as above (the AMX int4 tiles or the bf16 products). Default kInt4Q8Tokens (H200 host, Xeon,
 // 15 threads, exactly N tokens per expert, bench/RESULTS.md session 30: at 8 the q8 loop 0.23 / 0.34 of STREAM against
 // the AMX int4 tiles' 0.20 / 0.31 (Qwen3.6 / large), at 16 0.12 / 0.18 against 0.13 / 0.24; dev box, Zen 4, one core:
-// 8 tokens 1.0-1.3x the bf16 loop).
+// 8 tokens 1.0-1.3x the bf16 loop); where AVX2 is the best tier kInt4VnniTokensAvx2 (every count: the q8 loop led the
+// q15 one at 1-32 tokens per expert on the dev box of session 45, 1.1-1.5x).
 constexpr int64_t kInt4Q8Tokens = 8;
 int64_t int4_q8_tokens();
 void set_int4_q8_tokens(int64_t tokens);  // 0 .. 64

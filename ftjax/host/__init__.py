@@ -58,13 +58,15 @@ _KNOBS = {
     "short_row_bytes": (_host.short_row_bytes, _host.set_short_row_bytes, int),  # rows prefetching a tile ahead
     "window_prefetch": (_host.window_prefetch, _host.set_window_prefetch, bool),  # stop at a column window's end
     "tile_prefetch": (_host.tile_prefetch, _host.set_tile_prefetch, bool),  # long rows warm the next tile
-    # int4 x bf16 on the AVX-512 loops, up to this many tokens per expert: q15 activations and VPDPBUSD (more:
-    # bf16 products); the two agree within 2^-14 of each activation lane's largest element, not bit for bit
+    # int4 x bf16 on the AVX2 and AVX-512 loops, up to this many tokens per expert: q15 activations and integer
+    # products (more: bf16 or f32 products); the two agree within 2^-14 of each activation lane's largest element, not
+    # bit for bit. Default per CPU: 5 with AMX, 2 with AVX-512, 64 (every count) where AVX2 is the best tier
     "int4_vnni_tokens": (_host.int4_vnni_tokens, _host.set_int4_vnni_tokens, int),
     # 8: those calls quantise each activation lane of 8 columns to int8 (opt-in, off by at most m / 254 per element);
     # 15: the exact q15 layout (default)
     "int4_act_bits": (_host.int4_act_bits, _host.set_int4_act_bits, int),
-    # with int4_act_bits 8, up to this many tokens per expert on the VNNI loop (instead of int4_vnni_tokens)
+    # with int4_act_bits 8, up to this many tokens per expert on the VNNI loop (instead of int4_vnni_tokens); default 8,
+    # 64 where AVX2 is the best tier
     "int4_q8_tokens": (_host.int4_q8_tokens, _host.set_int4_q8_tokens, int),
     # down's round: a token's lone experts summed in one pass (on) or one call and store each (off); f32 rounding
     "down_sum": (_host.down_sum, _host.set_down_sum, bool),
