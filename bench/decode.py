@@ -54,10 +54,9 @@ from ftjax.host import (GPU_SPIN_US, calibrate, configure_workers, expert_call_t
 from ftjax.models import get_family, make_step_fns
 from ftjax.models.params import param_shapes, unflatten
 
-import decode_args  # bench/ sibling
 import layer_stamps  # bench/ sibling
 import thread_cpu  # bench/ sibling
-from decode_args import SWEEP, TOKENIZER  # bench/ sibling
+from decode_args import SWEEP, TOKENIZER, parser as make_parser  # bench/ sibling
 from decode_rounds import (CALL_TIMES, ROUNDS, check_round_robins_fit, fill_beside_variants, interleaved,  # bench/ sibling
                            knob_settings, round_robin, round_robin_backends)
 
@@ -266,7 +265,7 @@ def _freeze(run):
 
 
 def main(argv=None) -> int:
-    ap = decode_args.parser(__doc__.splitlines()[0], Path(__file__).parent / "out" / "decode.json")
+    ap = make_parser(__doc__.splitlines()[0], Path(__file__).parent / "out" / "decode.json")
     args = ap.parse_args(argv)
     knobs = knob_settings(args.knob_variants)  # a bad spec fails here, before any work
     if jax.default_backend() != "gpu":

@@ -40,11 +40,6 @@ bool supported(Tier t) {
   return false;
 }
 
-// Whether AVX2 is the best tier this build runs here (no AVX-512): the int4 loops' limits differ there.
-bool avx2_best() {
-  return !(supported(Tier::kAvx512Bf16) && compiled(Tier::kAvx512Bf16)) && supported(Tier::kAvx2) && compiled(Tier::kAvx2);
-}
-
 // The fastest measured tier, AMX where present: it hands calls of fewer than 3 tokens per expert
 // to the AVX-512 loops and is faster from 3 on (H200 host, 8 tokens x top-8, 15 threads: bf16 0.74
 // / 0.88 of STREAM against 0.63 / 0.76, bench/RESULTS.md session 14).
@@ -122,9 +117,8 @@ void set_tile_prefetch(bool on) { g_tile_prefetch.store(on, std::memory_order_re
 int64_t int4_vnni_tokens() {
   const int64_t t = g_int4_vnni_tokens.load(std::memory_order_relaxed);
   if (t >= 0) return t;
-  const int64_t d = supported(Tier::kAmx) && compiled(Tier::kAmx) ? kInt4VnniTokensAmx
-                    : avx2_best()                                 ? kInt4VnniTokensAvx2
-                                                                  : kInt4VnniTokens;
+  const Tier best = best_tier();
+  const int64_t d = best == Tier::kAmx ? kInt4VnniTokensAmx : best == Tier::kAvx2 ? kInt4VnniTokensAvx2 : kInt4VnniTokens;
   g_int4_vnni_tokens.store(d, std::memory_order_relaxed);
   return d;
 }
@@ -137,7 +131,7 @@ void set_int4_vnni_tokens(int64_t tokens) {
 int64_t int4_q8_tokens() {
   const int64_t t = g_int4_q8_tokens.load(std::memory_order_relaxed);
   if (t >= 0) return t;
-  const int64_t d = avx2_best() ? kInt4VnniTokensAvx2 : kInt4Q8Tokens;
+  const int64_t d = best_tier() == Tier::kAvx2 ? kInt4VnniTokensAvx2 : kInt4Q8Tokens;
   g_int4_q8_tokens.store(d, std::memory_order_relaxed);
   return d;
 }

@@ -29,6 +29,15 @@ MatrixRef matrix_of(const Bank& bank, int64_t expert);
 // Columns [c0, c0 + n) of w (every row): the same memory, ld unchanged. int4: c0 and n multiples of 32.
 MatrixRef column_window(const MatrixRef& w, int64_t c0, int64_t n);
 
+// The packed nibbles and the bf16 scales of int4 rows r .. r + R - 1.
+template <int R>
+inline void int4_rows(const MatrixRef& w, int64_t r, const uint8_t* (&row)[R], const uint16_t* (&sc)[R]) {
+  for (int i = 0; i < R; ++i) {
+    row[i] = w.data + (r + i) * (w.ld / 2);
+    sc[i] = w.scales + (r + i) * (w.ld / 32);
+  }
+}
+
 // n activation vectors of length cols, each in f32 and, when the call runs in bf16 activations, also as bf16 bits
 // (the same values) for the tiers that multiply in bf16.
 struct ActRef {

@@ -39,10 +39,7 @@ inline void accumulate_q(const MatrixRef& w, int64_t r, const ActRef& a, int j0,
   const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), k128 = _mm256_set1_epi16(128);
   const uint8_t* row[R];
   const uint16_t* sc[R];
-  for (int i = 0; i < R; ++i) {
-    row[i] = w.data + (r + i) * (w.ld / 2);
-    sc[i] = w.scales + (r + i) * (w.ld / 32);
-  }
+  int4_rows<R>(w, r, row, sc);
   const int8_t* xq[N];
   for (int j = 0; j < N; ++j) xq[j] = a.q15 + (j0 + j) * kQ15Streams * S;
   const auto span = [&](auto tail, int64_t c) __attribute__((always_inline)) {
@@ -113,10 +110,7 @@ void tile(const MatrixRef& w, int64_t r, const ActRef& a, int j0, float* out) {
     const __m128i low4 = _mm_set1_epi8(0x0F), eight = _mm_set1_epi8(8);
     const uint8_t* row[R];
     const uint16_t* sc[R];
-    for (int i = 0; i < R; ++i) {
-      row[i] = w.data + (r + i) * (w.ld / 2);
-      sc[i] = w.scales + (r + i) * (w.ld / 32);
-    }
+    int4_rows<R>(w, r, row, sc);
     for (int64_t g = 0; g < K / 32; ++g) {
 #pragma GCC unroll 16
       for (int i = 0; i < R; ++i) {

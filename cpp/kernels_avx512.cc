@@ -41,15 +41,6 @@ inline __m512 load_bf16x16(const uint16_t* p) {
 alignas(64) constexpr uint16_t kQ15ScaleIdx[32] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 0, 1, 0, 1, 0, 1,
                                                    0, 2, 0, 2, 0, 2, 0, 2, 0, 3, 0, 3, 0, 3, 0, 3};
 
-// The packed nibbles and the bf16 scales of int4 rows r .. r + R - 1.
-template <int R>
-inline void int4_rows(const MatrixRef& w, int64_t r, const uint8_t* (&row)[R], const uint16_t* (&sc)[R]) {
-  for (int i = 0; i < R; ++i) {
-    row[i] = w.data + (r + i) * (w.ld / 2);
-    sc[i] = w.scales + (r + i) * (w.ld / 32);
-  }
-}
-
 // The sums of four vectors' lanes, in order: pairs interleave and add (lanes 2m, 2m + 1 of each 128-bit lane
 // hold a's and b's partial sums), then the pairs' pairs, then the four 128-bit lanes add up.
 inline __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
